@@ -1,0 +1,3 @@
+"""enginemeter: an OpenAI-compatible measuring proxy for self-hosted LLM engines."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,110 @@
+"""The error tree and the OpenAI-style error envelope.
+
+    ProxyError                 every error the proxy itself reports to a client
+    ├── BadRequest            400  malformed JSON, wrong types
+    ├── Unauthorized          401  missing/wrong client bearer key
+    ├── NotFound              404  unknown model (and no default route), unknown path
+    ├── PayloadTooLarge       413  body over max_body_bytes
+    └── UpstreamError               the engine could not be used
+        ├── UpstreamConnectError   502  connection refused / reset before the response
+        ├── UpstreamTimeout        504  connect/read/pool timeout
+        └── UpstreamBroken         502  stream broke off or was malformed after it started
+
+httpx exceptions are translated to this tree at one seam (``from_httpx``). Every body the proxy makes says so:
+``{"error": {"message", "type", "param", "code", "enginemeter": true}}`` — clients and dashboards can always tell
+a proxy error from an engine error, which passes through untouched (``enginemeter`` absent).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+
+class ProxyError(Exception):
+    status = 500
+    type = "enginemeter_error"
+    outcome = "rejected"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, object]:
+        return error_body(self.message, self.type, self.status, param=self.param)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+class BadRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    type = "upstream_error"
+    outcome = "upstream_broken"
+
+
+class UpstreamConnectError(UpstreamError):
+    outcome = "connect_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    type = "upstream_timeout"
+    outcome = "timeout"
+
+
+class UpstreamBroken(UpstreamError):
+    pass
+
+
+def error_body(message: str, type_: str, code: int, *, param: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code, "enginemeter": True}}
+
+
+def from_httpx(exc: httpx.HTTPError, engine: str) -> UpstreamError:
+    """The single seam where transport errors become ours."""
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"engine {engine!r} timed out ({type(exc).__name__})")
+    if isinstance(exc, httpx.ConnectError):
+        return UpstreamConnectError(f"engine {engine!r} is unreachable: {exc}")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
+        return UpstreamBroken(f"engine {engine!r} closed the connection: {exc}")
+    return UpstreamBroken(f"engine {engine!r} transport error: {type(exc).__name__}: {exc}")
+
+
+def normalize_engine_error(body: bytes, status: int) -> bytes:
+    """Engine error bodies pass through, except SGLang's flat shape, which is nested the OpenAI way.
+
+    ``{"object":"error","message":..}`` -> ``{"error":{"message":..}}``. Anything that is not JSON is wrapped.
+    """
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        text = body.decode(errors="replace")[:2000]
+        return json.dumps({"error": {"message": text, "type": "upstream_error", "code": status}}).encode()
+    if isinstance(doc, dict) and "error" not in doc and doc.get("object") == "error":
+        inner = {k: v for k, v in doc.items() if k != "object"}
+        return json.dumps({"error": inner}).encode()
+    return body

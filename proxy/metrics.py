@@ -1,0 +1,180 @@
+"""The only module that defines Prometheus metric objects. Every name is documented in docs/metrics.md.
+
+Rules: base units (``_seconds``, ``_bytes``, ``_total``); bounded labels only — ``engine`` and ``model`` come
+from the configuration (an unconfigured client model string becomes ``other``), ``role`` is
+``primary|shadow``, ``stream`` is ``true|false``, ``outcome`` and ``param`` are closed sets below.
+Observations happen once per request, at its end, except the in-flight gauge; a chunk costs nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy import __version__
+from proxy.result import Result
+
+PREFIX = "enginemeter"
+
+#: 1 ms .. 10 min: TTFT, e2e, headers
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+#: 0.5 ms .. 10 s: inter-chunk gaps, TPOT
+GAP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.16, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+#: 50 µs .. 1 s: what the proxy itself adds
+OVERHEAD_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+#: OpenTelemetry gen_ai.client.token.usage boundaries
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+TPS_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
+DELTA_BUCKETS = (-256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256)
+
+#: closed set of request outcomes; every request ends in exactly one
+OUTCOMES = (
+    "ok",  # stream finished with [DONE] / a finish reason, or a 2xx non-stream body
+    "engine_error",  # the engine answered with an error status or an in-band error event
+    "client_disconnect",  # the client went away before the end; the upstream was cancelled
+    "connect_error",  # the engine refused the connection (502)
+    "timeout",  # the engine did not answer in time (504, or in-band after the first byte)
+    "upstream_broken",  # the engine's stream broke off or was malformed after the first byte
+    "rejected",  # the proxy refused the request (bad JSON, too large, unauthorized, unknown model)
+)
+PARAM_ACTIONS = ("dropped", "defaulted", "renamed", "changed", "unknown")
+
+REQ = ("engine", "model", "role", "stream")
+
+
+def _h(name: str, doc: str, buckets: Iterable[float], registry: CollectorRegistry, labels=REQ) -> Histogram:  # type: ignore[no-untyped-def]
+    return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=tuple(buckets), registry=registry)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        # ---- proxy core -------------------------------------------------------------------------
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Requests by final outcome.", ("engine", "model", "role", "stream", "endpoint", "outcome"),
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "Requests in progress.", ("engine", "role"), registry=r)
+        self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", LATENCY_BUCKETS, r)  # fmt: skip
+        self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", LATENCY_BUCKETS, r)  # fmt: skip
+        self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", LATENCY_BUCKETS, r)
+        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request).", OVERHEAD_BUCKETS, r)  # fmt: skip
+        self.gap = _h("inter_chunk_seconds", "Gap between consecutive token-carrying chunks (a chunk may carry several tokens).", GAP_BUCKETS, r)  # fmt: skip
+        self.tpot = _h("time_per_output_token_seconds", "(last token - first token) / (completion_tokens - 1).", GAP_BUCKETS, r)  # fmt: skip
+        self.decode_tps = _h("decode_tokens_per_second", "(completion_tokens - 1) / (last token - first token).", TPS_BUCKETS, r)  # fmt: skip
+        self.e2e = _h(
+            "request_duration_seconds",
+            "Proxy received -> response finished, any outcome.",
+            LATENCY_BUCKETS,
+            r,
+        )
+        self.prompt_tokens_h = _h("prompt_tokens", "Prompt tokens per request (engine usage).", TOKEN_BUCKETS, r)
+        self.completion_tokens_h = _h("completion_tokens", "Completion tokens per request (engine usage).", TOKEN_BUCKETS, r)  # fmt: skip
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens (engine usage).", REQ, registry=r)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Completion tokens (engine usage).", REQ, registry=r)  # fmt: skip
+        self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the engine's prompt cache.", REQ, registry=r)  # fmt: skip
+        self.params = Counter(
+            f"{PREFIX}_params", "Client params the proxy dropped, defaulted, renamed or changed for an engine.",
+            ("engine", "param", "action"), registry=r,
+        )  # fmt: skip
+        self.usage_stripped = Counter(f"{PREFIX}_usage_events_stripped", "Usage events removed from client streams that did not ask for usage.", ("engine",), registry=r)  # fmt: skip
+        self.rewrites = Counter(f"{PREFIX}_reserialized_events", "Stream events the proxy had to re-serialize (not a plain byte rewrite).", ("engine", "reason"), registry=r)  # fmt: skip
+        # ---- what the engine says about itself (llama.cpp timings) -----------------------------------
+        self.engine_prompt = _h("engine_prompt_seconds", "Engine-reported prompt processing time (llama.cpp timings.prompt_ms).", LATENCY_BUCKETS, r)  # fmt: skip
+        self.engine_decode_tps = _h("engine_decode_tokens_per_second", "Engine-reported decode rate (llama.cpp timings.predicted_per_second).", TPS_BUCKETS, r)  # fmt: skip
+        self.engine_queue = _h("engine_queue_seconds", "Upstream TTFT minus engine-reported prompt time: time queued for a slot.", LATENCY_BUCKETS, r)  # fmt: skip
+        # ---- mirroring and comparison (primary vs shadow) --------------------------------------------
+        self.mirror = Counter(
+            f"{PREFIX}_mirror_requests", "Shadow copies by fate: sent, or dropped with a reason.",
+            ("engine", "result"), registry=r,
+        )  # fmt: skip
+        self.pairs = Counter(f"{PREFIX}_compared_pairs", "Primary/shadow pairs compared.", ("primary", "shadow"), registry=r)  # fmt: skip
+        self.token_mismatch = Counter(
+            f"{PREFIX}_token_count_mismatches", "Pairs whose token counts differ (kind=prompt|completion).",
+            ("primary", "shadow", "kind"), registry=r,
+        )  # fmt: skip
+        self.output_mismatch = Counter(f"{PREFIX}_output_mismatches", "Greedy pairs whose output text differs.", ("primary", "shadow"), registry=r)  # fmt: skip
+        self.finish_mismatch = Counter(f"{PREFIX}_finish_reason_mismatches", "Pairs whose finish reasons differ.", ("primary", "shadow"), registry=r)  # fmt: skip
+        self.token_delta = Histogram(
+            f"{PREFIX}_token_count_delta", "Shadow minus primary token count per pair.", ("primary", "shadow", "kind"),
+            buckets=DELTA_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ratio = Histogram(
+            f"{PREFIX}_shadow_ratio", "Shadow / primary ratio per pair (metric=ttft|tpot|decode_tps).",
+            ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        # ---- build -----------------------------------------------------------------------------------
+        self.build = Gauge(f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r)
+        self.build.labels(__version__).set(1)
+
+    def prime(self, engines: Iterable[str], models: Iterable[str]) -> None:
+        """Create the zero series users query, so dashboards and alerts see 0 rather than nothing."""
+        models = list(models) or ["other"]
+        for e in engines:
+            for role in ("primary", "shadow"):
+                self.in_flight.labels(e, role)
+            for m in models:
+                for stream in ("true", "false"):
+                    for outcome in OUTCOMES:
+                        self.requests.labels(e, m, "primary", stream, "chat", outcome)
+
+
+def observe(m: Metrics, r: Result) -> None:
+    """Record one finished attempt. Called once per attempt, never per chunk."""
+    stream = "true" if r.stream else "false"
+    m.requests.labels(r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
+    lab = (r.engine, r.model, r.role, stream)
+    t = r.timing
+    if t.e2e_s is not None:
+        m.e2e.labels(*lab).observe(t.e2e_s)
+    if t.overhead_s is not None:
+        m.overhead.labels(*lab).observe(t.overhead_s)
+    if t.headers_s is not None:
+        m.headers.labels(*lab).observe(t.headers_s)
+    if r.outcome == "ok":
+        # latency figures only from successful requests, so error bodies never pose as fast TTFTs
+        if t.ttft_s is not None:
+            m.ttft.labels(*lab).observe(t.ttft_s)
+        if t.upstream_ttft_s is not None:
+            m.upstream_ttft.labels(*lab).observe(t.upstream_ttft_s)
+        if t.tpot_s is not None:
+            m.tpot.labels(*lab).observe(t.tpot_s)
+        if t.decode_tps is not None:
+            m.decode_tps.labels(*lab).observe(t.decode_tps)
+        if t.gaps_s:
+            h = m.gap.labels(*lab)
+            for g in t.gaps_s:
+                h.observe(g)
+        if t.queue_s is not None:
+            m.engine_queue.labels(*lab).observe(t.queue_s)
+    u = r.usage
+    if u is not None:
+        if u.prompt_tokens is not None:
+            m.prompt_tokens.labels(*lab).inc(u.prompt_tokens)
+            m.prompt_tokens_h.labels(*lab).observe(u.prompt_tokens)
+        if u.completion_tokens is not None:
+            m.completion_tokens.labels(*lab).inc(u.completion_tokens)
+            m.completion_tokens_h.labels(*lab).observe(u.completion_tokens)
+    cached = u.cached_tokens if u else None
+    et = r.engine_timings
+    if cached is None and et is not None:
+        cached = et.cache_n
+    if cached is not None:
+        m.cached_tokens.labels(*lab).inc(cached)
+    if et is not None and r.outcome == "ok":
+        if et.prompt_ms is not None:
+            m.engine_prompt.labels(*lab).observe(et.prompt_ms / 1000)
+        if et.predicted_per_second is not None and (et.predicted_n or 0) > 1:
+            m.engine_decode_tps.labels(*lab).observe(et.predicted_per_second)

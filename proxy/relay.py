@@ -1,0 +1,414 @@
+"""Upstream call and stream relay: the hot path.
+
+Life of one attempt (``Attempt``):
+
+1. ``open()`` sends the normalized body and waits for the upstream headers. Transport failures raise
+   ``UpstreamError`` (502/504), so the caller can fall back or answer with an OpenAI-style error.
+2. Engine error status -> the engine's body passes through with its status (SGLang's flat shape nested).
+3. Streams: ``open()`` also waits for the first SSE event, so an error the engine puts in its first event
+   (SGLang's "queue full" under HTTP 200) still becomes a proper HTTP error before any byte reaches the client.
+4. ``iter_relay()`` forwards each upstream read as soon as it holds whole events. Events pass as the bytes the
+   engine sent, except the documented rewrites: ``"model":"<engine name>"`` -> the client's alias (a byte
+   replace, no re-serialization), and the usage event is dropped when the client did not ask for usage.
+   Comments (keep-alives) pass untouched.
+5. After the first byte, a failure becomes one in-band ``data: {"error": ...}`` event, then the stream closes.
+6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``.
+
+Per chunk the loop does: one ``perf_counter_ns``, the framer split, one ``json.loads`` per event (needed to
+tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from proxy.errors import (
+    ProxyError,
+    UpstreamBroken,
+    UpstreamError,
+    error_body,
+    from_httpx,
+    normalize_engine_error,
+)
+from proxy.normalize import Endpoint, Normalized
+from proxy.result import Result
+from proxy.sse import Event, SSEFramer, encode_data
+from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
+from proxy.upstream import Engine
+
+log = logging.getLogger("enginemeter.relay")
+
+PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+MAX_ERROR_BODY = 1 << 20
+
+
+def _has_token(choices: list[Any]) -> bool:
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        d = c.get("delta")
+        if isinstance(d, dict):
+            if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
+                return True
+        elif c.get("text"):
+            return True
+    return False
+
+
+def _text_of(choices: list[Any]) -> str:
+    parts: list[str] = []
+    for c in choices:
+        if not isinstance(c, dict) or c.get("index", 0) != 0:
+            continue
+        d = c.get("delta")
+        src = d if isinstance(d, dict) else c.get("message") if isinstance(c.get("message"), dict) else c
+        for key in ("reasoning_content", "reasoning", "content", "text"):
+            v = src.get(key) if isinstance(src, dict) else None
+            if isinstance(v, str):
+                parts.append(v)
+    return "".join(parts)
+
+
+@dataclass
+class Attempt:
+    request_id: str
+    endpoint: Endpoint
+    engine: Engine
+    role: str
+    model_label: str
+    #: the model name the client sent; written back into every response chunk (None: leave as is)
+    client_model: str | None
+    norm: Normalized
+    timer: StreamTimer
+    on_result: Callable[[Result], None]
+    collect_text: bool = False
+
+    response: httpx.Response | None = None
+    status: int = 0
+    outcome: str | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    engine_timings: EngineTimings | None = None
+    finish_reason: str | None = None
+    saw_done: bool = False
+    _text: list[str] = field(default_factory=list)
+    _framer: SSEFramer = field(default_factory=SSEFramer)
+    _first: list[Event] = field(default_factory=list)
+    _first_t: int = 0
+    _model_src: Any = None
+    _model_from: bytes | None = None
+    _model_to: bytes | None = None
+    _error_body: bytes | None = None
+    _raw: AsyncIterator[bytes] | None = None
+    _finished: bool = False
+    reserialized: int = 0
+    usage_stripped: int = 0
+
+    # ------------------------------------------------------------------------------------ opening
+
+    async def open(self) -> None:
+        """Send the request and wait for headers (and, for streams, the first event). Raises UpstreamError."""
+        e = self.engine
+        content = json.dumps(self.norm.body, ensure_ascii=False).encode()
+        req = e.client.build_request(
+            "POST",
+            PATHS[self.endpoint],
+            content=content,
+            headers={
+                "content-type": "application/json",
+                "accept-encoding": "identity",
+                "x-request-id": self.request_id,
+            },
+        )
+        self.timer.sent()
+        try:
+            self.response = await e.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise from_httpx(exc, e.name) from exc
+        self.timer.headers()
+        self.status = self.response.status_code
+        if self.status >= 400 or not self.norm.stream:
+            return
+        self._raw = self.response.aiter_raw()
+        try:
+            while not self._first:
+                chunk = await anext(self._raw)
+                self._first_t = time.perf_counter_ns()
+                self._first = self._framer.feed(chunk)
+        except StopAsyncIteration:
+            pass
+        except httpx.HTTPError as exc:
+            await self.response.aclose()
+            raise from_httpx(exc, e.name) from exc
+        if not self._first:
+            await self.response.aclose()
+            raise UpstreamBroken(f"engine {e.name!r} closed the stream before its first event")
+        first = self._first[0]
+        if not first.is_comment and not first.is_done:
+            try:
+                doc = json.loads(first.data)
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+                # an error as the very first event (SGLang queue full): a real HTTP error, before any byte
+                code = doc["error"].get("code")
+                self.status = code if isinstance(code, int) and 400 <= code < 600 else 502
+                self._error_body = json.dumps(doc).encode()
+                await self.response.aclose()
+
+    @property
+    def failed_status(self) -> bool:
+        return self.status >= 400
+
+    async def error_response_body(self) -> bytes:
+        """The engine's error body (for a failed status), read with a bound and normalized."""
+        if self._error_body is not None:
+            body = self._error_body
+        else:
+            assert self.response is not None
+            chunks: list[bytes] = []
+            size = 0
+            try:
+                async for chunk in self.response.aiter_raw():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_ERROR_BODY:
+                        break
+            except httpx.HTTPError as exc:
+                chunks.append(f"(error body cut short: {exc})".encode())
+            finally:
+                await self.response.aclose()
+            body = b"".join(chunks)
+        self.outcome = "engine_error"
+        self.error = body[:500].decode(errors="replace")
+        return normalize_engine_error(body, self.status)
+
+    # ---------------------------------------------------------------------------------- rewriting
+
+    def _rewrite_model(self, raw: bytes, doc: dict[str, Any]) -> bytes:
+        model = doc.get("model")
+        alias = self.client_model
+        if alias is None or model is None or model == alias:
+            return raw
+        if self._model_from is None or model != self._model_src:
+            self._model_src = model
+            self._model_from = b'"model":' + json.dumps(model, ensure_ascii=False).encode()
+            self._model_to = b'"model":' + json.dumps(alias, ensure_ascii=False).encode()
+        assert self._model_to is not None
+        if self._model_from in raw:
+            return raw.replace(self._model_from, self._model_to, 1)
+        # unusual formatting (spaces after the colon): re-serialize this one event, counted
+        doc["model"] = alias
+        self.reserialized += 1
+        return encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode())
+
+    def _process(self, events: list[Event], t_ns: int) -> bytes:
+        """The per-read hot path: timestamp tokens, rewrite, filter. Returns the bytes to forward."""
+        out: list[bytes] = []
+        for ev in events:
+            if ev.is_comment:
+                out.append(ev.raw)
+                continue
+            if ev.is_done:
+                self.saw_done = True
+                out.append(ev.raw)
+                continue
+            try:
+                doc = json.loads(ev.data)
+            except ValueError as exc:
+                raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed event: {ev.data[:200]!r}") from exc
+            if not isinstance(doc, dict):
+                raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object event")
+            if "error" in doc:
+                self.outcome = "engine_error"
+                err = doc["error"]
+                self.error = (err.get("message") if isinstance(err, dict) else str(err)) or "engine error"
+                out.append(ev.raw)
+                continue
+            choices = doc.get("choices")
+            if isinstance(choices, list) and choices:
+                if _has_token(choices):
+                    self.timer.token(t_ns)
+                    if self.collect_text:
+                        self._text.append(_text_of(choices))
+                c0 = choices[0]
+                if isinstance(c0, dict) and c0.get("finish_reason"):
+                    self.finish_reason = str(c0["finish_reason"])
+            if "usage" in doc and doc["usage"] is not None:
+                self.usage = usage_from_json(doc["usage"]) or self.usage
+                if "timings" in doc:
+                    self.engine_timings = EngineTimings.from_json(doc["timings"])
+                if not self.norm.client_wants_usage:
+                    self.usage_stripped += 1
+                    if not choices:
+                        continue  # the usage-only event: the client did not ask for it
+                    doc.pop("usage")
+                    self.reserialized += 1
+                    out.append(encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()))
+                    continue
+            elif "timings" in doc:
+                self.engine_timings = EngineTimings.from_json(doc["timings"])
+            out.append(self._rewrite_model(ev.raw, doc))
+        if not out:
+            return b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    # ------------------------------------------------------------------------------------ relaying
+
+    async def iter_relay(self) -> AsyncIterator[bytes]:
+        """Yield the client's stream. Holds the upstream response; closes it in ``finally``."""
+        assert self.response is not None
+        assert self._raw is not None
+        try:
+            try:
+                data = self._process(self._first, self._first_t)
+                self._first = []
+                if data:
+                    yield data
+                async for chunk in self._raw:
+                    t = time.perf_counter_ns()
+                    events = self._framer.feed(chunk)
+                    if events:
+                        data = self._process(events, t)
+                        if data:
+                            yield data
+                if self.outcome is None and not self.saw_done and self.finish_reason is None:
+                    raise UpstreamBroken(f"engine {self.engine.name!r} ended the stream before finishing")
+                if self.outcome is None:
+                    self.outcome = "ok"
+            except httpx.HTTPError as exc:
+                raise from_httpx(exc, self.engine.name) from exc
+        except UpstreamError as exc:
+            self.outcome = exc.outcome
+            self.error = exc.message
+            yield encode_data(json.dumps(error_body(exc.message, exc.type, exc.status)).encode())
+        except BaseException:
+            # cancelled (client went away) or torn down: the upstream is closed below, freeing the slot
+            if self.outcome is None:
+                self.outcome = "client_disconnect"
+            raise
+        finally:
+            await self.response.aclose()
+            self.finish()
+
+    async def read_body(self) -> bytes:
+        """Non-stream: read the whole body, record usage/timings, rewrite the model. Raises UpstreamError."""
+        assert self.response is not None
+        try:
+            body = await self.response.aread()
+        except httpx.HTTPError as exc:
+            raise from_httpx(exc, self.engine.name) from exc
+        finally:
+            await self.response.aclose()
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed body") from exc
+        if not isinstance(doc, dict):
+            raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object body")
+        self.usage = usage_from_json(doc.get("usage"))
+        self.engine_timings = EngineTimings.from_json(doc.get("timings"))
+        choices = doc.get("choices")
+        if isinstance(choices, list) and choices:
+            c0 = choices[0]
+            if isinstance(c0, dict):
+                self.finish_reason = c0.get("finish_reason")
+            if self.collect_text:
+                self._text.append(_text_of(choices))
+        # a non-stream body has no token events: TTFT/TPOT stay unset; e2e and engine timings still count
+        self.outcome = "ok"
+        return self._rewrite_model(body, doc)
+
+    def finish(self, outcome: str | None = None, error: str | None = None) -> Result | None:
+        """Emit the one Result of this attempt. Idempotent."""
+        if self._finished:
+            return None
+        self._finished = True
+        self.timer.done()
+        if outcome is not None:
+            self.outcome = outcome
+        if error is not None:
+            self.error = error
+        timing = StreamTiming.derive(self.timer, self.usage, self.engine_timings)
+        result = Result(
+            request_id=self.request_id,
+            engine=self.engine.name,
+            engine_kind=self.engine.effective_kind,
+            role=self.role,
+            model=self.model_label,
+            endpoint=self.endpoint,
+            stream=self.norm.stream,
+            outcome=self.outcome or "upstream_broken",
+            status=self.status,
+            timing=timing,
+            usage=self.usage,
+            engine_timings=self.engine_timings,
+            finish_reason=self.finish_reason,
+            n_token_events=self.timer.n_token_events,
+            greedy=self.norm.greedy,
+            text="".join(self._text) if self.collect_text else None,
+            error=self.error,
+        )
+        try:
+            self.on_result(result)
+        except Exception:  # a metrics/comparison bug must never break the traffic
+            log.exception("recording the result of %s failed", self.request_id)
+        return result
+
+
+class RelayResponse:
+    """ASGI response for an SSE relay that notices a client disconnect at once.
+
+    Starlette's StreamingResponse (ASGI spec >= 2.4) only learns of a disconnect on its next send, which can
+    be many seconds away during a long prefill; here a second task waits on ``receive()`` and cancels the relay
+    the moment ``http.disconnect`` arrives, so the upstream connection closes and the engine frees its slot.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        self.body = body
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            *((k.encode(), v.encode()) for k, v in headers.items()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                async for chunk in self.body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                pass  # the client went away mid-send; the relay's finally records it
+            finally:
+                aclose = getattr(self.body, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            tg.cancel_scope.cancel()
+
+
+def proxy_error_response_parts(exc: ProxyError) -> tuple[int, bytes]:
+    return exc.status, exc.to_bytes()

@@ -1,0 +1,33 @@
+"""The record of one request on one engine: what happened, when, and what the engine said. Frozen.
+
+One ``Result`` is produced for every request attempt, whatever its outcome (``metrics.OUTCOMES``), and goes to
+the metrics and — for mirrored pairs — to the comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.timing import EngineTimings, StreamTiming, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    request_id: str
+    engine: str
+    engine_kind: str
+    role: str  # primary | shadow
+    model: str  # bounded label: configured alias / engine model name, else "other"
+    endpoint: str  # chat | completions
+    stream: bool
+    outcome: str
+    status: int
+    timing: StreamTiming
+    usage: Usage | None
+    engine_timings: EngineTimings | None
+    finish_reason: str | None
+    n_token_events: int
+    greedy: bool
+    #: output text, collected only when the request is part of a compared pair
+    text: str | None = None
+    error: str | None = None

@@ -1,0 +1,97 @@
+"""Request -> which engine serves it, which engines may take over, which shadow engines get a copy. Pure.
+
+Order of decisions for one request:
+1. the client ``model`` picks a route (its alias is listed, or the route lists ``*``); none matches ->
+   the ``default_route`` or 404;
+2. a pin header naming an engine allowed on that route wins (primary, split, pinnable and fallback
+   engines are allowed); a pin to any other engine is a 400;
+3. otherwise a weighted ``split`` picks, sticky by hashing the sticky header or the OpenAI ``user`` field
+   (random when neither is present); without a split the route's primary serves;
+4. ``fallback`` engines follow the chosen one, used only when it fails before the first byte;
+5. shadows are the route's shadow engines other than the serving one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proxy.errors import BadRequest, NotFound
+from proxy.settings import RouteSettings, Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    route: int
+    engines: tuple[str, ...]  # the serving engine first, then fallbacks in order
+    shadows: tuple[str, ...]
+    sample_rate: float
+    pinned: bool
+
+    @property
+    def engine(self) -> str:
+        return self.engines[0]
+
+
+def _unit(key: str) -> float:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def pick_weighted(split: Mapping[str, float], key: str | None, rng: random.Random) -> str:
+    total = sum(split.values())
+    x = (_unit(key) if key else rng.random()) * total
+    acc = 0.0
+    last = ""
+    for name, weight in split.items():
+        if weight <= 0:
+            continue
+        acc += weight
+        last = name
+        if x < acc:
+            return name
+    return last
+
+
+class Router:
+    def __init__(self, settings: Settings, *, rng: random.Random | None = None) -> None:
+        self._settings = settings
+        self._rng = rng or random.Random()
+        self._by_alias: dict[str, int] = {}
+        self._wildcard: int | None = None
+        for i, r in enumerate(settings.routes):
+            for m in r.models:
+                if m == "*":
+                    self._wildcard = i if self._wildcard is None else self._wildcard
+                else:
+                    self._by_alias.setdefault(m, i)
+
+    def route_for(self, model: str | None) -> tuple[int, RouteSettings]:
+        i = self._by_alias.get(model or "", self._wildcard)
+        if i is None:
+            i = self._settings.default_route
+        if i is None:
+            raise NotFound(f"The model `{model}` does not exist", param="model")
+        return i, self._settings.routes[i]
+
+    def decide(self, model: str | None, headers: Mapping[str, str], user: str | None) -> Decision:
+        i, route = self.route_for(model)
+        allowed = {route.primary, *route.split, *route.pinnable, *route.fallback}
+        pin = headers.get(self._settings.pin_header)
+        if pin:
+            if pin not in allowed:
+                raise BadRequest(
+                    f"engine {pin!r} cannot be pinned for model `{model}`; allowed: {sorted(allowed)}",
+                    param=self._settings.pin_header,
+                )
+            chosen, pinned = pin, True
+        elif route.split:
+            sticky = headers.get(route.sticky_header) or user
+            chosen, pinned = pick_weighted(route.split, sticky, self._rng), False
+        else:
+            chosen, pinned = route.primary, False
+        engines = (chosen, *(f for f in route.fallback if f != chosen))
+        shadows = tuple(s for s in route.shadows if s != chosen)
+        return Decision(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned)

@@ -1,0 +1,174 @@
+"""Per-request clocks and the figures derived from them. ``time.perf_counter_ns`` only.
+
+Timestamps (all ``perf_counter_ns``, 0 = did not happen):
+
+- ``t_received_ns``   the proxy's handler started on the client request (before reading the body)
+- ``t_sent_ns``       the normalized request is handed to the upstream connection
+- ``t_headers_ns``    upstream response headers arrived (llama.cpp: slot start; SGLang: first token; vLLM: at once)
+- ``t_first_token_ns`` first event whose delta has non-empty ``content``, ``reasoning_content``/``reasoning``
+                      or ``tool_calls`` (completions: non-empty ``text``) — never the role-only event
+- ``t_last_token_ns`` the last such event (not the finish or usage event)
+- ``t_done_ns``       the stream (or non-stream body) ended, whatever the outcome
+
+Derived (seconds unless named otherwise):
+
+- ``ttft_s`` = first − received: TTFT as the client feels it
+- ``upstream_ttft_s`` = first − sent: the engine's TTFT as seen from the proxy
+- ``overhead_s`` = sent − received: what the proxy added before the engine saw the request
+- ``inter_chunk_gaps_ns``: gaps between consecutive token events — per *chunk*, a chunk may carry several tokens
+- ``tpot_s`` = (last − first) / (completion_tokens − 1)
+- ``decode_tps`` = (completion_tokens − 1) / (last − first), the same definition as llama.cpp's
+  ``predicted_per_second`` (the first token is "free": it comes from the prompt batch)
+- ``e2e_s`` = done − received
+- ``queue_s`` (llama.cpp) = upstream TTFT − engine ``prompt_ms``
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+NS = 1_000_000_000
+
+
+class StreamTimer:
+    """Mutable clock for one request on one engine. The hot path only calls ``token()``."""
+
+    __slots__ = (
+        "gaps_ns",
+        "n_token_events",
+        "t_done_ns",
+        "t_first_token_ns",
+        "t_headers_ns",
+        "t_last_token_ns",
+        "t_received_ns",
+        "t_sent_ns",
+    )
+
+    def __init__(self, t_received_ns: int | None = None) -> None:
+        self.t_received_ns = time.perf_counter_ns() if t_received_ns is None else t_received_ns
+        self.t_sent_ns = 0
+        self.t_headers_ns = 0
+        self.t_first_token_ns = 0
+        self.t_last_token_ns = 0
+        self.t_done_ns = 0
+        self.n_token_events = 0
+        self.gaps_ns = array("q")
+
+    def sent(self) -> None:
+        self.t_sent_ns = time.perf_counter_ns()
+
+    def headers(self) -> None:
+        self.t_headers_ns = time.perf_counter_ns()
+
+    def token(self, t_ns: int) -> None:
+        """A token-carrying event arrived at ``t_ns`` (the read time of the bytes holding it)."""
+        if self.t_first_token_ns == 0:
+            self.t_first_token_ns = t_ns
+        else:
+            self.gaps_ns.append(t_ns - self.t_last_token_ns)
+        self.t_last_token_ns = t_ns
+        self.n_token_events += 1
+
+    def done(self) -> None:
+        if self.t_done_ns == 0:
+            self.t_done_ns = time.perf_counter_ns()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTimings:
+    """What the engine says about itself (llama.cpp ``timings``)."""
+
+    prompt_ms: float | None = None
+    prompt_n: int | None = None
+    cache_n: int | None = None
+    predicted_n: int | None = None
+    predicted_ms: float | None = None
+    predicted_per_second: float | None = None
+
+    @classmethod
+    def from_json(cls, t: Any) -> EngineTimings | None:
+        if not isinstance(t, dict):
+            return None
+
+        def num(key: str) -> float | None:
+            v = t.get(key)
+            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        def integer(key: str) -> int | None:
+            v = num(key)
+            return int(v) if v is not None else None
+
+        return cls(
+            prompt_ms=num("prompt_ms"),
+            prompt_n=integer("prompt_n"),
+            cache_n=integer("cache_n"),
+            predicted_n=integer("predicted_n"),
+            predicted_ms=num("predicted_ms"),
+            predicted_per_second=num("predicted_per_second"),
+        )
+
+
+def usage_from_json(u: Any) -> Usage | None:
+    if not isinstance(u, dict):
+        return None
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if cached is None and isinstance(u.get("cached_tokens"), int):
+        cached = u["cached_tokens"]  # some SGLang builds report it top-level
+    pt, ct = u.get("prompt_tokens"), u.get("completion_tokens")
+    return Usage(
+        prompt_tokens=pt if isinstance(pt, int) else None,
+        completion_tokens=ct if isinstance(ct, int) else None,
+        cached_tokens=cached if isinstance(cached, int) else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTiming:
+    ttft_s: float | None
+    upstream_ttft_s: float | None
+    headers_s: float | None
+    overhead_s: float | None
+    tpot_s: float | None
+    decode_tps: float | None
+    e2e_s: float | None
+    queue_s: float | None
+    gaps_s: tuple[float, ...] = field(default=())
+
+    @classmethod
+    def derive(cls, t: StreamTimer, usage: Usage | None, engine: EngineTimings | None) -> StreamTiming:
+        def span(a: int, b: int) -> float | None:
+            return (b - a) / NS if a and b and b >= a else None
+
+        ttft = span(t.t_received_ns, t.t_first_token_ns)
+        up_ttft = span(t.t_sent_ns, t.t_first_token_ns)
+        n = usage.completion_tokens if usage else None
+        decode_window = span(t.t_first_token_ns, t.t_last_token_ns)
+        tpot = decode_tps = None
+        if n is not None and n > 1 and decode_window:
+            tpot = decode_window / (n - 1)
+            decode_tps = (n - 1) / decode_window
+        queue = None
+        if up_ttft is not None and engine is not None and engine.prompt_ms is not None:
+            queue = max(0.0, up_ttft - engine.prompt_ms / 1000)
+        return cls(
+            ttft_s=ttft,
+            upstream_ttft_s=up_ttft,
+            headers_s=span(t.t_sent_ns, t.t_headers_ns),
+            overhead_s=span(t.t_received_ns, t.t_sent_ns),
+            tpot_s=tpot,
+            decode_tps=decode_tps,
+            e2e_s=span(t.t_received_ns, t.t_done_ns),
+            queue_s=queue,
+            gaps_s=tuple(g / NS for g in t.gaps_ns),
+        )
