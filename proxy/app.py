@@ -60,7 +60,8 @@ class Gateway:
         self.aliases = {m.alias: m for m in settings.models}
         #: called with every Result (metrics first); the mirror/comparison and tests hook in here
         self.result_hooks: list[ResultHook] = []
-        #: called as (gateway, decision, client_body, endpoint, request_id, model_label) for mirroring
+        #: mirroring stage (proxy.mirror); ``submit(gw, decision, body, endpoint, request_id) -> bool``
+        #: returns whether a shadow copy was sent (then the primary collects its output text to compare)
         self.mirror: Any = None
         self.background: set[asyncio.Task[Any]] = set()
         #: extra sections for /health (GPU collectors, mirror state), each returns a dict merged in
