@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio.to_thread
@@ -68,6 +68,9 @@ class Gateway:
         self.health_extras: list[Callable[[], dict[str, Any]]] = []
         #: extra routes contributed by extensions (admin endpoints)
         self.extra_routes: list[Route] = []
+        #: async context managers held open for the app's lifetime, entered after engine probing
+        #: (background collectors start on enter and stop on exit)
+        self.lifespan_hooks: list[Callable[[], AbstractAsyncContextManager[Any]]] = []
 
     # ---------------------------------------------------------------------------------- helpers
 
@@ -338,7 +341,10 @@ def create_app(
         gw.metrics.prime(gw.engines, [*gw.aliases, *(e.model for e in gw.engines.values() if e.model)])
         for e in gw.engines.values():
             log.info("engine %s: %s kind=%s model=%s up=%s", e.name, e.settings.url, e.kind, e.model, e.up)
-        yield
+        async with AsyncExitStack() as hooks:
+            for hook in gw.lifespan_hooks:
+                await hooks.enter_async_context(hook())
+            yield
         for t in list(gw.background):
             t.cancel()
         await asyncio.gather(*(e.client.aclose() for e in gw.engines.values()), return_exceptions=True)
