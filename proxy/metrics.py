@@ -141,6 +141,10 @@ def observe(m: Metrics, r: Result) -> None:
     stream = "true" if r.stream else "false"
     m.requests.labels(r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
     lab = (r.engine, r.model, r.role, stream)
+    if r.usage_stripped:
+        m.usage_stripped.labels(r.engine).inc(r.usage_stripped)
+    if r.reserialized:
+        m.rewrites.labels(r.engine, "reserialized").inc(r.reserialized)
     t = r.timing
     if t.e2e_s is not None:
         m.e2e.labels(*lab).observe(t.e2e_s)

@@ -357,6 +357,8 @@ class Attempt:
             greedy=self.norm.greedy,
             text="".join(self._text) if self.collect_text else None,
             error=self.error,
+            usage_stripped=self.usage_stripped,
+            reserialized=self.reserialized,
         )
         try:
             self.on_result(result)

@@ -31,3 +31,7 @@ class Result:
     #: output text, collected only when the request is part of a compared pair
     text: str | None = None
     error: str | None = None
+    #: usage events removed from the client's stream (it did not ask for usage)
+    usage_stripped: int = 0
+    #: events re-serialized instead of byte-rewritten (unusual engine formatting, usage on a content event)
+    reserialized: int = 0
