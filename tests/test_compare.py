@@ -125,7 +125,9 @@ def test_failed_side_is_not_comparable_and_not_counted() -> None:
     assert not c.comparable
     assert c.completion_mismatch is None and c.ratio_ttft is None
     observe_comparison(m, c)
-    assert registry.get_sample_value("enginemeter_compared_pairs_total", {"primary": "llama", "shadow": "sglang"}) is None
+    assert (
+        registry.get_sample_value("enginemeter_compared_pairs_total", {"primary": "llama", "shadow": "sglang"}) is None
+    )
 
 
 def test_missing_usage_is_not_a_mismatch() -> None:
