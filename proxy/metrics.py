@@ -19,7 +19,7 @@ from proxy.result import Result
 PREFIX = "enginemeter"
 
 # `_created` series double the exposition for no use on dashboards
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: 1 ms .. 10 min: TTFT, e2e, headers
 LATENCY_BUCKETS = (
