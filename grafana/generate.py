@@ -1,0 +1,418 @@
+"""Generate enginemeter's Grafana dashboards (and the Kubernetes copies of dashboards and rules) from plain dicts.
+
+Source of truth: this file for dashboards, ``deploy/prometheus/rules/*.yml`` for rules. Outputs, all committed:
+
+* ``grafana/dashboards/*.json``                        — provisioned by Grafana (compose, systemd hosts)
+* ``deploy/kubernetes/base/dashboards/*.json``         — same bytes, for kustomize's configMapGenerator
+  (kustomize refuses files outside the kustomization root, so the copy lives there)
+* ``deploy/kubernetes/base/prometheusrule.yaml``       — the rule files wrapped in a PrometheusRule
+
+Why plain dicts (the vLLM pattern) and not grafanalib / grafana-foundation-sdk: the JSON stays readable in review,
+no dependency pins a Grafana schema flavour, and the only thing a library would check (field names) is covered by
+the live test that runs every query against a real Prometheus. Minimum Grafana: 10.4 (schemaVersion 39).
+
+    python grafana/generate.py           # rewrite the files
+    python grafana/generate.py --check   # exit 1 if any committed file differs (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DASH_DIR = ROOT / "grafana" / "dashboards"
+K8S_DASH_DIR = ROOT / "deploy" / "kubernetes" / "base" / "dashboards"
+RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
+K8S_RULE = ROOT / "deploy" / "kubernetes" / "base" / "prometheusrule.yaml"
+
+Json = dict[str, Any]
+
+DS: Json = {"type": "prometheus", "uid": "${datasource}"}
+RI = "$__rate_interval"
+#: request-level series carry engine, model, role, stream
+SEL = 'engine=~"$engine", model=~"$model"'
+ENG = 'engine=~"$engine"'
+TOKS = "suffix: tok/s"
+#: outcomes that are the engine's or the proxy's fault (a client going away or sending junk is not)
+FAILED = SEL + ', outcome!~"ok|client_disconnect|rejected"'
+RATIO = "suffix: ×"
+
+
+# ------------------------------------------------------------------------------------------- PromQL helpers
+
+
+def q(quantile: float, hist: str, by: str = "engine, role", sel: str = SEL, window: str = RI) -> str:
+    """Quantile of a histogram over the window, per ``by`` group (summed over replicas and streams)."""
+    return f"histogram_quantile({quantile}, sum by (le, {by}) (rate({hist}_bucket{{{sel}}}[{window}])))"
+
+
+def mean(hist: str, by: str = "engine, role", sel: str = SEL) -> str:
+    # `> 0` drops idle groups instead of drawing NaN
+    return f"sum by ({by}) (rate({hist}_sum{{{sel}}}[{RI}])) / (sum by ({by}) (rate({hist}_count{{{sel}}}[{RI}])) > 0)"
+
+
+def rate(counter: str, by: str = "engine, role", sel: str = SEL) -> str:
+    return f"sum by ({by}) (rate({counter}{{{sel}}}[{RI}]))"
+
+
+def pair_ratio(counter: str, by: str = "primary, shadow", window: str = RI) -> str:
+    """Share of compared pairs with a mismatch; 0 (not "no data") while pairs exist and none mismatched."""
+    pairs = f"sum by (primary, shadow) (rate(enginemeter_compared_pairs_total[{window}]))"
+    bad = f"sum by ({by}) (rate({counter}[{window}]))"
+    if by == "primary, shadow":
+        return f"({bad} or {pairs} * 0) / ({pairs} > 0)"
+    return f"{bad} / on (primary, shadow) group_left () ({pairs} > 0)"
+
+
+# ------------------------------------------------------------------------------------------- panel builders
+
+
+def target(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time_series") -> Json:
+    return {
+        "datasource": DS,
+        "expr": expr,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "instant": instant,
+        "format": fmt,
+    }
+
+
+def panel(
+    title: str,
+    description: str,
+    targets: list[Json],
+    unit: str,
+    *,
+    kind: str = "timeseries",
+    w: int = 8,
+    h: int = 8,
+    min_: float | None = None,
+    max_: float | None = None,
+    thresholds: list[tuple[float | None, str]] | None = None,
+    options: Json | None = None,
+    transformations: list[Json] | None = None,
+) -> Json:
+    for i, t in enumerate(targets):
+        t["refId"] = chr(ord("A") + i)
+    defaults: Json = {"unit": unit}
+    if min_ is not None:
+        defaults["min"] = min_
+    if max_ is not None:
+        defaults["max"] = max_
+    steps = thresholds or [(None, "green")]
+    defaults["thresholds"] = {"mode": "absolute", "steps": [{"color": c, "value": v} for v, c in steps]}
+    if kind == "timeseries":
+        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "spanNulls": False}
+        opts: Json = {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"], "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
+    elif kind == "stat":
+        defaults["color"] = {"mode": "thresholds"}
+        opts = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}, "colorMode": "background",
+                "graphMode": "area", "textMode": "value_and_name", "justifyMode": "auto", "orientation": "auto"}  # fmt: skip
+    else:
+        opts = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"]}}
+    if options:
+        opts.update(options)
+    p: Json = {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": opts,
+        "targets": targets,
+        "_size": (w, h),
+    }
+    if transformations:
+        p["transformations"] = transformations
+    return p
+
+
+def row(title: str) -> Json:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "_size": (24, 1)}
+
+
+def layout(items: list[Json]) -> list[Json]:
+    """Left-to-right, top-to-bottom packing on Grafana's 24-column grid; ids in order."""
+    x = y = row_h = 0
+    out = []
+    for i, p in enumerate(items, start=1):
+        w, h = p.pop("_size")
+        if p["type"] == "row" or x + w > 24:
+            x, y, row_h = 0, y + row_h, 0
+        p["gridPos"] = {"h": h, "w": w, "x": x, "y": y}
+        p["id"] = i
+        x += w
+        row_h = max(row_h, h)
+        if p["type"] == "row":
+            x, y, row_h = 0, y + h, 0
+        out.append(p)
+    return out
+
+
+def datasource_var() -> Json:
+    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+            "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}  # fmt: skip
+
+
+def query_var(name: str, label: str, query: str) -> Json:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-var"},
+        "refresh": 2,  # on time-range change: replicas and engines come and go
+        "includeAll": True,
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+    }
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[Json], items: list[Json]) -> Json:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["enginemeter", "llm"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "weekStart": "",
+        "links": [{"title": "enginemeter", "type": "dashboards", "tags": ["enginemeter"], "asDropdown": True,
+                   "includeVars": True, "keepTime": True}],  # fmt: skip
+        "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                                  "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+                                  "name": "Annotations & Alerts", "type": "dashboard"}]},  # fmt: skip
+        "templating": {"list": variables},
+        "panels": layout(items),
+    }
+
+
+# ------------------------------------------------------------------------------------------- dashboards
+
+ER = "{{engine}} · {{role}}"
+
+
+def engine_comparison() -> Json:
+    lat = [
+        panel("TTFT p50 / p95 / p99", "Client-felt time to first token (proxy received → first token event), per engine and role. Primary and shadow side by side: the shadow got the same prompt at the same moment.",
+              [target(q(x, "enginemeter_time_to_first_token_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95, 0.99)], "s"),
+        panel("TPOT p50 / p95", "Time per output token after the first: (last − first token) / (completion tokens − 1).",
+              [target(q(x, "enginemeter_time_per_output_token_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95)], "s"),
+        panel("Decode rate (proxy-measured) p50 / mean", "Tokens per second after the first token, measured by the proxy from chunk arrival times.",
+              [target(q(0.5, "enginemeter_decode_tokens_per_second"), f"p50 {ER}"),
+               target(mean("enginemeter_decode_tokens_per_second"), f"mean {ER}")], TOKS),
+        panel("Inter-chunk gap p50 / p99", "Gap between consecutive token-carrying chunks. p99 shows stalls (batching hiccups, preemption) that averages hide.",
+              [target(q(x, "enginemeter_inter_chunk_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.99)], "s"),
+        panel("End-to-end duration p50 / p95 / p99", "Proxy received → response finished, any outcome.",
+              [target(q(x, "enginemeter_request_duration_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95, 0.99)], "s"),
+        panel("Proxy overhead p50 / p99", "Proxy received → request sent upstream: what enginemeter itself adds before the engine sees the request.",
+              [target(q(x, "enginemeter_proxy_overhead_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.99)], "s"),
+    ]  # fmt: skip
+    thr = [
+        panel("Output tokens / s", "Completion tokens per second (engine-reported usage), summed over replicas.",
+              [target(rate("enginemeter_completion_tokens_total"), ER)], TOKS),
+        panel("Prompt tokens / s", "Prompt tokens per second (engine usage), and the part served from the prompt cache.",
+              [target(rate("enginemeter_prompt_tokens_total"), f"prompt {ER}"),
+               target(rate("enginemeter_cached_prompt_tokens_total"), f"cached {ER}")], TOKS),
+        panel("Requests / s by outcome", "Finished requests per second by engine, role and outcome (ok, engine_error, timeout, …).",
+              [target(rate("enginemeter_requests_total", "engine, role, outcome"), "{{engine}} · {{role}} · {{outcome}}")], "reqps"),
+        panel("Failed share", "Share of requests that did not end ok (client disconnects and requests the proxy rejected excluded).",
+              [target(f"{rate('enginemeter_requests_total', sel=FAILED)} / ({rate('enginemeter_requests_total')} > 0)", ER)],
+              "percentunit", min_=0),
+        panel("In flight", "Requests in progress right now, summed over replicas.",
+              [target(f"sum by (engine, role) (enginemeter_in_flight_requests{{{ENG}}})", ER)], "short", min_=0),
+        panel("Cached-prompt share", "Share of prompt tokens the engine served from its prompt cache. A gap between engines means TTFT comparisons are not like for like.",
+              [target(f"{rate('enginemeter_cached_prompt_tokens_total')} / ({rate('enginemeter_prompt_tokens_total')} > 0)", ER)],
+              "percentunit", min_=0, max_=1),
+    ]  # fmt: skip
+    mirror = [
+        panel("Token-count mismatch rate", "Share of compared primary/shadow pairs whose prompt or completion token counts differ (tokenizer or chat-template drift).",
+              [target(pair_ratio("enginemeter_token_count_mismatches_total", "primary, shadow, kind"), "{{primary}} vs {{shadow}} · {{kind}}")],
+              "percentunit", min_=0, max_=1),
+        panel("Output mismatch rate", "Share of greedy pairs whose output text differs, and of pairs whose finish reasons differ.",
+              [target(pair_ratio("enginemeter_output_mismatches_total"), "text {{primary}} vs {{shadow}}"),
+               target(pair_ratio("enginemeter_finish_reason_mismatches_total"), "finish {{primary}} vs {{shadow}}")],
+              "percentunit", min_=0, max_=1),
+        panel("Shadow / primary ratio p50", "Per pair: shadow value / primary value for TTFT, TPOT and decode rate. Above 1 for ttft/tpot means the shadow is slower.",
+              [target(q(0.5, "enginemeter_shadow_ratio", "primary, shadow, metric", sel=""), "{{metric}} {{shadow}}/{{primary}}")], RATIO),
+        panel("Token-count delta p5 / p95", "Shadow minus primary token count per pair.",
+              [target(q(x, "enginemeter_token_count_delta", "primary, shadow, kind", sel=""), f"p{int(x * 100)} {{{{kind}}}}") for x in (0.05, 0.95)], "short"),
+        panel("Mirror copies / s by fate", "Shadow copies sent, or dropped (queue full, sampled out, …).",
+              [target(f"sum by (engine, result) (rate(enginemeter_mirror_requests_total{{{ENG}}}[{RI}]))", "{{engine}} · {{result}}")], "reqps"),
+        panel("Compared pairs / s", "Primary/shadow pairs the comparison stage saw.",
+              [target(f"sum by (primary, shadow) (rate(enginemeter_compared_pairs_total[{RI}]))", "{{primary}} vs {{shadow}}")], "reqps"),
+    ]  # fmt: skip
+    engine = [
+        panel("Decode rate: engine-reported vs proxy-measured", "p50 of llama.cpp's own timings.predicted_per_second next to the proxy's measurement. A large gap means the proxy or the network path is slowing the stream.",
+              [target(q(0.5, "enginemeter_engine_decode_tokens_per_second", "engine"), "engine-reported {{engine}}"),
+               target(q(0.5, "enginemeter_decode_tokens_per_second", "engine"), "proxy-measured {{engine}}")], TOKS),
+        panel("Engine queue time p50 / p95", "Upstream TTFT minus engine-reported prompt time: how long requests wait for a slot.",
+              [target(q(x, "enginemeter_engine_queue_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95)], "s"),
+        panel("Engine-native generated tokens / s", "From the engines' own /metrics (llama-server --metrics, SGLang --enable-metrics), not from the proxy.",
+              [target(f"sum by (engine) (rate(llamacpp:tokens_predicted_total{{{ENG}}}[{RI}])) or sum by (engine) (rate(sglang:generation_tokens_total{{{ENG}}}[{RI}]))", "{{engine}}")], TOKS),
+        panel("Slots busy / total", "Busy slots against the engine's parallel slots (llama.cpp -np, SGLang max running requests).",
+              [target(f"sum by (engine) (enginemeter_engine_busy_slots{{{ENG}}})", "busy {{engine}}"),
+               target(f"max by (engine) (enginemeter_engine_slots{{{ENG}}})", "slots {{engine}}")], "short", min_=0),
+    ]  # fmt: skip
+    gpu = [
+        panel("GPU memory per GPU", "Used and total memory of each GPU on the proxy's host (NVML). Absent, not zero, on hosts without NVML.",
+              [target("max by (gpu) (enginemeter_gpu_memory_used_bytes)", "used gpu {{gpu}}"),
+               target("max by (gpu) (enginemeter_gpu_memory_total_bytes)", "total gpu {{gpu}}")], "bytes", w=8, min_=0),
+        panel("GPU memory per engine (with peak)", "Memory held by each engine's processes on each GPU, and the peak since the proxy started.",
+              [target(f"max by (engine, gpu) (enginemeter_engine_gpu_memory_used_bytes{{{ENG}}})", "{{engine}} gpu {{gpu}}"),
+               target(f"max by (engine, gpu) (enginemeter_engine_gpu_memory_peak_bytes{{{ENG}}})", "peak {{engine}} gpu {{gpu}}")], "bytes", w=8, min_=0),
+        panel("GPU utilization", "Share of time a kernel was running, per GPU.",
+              [target("max by (gpu) (enginemeter_gpu_utilization_ratio)", "gpu {{gpu}}")], "percentunit", w=8, min_=0, max_=1),
+    ]  # fmt: skip
+    info = [
+        panel("Engine info", "What each engine reports about itself: kind, served model and the rest of enginemeter_engine_info's labels.",
+              [target(f"max by (engine, kind, model, quantization, build) (enginemeter_engine_info{{{ENG}}})", instant=True, fmt="table")], "none", kind="table", w=8,
+              transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}]),
+        panel("Engine up and context length", "Engine health as the proxy sees it (1 = up) and its context length in tokens.",
+              [target(f"max by (engine) (enginemeter_engine_up{{{ENG}}})", "up {{engine}}", instant=True),
+               target(f"max by (engine) (enginemeter_engine_context_length{{{ENG}}})", "context {{engine}}", instant=True)],
+              "short", kind="stat", w=8, thresholds=[(None, "red"), (1, "green")]),
+        panel("Route drift", "Per route and field: 1 when primary and shadow disagree on something that makes the comparison unfair (model, context, sampling defaults, …).",
+              [target("max by (route, field) (enginemeter_route_drift)", "{{route}} · {{field}}")], "short", w=8, min_=0,
+              thresholds=[(None, "green"), (1, "red")]),
+    ]  # fmt: skip
+    return dashboard(
+        "enginemeter-compare",
+        "enginemeter · Engine comparison",
+        "Primary vs shadow engines side by side, from the enginemeter proxy's measurements.",
+        [
+            datasource_var(),
+            query_var("engine", "Engine", "label_values(enginemeter_in_flight_requests, engine)"),
+            query_var("model", "Model", 'label_values(enginemeter_requests_total{engine=~"$engine"}, model)'),
+        ],
+        [row("Latency"), *lat, row("Throughput and outcomes"), *thr, row("Primary vs shadow"), *mirror,
+         row("Engines"), *engine, row("GPU"), *gpu, row("Engine info and drift"), *info],  # fmt: skip
+    )
+
+
+def overview() -> Json:
+    """The wall screen: recording rules only (cheap to refresh), summed across replicas, no engine filter."""
+    stats = [
+        panel("Requests / s", "All finished requests per second, all replicas.",
+              [target("sum(engine_model_role:enginemeter_requests:rate5m)", "req/s")], "reqps", kind="stat", w=4, h=5),
+        panel("Failed share", "Requests that did not end ok (client disconnects and rejected requests excluded), all engines.",
+              [target("sum(engine_model_role:enginemeter_requests_failed:rate5m) / (sum(engine_model_role:enginemeter_requests:rate5m) > 0)", "failed")],
+              "percentunit", kind="stat", w=4, h=5, thresholds=[(None, "green"), (0.01, "orange"), (0.05, "red")]),
+        panel("Output tokens / s", "Completion tokens per second, all engines and replicas.",
+              [target("sum(engine_model_role:enginemeter_completion_tokens:rate5m)", "tok/s")], TOKS, kind="stat", w=4, h=5),
+        panel("In flight", "Requests in progress on all replicas.",
+              [target("sum(enginemeter_in_flight_requests)", "in flight")], "short", kind="stat", w=4, h=5),
+        panel("Engines up", "Engine scrape targets answering (Prometheus `up`) out of all configured.",
+              [target('sum(up{job=~"llamacpp|sglang"})', "up"), target('count(up{job=~"llamacpp|sglang"})', "configured")],
+              "short", kind="stat", w=4, h=5),
+        panel("Alerts firing", "enginemeter alerts currently firing.",
+              [target('count(ALERTS{alertstate="firing", alertname=~"Enginemeter.*"}) or vector(0)', "firing")],
+              "short", kind="stat", w=4, h=5, thresholds=[(None, "green"), (1, "red")]),
+    ]  # fmt: skip
+    series = [
+        panel("TTFT p95 by engine", "Recorded p95 time to first token over 5 minutes, per engine and role.",
+              [target("max by (engine, role) (engine_model_role:enginemeter_time_to_first_token_seconds:p95_5m)", ER)], "s", w=8),
+        panel("TPOT p95 by engine", "Recorded p95 time per output token over 5 minutes.",
+              [target("max by (engine, role) (engine_model_role:enginemeter_time_per_output_token_seconds:p95_5m)", ER)], "s", w=8),
+        panel("E2E p95 by engine", "Recorded p95 request duration over 5 minutes.",
+              [target("max by (engine, role) (engine_model_role:enginemeter_request_duration_seconds:p95_5m)", ER)], "s", w=8),
+        panel("Output tokens / s by engine", "Recorded completion-token rate per engine and role.",
+              [target("sum by (engine, role) (engine_model_role:enginemeter_completion_tokens:rate5m)", ER)], TOKS, w=8),
+        panel("Shadow / primary TTFT and TPOT ratio", "Recorded p50 of the per-pair shadow/primary ratio. The ShadowSlowerThanPrimary alert fires above 1.5 for 10 minutes.",
+              [target('primary_shadow_metric:enginemeter_shadow_ratio:p50_5m{metric=~"ttft|tpot"}', "{{metric}} {{shadow}}/{{primary}}")], RATIO, w=8,
+              thresholds=[(None, "green"), (1.5, "red")]),
+        panel("Mismatch rates", "Recorded share of pairs whose token counts (per kind) or greedy output texts differ.",
+              [target("primary_shadow_kind:enginemeter_token_count_mismatches:ratio_rate5m", "{{primary}} vs {{shadow}} · {{kind}}"),
+               target("primary_shadow:enginemeter_output_mismatches:ratio_rate5m", "text {{primary}} vs {{shadow}}")], "percentunit", w=8, min_=0, max_=1),
+        panel("Requests / s per replica", "Finished requests per proxy replica: uneven lines mean the load balancer is not spreading load.",
+              [target(f'sum by (instance) (rate(enginemeter_requests_total{{job="enginemeter"}}[{RI}]))', "{{instance}}")], "reqps", w=8),
+        panel("GPU memory used share", "Used / total memory per GPU on every proxy host. GPUMemoryNearFull fires above 95 %.",
+              [target("max by (instance, gpu) (enginemeter_gpu_memory_used_bytes / enginemeter_gpu_memory_total_bytes)", "{{instance}} gpu {{gpu}}")],
+              "percentunit", w=8, min_=0, max_=1, thresholds=[(None, "green"), (0.95, "red")]),
+        panel("Versions", "enginemeter build per replica: during a rollout two versions show up.",
+              [target('count by (version) (enginemeter_build_info{job="enginemeter"})', instant=True, fmt="table")], "none", kind="table", w=8),
+    ]  # fmt: skip
+    return dashboard(
+        "enginemeter-overview",
+        "enginemeter · Overview",
+        "Wall screen: load, errors, latency and primary/shadow agreement across all replicas and engines.",
+        [datasource_var()],
+        [row("Now"), *stats, row("Trends"), *series],
+    )
+
+
+DASHBOARDS = {"engine-comparison.json": engine_comparison, "overview.json": overview}
+
+
+# ------------------------------------------------------------------------------------------- rules for kubernetes
+
+
+def prometheus_rule() -> str:
+    groups: list[Json] = []
+    for f in sorted(RULES_DIR.glob("*.yml")):
+        groups.extend(yaml.safe_load(f.read_text())["groups"])
+    doc = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "enginemeter", "labels": {"app.kubernetes.io/name": "enginemeter", "release": "prometheus"}},
+        "spec": {"groups": groups},
+    }
+    head = "# Generated by grafana/generate.py from deploy/prometheus/rules/*.yml — do not edit.\n"
+    return head + yaml.safe_dump(doc, sort_keys=False, width=1000, allow_unicode=True)
+
+
+def outputs() -> Iterator[tuple[Path, str]]:
+    for name, build in DASHBOARDS.items():
+        text = json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+        yield DASH_DIR / name, text
+        yield K8S_DASH_DIR / name, text
+    yield K8S_RULE, prometheus_rule()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="fail if a committed file is not what the generator makes")
+    args = ap.parse_args(argv)
+    stale = []
+    for path, text in outputs():
+        current = path.read_text() if path.exists() else None
+        if current == text:
+            continue
+        if args.check:
+            stale.append(path.relative_to(ROOT))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if stale:
+        print("out of date (run python grafana/generate.py):", *stale, sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
