@@ -9,6 +9,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
+from proxy import enginestate, gpu
 from proxy.app import Gateway, create_app
 from proxy.settings import Settings
 
@@ -16,6 +17,7 @@ from proxy.settings import Settings
 def extensions() -> list[Callable[[Gateway], Any]]:
     """Optional stages (mirroring, collectors), each installed by a function taking the Gateway."""
     exts: list[Callable[[Gateway], Any]] = []
+    exts += [gpu.install, enginestate.install]
     return exts
 
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pynvml
@@ -25,6 +25,7 @@ from proxy import gpu
 from proxy.app import create_app
 from proxy.gpu import DeviceReading, GpuMonitor, NvmlUnavailable, ProcReading
 from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings
+from tests.helpers import wait_until
 
 GB = 10**9
 TOTAL = 150_754_820_096  # 143776 MiB
@@ -387,14 +388,6 @@ class BlockingReader(RecordedReader):
         return super().devices()
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 def test_sampler_thread_and_a_scrape_that_never_waits_for_nvml() -> None:
     reg = CollectorRegistry()
     reader = BlockingReader([([dev()], {})])
@@ -429,7 +422,7 @@ def test_installed_in_the_app_feeds_metrics_and_health(child: subprocess.Popen[b
         settings, registry=reg, extensions=[lambda gw: mons.append(gpu.install(gw, opener=lambda: reader))]
     )
     with TestClient(app) as client:
-        wait_for(lambda: mons[0].status.samples >= 1)
+        wait_until(lambda: mons[0].status.samples >= 1)
         text = client.get("/metrics").text
         assert 'enginemeter_engine_gpu_memory_used_bytes{engine="llama",gpu="0"} 1.5e+10' in text
         h = client.get("/health").json()
