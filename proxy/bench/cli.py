@@ -116,10 +116,10 @@ def add_commands(sub: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import logging
+
     from proxy.bench.report import load_bench, write_report
     from proxy.bench.runner import BenchConfig, Target, run_bench
-
-    import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress bar
     preset: dict[str, Any] = QUICK if args.quick else DEFAULTS
