@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Helper for scripts/gpu-check.sh: compare the proxy's GPU memory figures with nvidia-smi.
+
+Standard library only (the GPU machine has no httpx), except ``fake-serve``, which runs the proxy itself.
+
+    gpu_check.py wait URL [--timeout S]                 until GET URL answers 200
+    gpu_check.py chat PROXY MODEL                       one short chat completion through the proxy
+    gpu_check.py compare --proxy URL --engine NAME --engine-pid PID [--tolerance 0.01] [--out FILE]
+    gpu_check.py fake-serve --config CFG --fake JSON    the proxy with a recorded NVML reader (dry run)
+    gpu_check.py fake-smi --fake JSON ARGS...            an nvidia-smi stand-in over the same JSON (dry run)
+
+nvidia-smi reports MiB (2**20 bytes); NVML and the proxy report bytes. ``compare`` converts, takes nvidia-smi
+before and after the scrape and insists they agree (memory was not moving), and checks within ``tolerance``
+relative to nvidia-smi's figure (plus 1 MiB for nvidia-smi's rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+MIB = 2**20
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait(url: str, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            status, _ = http_get(url, timeout=2)
+            if status == 200:
+                return 0
+            last = f"HTTP {status}"
+        except OSError as exc:
+            last = exc
+        time.sleep(0.5)
+    print(f"gpu_check: {url} not ready after {timeout:.0f}s (last: {last})", file=sys.stderr)
+    return 1
+
+
+def chat(proxy: str, model: str) -> int:
+    body = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]}
+    req = urllib.request.Request(
+        f"{proxy}/v1/chat/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        doc = json.load(r)
+    print(f"chat through the proxy: {doc.get('usage')}")
+    return 0
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = SAMPLE.match(line)
+        if m:
+            out.append((m[1], dict(LABEL.findall(m[2] or "")), float(m[3])))
+    return out
+
+
+def pick(
+    samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str
+) -> list[tuple[dict[str, str], float]]:
+    return [(lab, v) for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+
+
+def smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+    )
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def smi_state() -> tuple[list[list[str]], list[list[str]]]:
+    return smi("--query-gpu=index,memory.used,memory.total"), smi("--query-compute-apps=pid,used_memory")
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str, str]] = []
+        self.notes: list[str] = []
+
+    def add(self, check: str, proxy: str, ref: str, diff: str, ok: bool) -> None:
+        self.rows.append((check, proxy, ref, diff, "PASS" if ok else "FAIL"))
+
+    def bytes_row(self, check: str, proxy_b: float | None, smi_mib: float | None, tol: float) -> None:
+        if proxy_b is None or smi_mib is None:
+            self.add(check, fmt(proxy_b), "-" if smi_mib is None else f"{smi_mib:.0f} MiB", "-", False)
+            return
+        ref = smi_mib * MIB
+        diff = proxy_b - ref
+        rel = abs(diff) / ref if ref else (0.0 if proxy_b == 0 else 1.0)
+        ok = abs(diff) <= tol * ref + MIB
+        self.add(
+            check, fmt(proxy_b), f"{smi_mib:.0f} MiB ({ref / 1e9:.3f} GB)", f"{rel * 100:+.3f} %".replace("+", ""), ok
+        )
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r[4] == "PASS" for r in self.rows)
+
+    def render(self) -> str:
+        head = ("check", "proxy (/metrics)", "nvidia-smi", "|diff|", "result")
+        widths = [max(len(str(r[i])) for r in [head, *self.rows]) for i in range(5)]
+        line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
+        out = [line(head), line(tuple("-" * w for w in widths)), *(line(r) for r in self.rows)]
+        out += ["", *self.notes, "", f"OVERALL: {'PASS' if self.passed else 'FAIL'}"]
+        return "\n".join(out)
+
+
+def fmt(b: float | None) -> str:
+    return "absent" if b is None else f"{b:.0f} B ({b / 1e9:.3f} GB)"
+
+
+def compare(a: argparse.Namespace) -> int:
+    t = Table()
+    eng, pid = a.engine, a.engine_pid
+    # 1. a successful sample that has found the engine's GPU process
+    deadline = time.monotonic() + a.timeout
+    samples: list[tuple[str, dict[str, str], float]] = []
+    while time.monotonic() < deadline:
+        samples = parse_metrics(http_get(f"{a.proxy}/metrics")[1].decode())
+        okv = pick(samples, "enginemeter_gpu_sample_success")
+        procs = pick(samples, "enginemeter_engine_gpu_processes", engine=eng)
+        if okv and okv[0][1] == 1 and procs and procs[0][1] >= 1:
+            break
+        time.sleep(0.5)
+    else:
+        t.notes.append(f"no successful sample attributing a GPU process to {eng} within {a.timeout:.0f}s")
+    # 2. nvidia-smi, then two fresh proxy samples, then nvidia-smi again; retry while memory moves
+    health: dict[str, Any] = {}
+    before = after = smi_state()
+    for _attempt in range(10):
+        before = smi_state()
+        n0 = json.loads(http_get(f"{a.proxy}/health")[1]).get("gpu", {}).get("samples", 0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            health = json.loads(http_get(f"{a.proxy}/health")[1])
+            if health.get("gpu", {}).get("samples", 0) >= n0 + 2:
+                break
+            time.sleep(0.1)
+        text = http_get(f"{a.proxy}/metrics")[1].decode()
+        samples = parse_metrics(text)
+        after = smi_state()
+        if before == after:
+            break
+        t.notes.append(f"nvidia-smi changed during the scrape; retrying ({before} -> {after})")
+    if before != after:
+        t.notes.append("memory never held still across a scrape; comparing against the second nvidia-smi reading")
+    gpus, apps = after
+    if a.out_dir:
+        with open(os.path.join(a.out_dir, "metrics.txt"), "w") as f:
+            f.write(text)
+        with open(os.path.join(a.out_dir, "health.json"), "w") as f:
+            json.dump(health, f, indent=2)
+        with open(os.path.join(a.out_dir, "nvidia-smi.csv"), "w") as f:
+            f.write("# --query-gpu=index,memory.used,memory.total (MiB)\n")
+            f.writelines(",".join(r) + "\n" for r in gpus)
+            f.write("# --query-compute-apps=pid,used_memory (MiB)\n")
+            f.writelines(",".join(r) + "\n" for r in apps)
+
+    # 3. per GPU
+    for idx, used, total in gpus:
+        pu = pick(samples, "enginemeter_gpu_memory_used_bytes", gpu=idx)
+        pt = pick(samples, "enginemeter_gpu_memory_total_bytes", gpu=idx)
+        pr = pick(samples, "enginemeter_gpu_memory_reserved_bytes", gpu=idx)
+        t.bytes_row(f"gpu {idx} memory used", pu[0][1] if pu else None, float(used), a.tolerance)
+        t.bytes_row(f"gpu {idx} memory total", pt[0][1] if pt else None, float(total), a.tolerance)
+        if pu:
+            name = pu[0][0].get("name", "?")
+            res = f"{pr[0][1] / MIB:.0f} MiB" if pr else "n/a (NVML v1)"
+            t.notes.append(f"gpu {idx}: {name}; NVML reserved {res}")
+
+    # 4. the engine's process
+    smi_pids = {int(p): float(m) for p, m in apps if p.isdigit() and m.replace(".", "", 1).isdigit()}
+    peng = pick(samples, "enginemeter_engine_gpu_memory_used_bytes", engine=eng)
+    proxy_eng = sum(v for _, v in peng) if peng else None
+    t.bytes_row(f"engine {eng} (pid {pid}) memory", proxy_eng, smi_pids.get(pid), a.tolerance)
+    if pid not in smi_pids:
+        visible = [p for p in smi_pids if os.path.exists(f"/proc/{p}")]
+        t.notes.append(
+            f"nvidia-smi lists pids {sorted(smi_pids)}, not the engine's pid {pid}"
+            + ("" if visible or not smi_pids else " -- none of them exists in /proc: a different pid namespace?")
+        )
+
+    # 5. attribution: the proxy found the engine by its listening port and names the engine's own pid
+    att = health.get("gpu", {}).get("engines", {}).get(eng, {})
+    ok = pid in att.get("gpu_pids", []) and pid in smi_pids
+    t.add(
+        f"engine {eng} attribution",
+        f"source={att.get('source')} pids={att.get('pids')} gpu_pids={att.get('gpu_pids')}",
+        f"pid {pid} on GPU" if pid in smi_pids else f"pid {pid} not listed",
+        "-",
+        ok,
+    )
+    other = pick(samples, "enginemeter_gpu_other_processes_memory_used_bytes")
+    t.notes.append("unattributed GPU memory: " + (", ".join(f"gpu {lab['gpu']}: {fmt(v)}" for lab, v in other) or "-"))
+    es = health.get("engine_state", {}).get("engines", {}).get(eng, {})
+    t.notes.append(
+        f"engine state: up={es.get('up')} kind={es.get('kind')} model={es.get('model')} "
+        f"context_length={es.get('context_length')} slots={es.get('slots')} quantization={es.get('quantization')}"
+    )
+    peak = pick(samples, "enginemeter_engine_gpu_memory_peak_bytes", engine=eng)
+    t.notes.append(f"engine peak since proxy start: {fmt(sum(v for _, v in peak)) if peak else 'absent'}")
+
+    report = t.render()
+    print(report)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(report + "\n")
+    return 0 if t.passed else 1
+
+
+# --------------------------------------------------------------------------------------------- dry run
+
+
+def _fake_doc(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        doc: dict[str, Any] = json.load(f)
+    return doc
+
+
+def fake_smi(a: argparse.Namespace, rest: list[str]) -> int:
+    """Answer ``--query-gpu=...`` / ``--query-compute-apps=...`` like nvidia-smi (MiB, csv) from the JSON."""
+    doc = _fake_doc(a.fake)
+    query = next((r for r in rest if r.startswith("--query-")), "")
+    kind, _, fields = query.partition("=")
+    header = "noheader" not in " ".join(rest)
+    units = "" if "nounits" in " ".join(rest) else " MiB"
+    rows: list[dict[str, object]] = []
+    for d in doc["devices"]:
+        if kind == "--query-gpu":
+            rows.append({"index": d["index"], "name": d["name"], "memory.used": f"{d['used'] // MIB}{units}",
+                         "memory.total": f"{d['total'] // MIB}{units}"})  # fmt: skip
+        elif kind == "--query-compute-apps":
+            rows += [{"pid": p["pid"], "used_memory": f"{p['used'] // MIB}{units}"} for p in d["processes"]]
+        else:
+            print(f"fake nvidia-smi: unsupported arguments {rest}", file=sys.stderr)
+            return 2
+    names = fields.split(",")
+    if header:
+        print(", ".join(names))
+    for row in rows:
+        print(", ".join(str(row[n]) for n in names))
+    return 0
+
+
+def fake_serve(a: argparse.Namespace) -> int:
+    """The real proxy app (build_app, uvicorn) whose NVML reader replays ``--fake`` (re-read every sample)."""
+    import logging
+
+    import uvicorn
+
+    from proxy import gpu, server
+    from proxy.settings import load
+
+    class FakeReader:
+        def devices(self) -> list[gpu.DeviceReading]:
+            self.doc = _fake_doc(a.fake)
+            return [
+                gpu.DeviceReading(
+                    d["index"], d["name"], d["uuid"], d["total"], d["used"], d["free"], d.get("reserved"), 0.0
+                )
+                for d in self.doc["devices"]
+            ]
+
+        def processes(self, index: int) -> list[gpu.ProcReading]:
+            return [gpu.ProcReading(p["pid"], p["used"]) for p in self.doc["devices"][index]["processes"]]
+
+        def close(self) -> None:
+            pass
+
+    # install() resolves its default opener at call time: the real proxy, every extension, a recorded NVML
+    gpu.PynvmlReader = FakeReader  # type: ignore[assignment,misc]
+    settings = load(a.config)
+    logging.basicConfig(level=logging.INFO)
+    uvicorn.run(server.build_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("wait")
+    w.add_argument("url")
+    w.add_argument("--timeout", type=float, default=120)
+    c = sub.add_parser("chat")
+    c.add_argument("proxy")
+    c.add_argument("model")
+    cmp_ = sub.add_parser("compare")
+    cmp_.add_argument("--proxy", required=True)
+    cmp_.add_argument("--engine", required=True)
+    cmp_.add_argument("--engine-pid", type=int, required=True)
+    cmp_.add_argument("--tolerance", type=float, default=0.01)
+    cmp_.add_argument("--timeout", type=float, default=60)
+    cmp_.add_argument("--out")
+    cmp_.add_argument("--out-dir")
+    fs = sub.add_parser("fake-serve")
+    fs.add_argument("--config", required=True)
+    fs.add_argument("--fake", required=True)
+    fm = sub.add_parser("fake-smi")
+    fm.add_argument("--fake", required=True)
+    a, rest = p.parse_known_args()
+    if a.cmd == "wait":
+        return wait(a.url, a.timeout)
+    if a.cmd == "chat":
+        return chat(a.proxy, a.model)
+    if a.cmd == "compare":
+        return compare(a)
+    if a.cmd == "fake-serve":
+        return fake_serve(a)
+    return fake_smi(a, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
