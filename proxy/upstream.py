@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -43,10 +44,61 @@ def make_client(
         timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
         limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=30),
         headers=headers,
-        transport=transport,
+        transport=transport if transport is not None else ShardedTransport(limit),
         # the proxy forwards bytes as they are; never let httpx decode or re-encode them
         trust_env=False,
     )
+
+
+class ShardedTransport(httpx.AsyncBaseTransport):
+    """Several small connection pools behind one transport; a request goes to the pool with the fewest in flight.
+
+    Why: httpcore 1.0's pool re-examines every connection on each request start and end, and for each idle one
+    it probes the socket (anyio builds an attribute dict with a ``getpeername`` call) and counts the whole
+    pool again: O(n^2) per call. One pool of 256 connections cost seconds of CPU per burst of new streams
+    (bench/overhead.py: +5.4 s TTFT p50 at 256 streams; docs/performance.md). Pools of <= 8 keep n small.
+    Least-loaded choice keeps the shards even, so the total stays ``max_connections`` (rounded up).
+    """
+
+    def __init__(self, max_connections: int, per_shard: int = 8, keepalive_expiry: float = 30) -> None:
+        n = max(1, -(-max_connections // per_shard))
+        size = -(-max_connections // n)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size, keepalive_expiry=keepalive_expiry)
+        self._shards = [httpx.AsyncHTTPTransport(limits=limits) for _ in range(n)]
+        self._in_flight = [0] * n
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        i = self._in_flight.index(min(self._in_flight))
+        self._in_flight[i] += 1
+        try:
+            response = await self._shards[i].handle_async_request(request)
+        except BaseException:
+            self._in_flight[i] -= 1
+            raise
+        response.stream = _Released(response.stream, self._in_flight, i)
+        return response
+
+    async def aclose(self) -> None:
+        for shard in self._shards:
+            await shard.aclose()
+
+
+class _Released(httpx.AsyncByteStream):
+    """The response body stream; its close hands the shard's in-flight slot back (once)."""
+
+    def __init__(self, stream: httpx.AsyncByteStream | httpx.SyncByteStream, counts: list[int], i: int) -> None:
+        assert isinstance(stream, httpx.AsyncByteStream)
+        self._stream, self._counts, self._i, self._open = stream, counts, i, True
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        if self._open:
+            self._open = False
+            self._counts[self._i] -= 1
+        await self._stream.aclose()
 
 
 @dataclass
