@@ -5,6 +5,7 @@ timing or failures must be controlled, and a real llama-server (tests/conftest.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,15 +17,21 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakes.fault_engine import PIECES, FaultEngineConfig, Knobs
+from tests.fakes.fault_engine import EOS_ID, PIECES, FaultEngineConfig, Knobs
 from tests.fakes.fault_engine import run_in_thread as run_engine
-from tests.helpers import wait_until
+from tests.fakes.sglang_emulator import EmulatorConfig
+from tests.fakes.sglang_emulator import run_in_thread as run_emulator
+from tests.helpers import free_port, wait_until
+
+if TYPE_CHECKING:
+    from proxy.embedded import LlamaServer
 
 REPO = Path(__file__).resolve().parents[1]
 MSGS = [{"role": "user", "content": "hello there"}]
@@ -393,3 +400,309 @@ def _readline(stream: Any, timeout: float) -> str:
             raise TimeoutError("no output")
     line: str = stream.readline()
     return line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SGLang emulator
+
+
+RID = re.compile(r"[0-9a-f]{32}")
+STREAM_KEYS = ["id", "object", "created", "model", "choices"]
+CHOICE_KEYS = ["index", "delta", "logprobs", "finish_reason", "matched_stop"]
+
+
+@contextlib.contextmanager
+def emulate(backend: str, **options: Any) -> Iterator[str]:
+    with run_emulator(EmulatorConfig(backend=backend, served_model_name="tiny", **options)) as url:
+        yield url
+
+
+def sglang_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "client-model", "messages": MSGS, "temperature": 0, "max_tokens": 8, **extra}
+
+
+def prompt_tokens(url: str, messages: list[dict[str, str]]) -> int:
+    count: int = httpx.post(f"{url}/v1/tokenize", json={"model": "tiny", "messages": messages}).json()["count"]
+    return count
+
+
+def test_emulator_chat_stream_matches_sglang_event_by_event(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url) as url:
+        raw = raw_post(url, "/v1/chat/completions", sglang_body(stream=True, stream_options={"include_usage": True}))
+        n_prompt = prompt_tokens(url, MSGS)
+    assert raw.status == 200 and raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.events[-1] == "[DONE]"
+    role, *contents, finish, usage = raw.json_events()
+    rid = role["id"]
+    assert RID.fullmatch(rid)
+    for event in (role, *contents, finish, usage):
+        assert list(event) == STREAM_KEYS + (["usage"] if event is usage else [])
+        assert event["id"] == rid and event["model"] == "client-model"  # echoes the request's model
+        assert event["object"] == "chat.completion.chunk"
+    for event in (role, *contents, finish):
+        assert len(event["choices"]) == 1 and list(event["choices"][0]) == CHOICE_KEYS
+    assert role["choices"][0] == {
+        "index": 0,
+        "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+        "matched_stop": None,
+    }
+    assert 1 <= len(contents) <= 8
+    for event in contents:
+        choice = event["choices"][0]
+        assert list(choice["delta"]) == ["reasoning_content", "content"] and choice["delta"]["content"]
+        assert choice["delta"]["reasoning_content"] is None and choice["finish_reason"] is None
+    assert finish["choices"][0] == {
+        "index": 0,
+        "delta": {"reasoning_content": None},
+        "logprobs": None,
+        "finish_reason": "length",
+        "matched_stop": None,
+    }
+    assert usage["choices"] == []
+    assert usage["usage"] == {
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + 8,
+        "completion_tokens": 8,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
+def test_emulator_non_stream_chat_and_completions(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url, enable_cache_report=True) as url:
+        chat = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(), timeout=30).json()
+        raw = raw_post(url, "/v1/completions", {"model": "m", "prompt": "Once upon", "max_tokens": 4, "stream": True})
+        cmpl = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon", "max_tokens": 4}, timeout=30).json()
+    assert list(chat) == ["id", "object", "created", "model", "choices", "usage", "metadata"]
+    assert chat["object"] == "chat.completion" and chat["model"] == "client-model"
+    (choice,) = chat["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["message"]["reasoning_content"] is None
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("length", None)
+    assert chat["usage"]["completion_tokens"] == 8
+    assert list(chat["usage"]["prompt_tokens_details"]) == ["cached_tokens"]  # --enable-cache-report
+
+    *chunks, done = raw.events
+    assert done == "[DONE]"
+    events = [json.loads(c) for c in chunks]
+    assert all(e["object"] == "text_completion" and e["usage"] is None for e in events)
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
+    assert events[-1]["choices"][0]["text"]  # the last token's text rides with the finish reason
+    assert cmpl["model"] == "default" and cmpl["usage"]["completion_tokens"] == 4
+
+
+def test_emulator_stop_string_is_matched_stop(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url) as url:
+        greedy = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(), timeout=30).json()
+        text = greedy["choices"][0]["message"]["content"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        stopped = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(stop=[stop]), timeout=30).json()
+    (choice,) = stopped["choices"]
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", stop)
+    assert text.startswith(choice["message"]["content"]) and stop not in choice["message"]["content"]
+
+
+def test_emulator_context_too_long_is_a_400_even_for_streams(llama_server: LlamaServer) -> None:
+    long_messages = [{"role": "user", "content": "one two three four five six " * 8}]
+    with emulate(llama_server.url, context_length=32) as url:
+        n_prompt = prompt_tokens(url, long_messages)
+        resp = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(messages=long_messages, stream=True))
+    assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
+    body = resp.json()
+    assert body == {
+        "object": "error",
+        "message": body["message"],
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    match = CONTEXT_ERROR.fullmatch(body["message"])
+    assert match and (int(match[1]), int(match[2])) == (n_prompt, 32)
+
+
+def test_emulator_rejects_a_colon_model_unless_it_is_the_served_name(llama_server: LlamaServer) -> None:
+    config = EmulatorConfig(backend=llama_server.url, served_model_name="org/tiny:q4")
+    with run_emulator(config) as url:
+        for stream in (False, True):
+            resp = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(model="qwen2.5:7b", stream=stream))
+            assert resp.status_code == 400
+            assert resp.json()["message"].startswith("LoRA adapter '7b' was requested, but LoRA is not enabled.")
+        ok = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(model="org/tiny:q4"), timeout=30)
+        assert ok.status_code == 200 and ok.json()["model"] == "org/tiny:q4"
+
+
+def test_emulator_validation_errors(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url) as url:
+        missing = httpx.post(f"{url}/v1/chat/completions", json={"model": "m"})
+        empty = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(messages=[]))
+        not_json = httpx.post(f"{url}/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"})
+        bad_type = httpx.post(f"{url}/v1/chat/completions", json=sglang_body(max_tokens="many"))
+    assert missing.status_code == 400 and missing.json()["type"] == "Bad Request"
+    assert "messages" in missing.json()["message"]
+    assert empty.status_code == 400 and empty.json()["message"] == "Messages cannot be empty."
+    assert not_json.status_code == 400 and not_json.json()["type"] == "Bad Request"
+    assert bad_type.status_code == 400 and "max_tokens" in bad_type.json()["message"]
+
+
+def test_emulator_queue_of_zero_rejects_every_request(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url, max_queued_requests=0) as url:
+        plain = httpx.post(f"{url}/v1/chat/completions", json=sglang_body())
+        raw = raw_post(url, "/v1/chat/completions", sglang_body(stream=True))
+    assert plain.status_code == 503
+    assert plain.json() == {
+        "object": "error",
+        "message": "The request queue is full.",
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
+    assert raw.status == 200  # the first "chunk" of the stream is the abort
+    (error,) = raw.json_events()
+    assert error == {
+        "error": {
+            "object": "error",
+            "message": "The request queue is full.",
+            "type": "SERVICE_UNAVAILABLE",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert raw.events[-1] == "[DONE]"
+
+
+def test_emulator_info_endpoints_and_metrics(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url, enable_metrics=True) as url:
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert (health.status_code, health.content) == (200, b"")
+        assert httpx.get(f"{url}/ready").status_code == 200
+        info = httpx.get(f"{url}/server_info").json()
+        assert info["version"] == "0.5.23" and info["served_model_name"] == "tiny"
+        assert info["context_length"] > 0 and isinstance(info["internal_states"], list)
+        assert httpx.get(f"{url}/get_server_info").json()["version"] == "0.5.23"
+        assert httpx.get(f"{url}/model_info").json()["served_model_name"] == "tiny"
+        assert httpx.get(f"{url}/v1/models").json() == {
+            "object": "list",
+            "data": [
+                {
+                    "id": "tiny",
+                    "object": "model",
+                    "created": httpx.get(f"{url}/v1/models").json()["data"][0]["created"],
+                    "owned_by": "sglang",
+                    "root": "tiny",
+                    "parent": None,
+                    "max_model_len": info["context_length"],
+                }
+            ],
+        }
+        flushed = httpx.post(f"{url}/flush_cache")
+        assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+        raw_post(url, "/v1/chat/completions", sglang_body(stream=True))
+        text = httpx.get(f"{url}/metrics").text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    stream_labels = (("engine_type", "unified"), ("is_streaming", "true"), ("model_name", "tiny"))
+    assert samples[("sglang:time_to_first_token_seconds_count", stream_labels)] == 1
+    assert samples[("sglang:e2e_request_latency_seconds_count", stream_labels)] == 1
+    assert samples[("sglang:generation_tokens_total", stream_labels)] == 8
+    itl = (("engine_type", "unified"), ("model_name", "tiny"))
+    assert samples[("sglang:inter_token_latency_seconds_count", itl)] == 7  # one per token after the first
+    gauge_labels = (*itl[:1], ("model_name", "tiny"), ("moe_ep_rank", "0"), ("pp_rank", "0"), ("tp_rank", "0"))
+    assert samples[("sglang:num_running_reqs", gauge_labels)] == 0
+    assert not any(name.endswith("_created") for name, _ in samples)
+
+
+def test_emulator_metrics_only_when_enabled(llama_server: LlamaServer) -> None:
+    with emulate(llama_server.url) as url:
+        assert httpx.get(f"{url}/metrics").status_code == 404
+
+
+@pytest.fixture
+def slow_backend() -> Iterator[str]:
+    with run_engine(FaultEngineConfig(model="fake-llama", knobs=Knobs(tokens=3))) as url:
+        yield url
+
+
+def test_emulator_sends_headers_only_with_the_first_token(slow_backend: str) -> None:
+    with emulate(slow_backend) as url, httpx.Client(timeout=10) as client:
+        t0 = time.perf_counter()
+        with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=sglang_body(stream=True), headers={"x-fault": "ttft_ms=600"}
+        ) as resp:
+            t_headers = time.perf_counter() - t0
+            first = next(resp.iter_raw())
+            t_first = time.perf_counter() - t0
+    assert t_headers >= 0.55  # llama.cpp itself would have sent them at once (test above)
+    assert t_first - t_headers < 0.2 and b'"role":"assistant"' in first
+
+
+def test_emulator_queue_counts_running_and_waiting_requests(slow_backend: str) -> None:
+    with emulate(slow_backend, max_running_requests=1, max_queued_requests=1) as url, httpx.Client(timeout=10) as c:
+        with contextlib.ExitStack() as stack:
+            for _ in range(2):  # one running, one waiting: both admitted, both stall after a token
+                resp = stack.enter_context(
+                    c.stream(
+                        "POST",
+                        f"{url}/v1/chat/completions",
+                        json=sglang_body(stream=True),
+                        headers={"x-fault": "stall_after=1"},
+                    )
+                )
+                assert resp.status_code == 200
+            states = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+            assert (states["num_running_reqs"], states["num_queue_reqs"]) == (1, 1)
+            full = httpx.post(f"{url}/v1/chat/completions", json=sglang_body())
+            assert full.status_code == 503 and full.json()["message"] == "The request queue is full."
+            raw = raw_post(url, "/v1/chat/completions", sglang_body(stream=True))
+            assert raw.status == 200 and raw.json_events()[0]["error"]["code"] == 503
+        # the clients left: their backend requests are cancelled and the queue drains
+        wait_until(lambda: stats(slow_backend)["cancelled"] == 2, timeout=10)
+        wait_until(lambda: httpx.get(f"{url}/server_info").json()["internal_states"][0]["num_running_reqs"] == 0)
+        assert httpx.post(f"{url}/v1/chat/completions", json=sglang_body()).status_code == 200
+
+
+def test_emulator_backend_failure_mid_stream_ends_with_error_then_done(slow_backend: str) -> None:
+    with emulate(slow_backend) as url:
+        raw = raw_post(url, "/v1/chat/completions", sglang_body(stream=True), {"x-fault": "tokens=5 die_after=2"})
+    assert raw.status == 200 and raw.events[-1] == "[DONE]"
+    role, first, second, error = raw.json_events()
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert [first["choices"][0]["delta"]["content"], second["choices"][0]["delta"]["content"]] == list(PIECES[:2])
+    assert error["error"]["code"] == 500 and error["error"]["type"] == "INTERNAL_SERVER_ERROR"
+    assert raw.events[-2].startswith('{"error": {"object": "error"')  # json.dumps spacing, as SGLang
+
+
+def test_emulator_eos_stop_reports_the_eos_token_id(slow_backend: str) -> None:
+    with emulate(slow_backend) as url:
+        body = httpx.post(f"{url}/v1/completions", json={"prompt": "a b", "max_tokens": 100}).json()
+    (choice,) = body["choices"]
+    assert choice["text"] == "".join(PIECES[:3])
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", EOS_ID)
+    assert body["usage"]["completion_tokens"] == 4  # the EOS token counts
+
+
+def test_emulator_cli_prints_a_ready_line(slow_backend: str) -> None:
+    port = free_port()
+    argv = ["--port", str(port), "--backend", slow_backend, "--served-model-name", "cli-sglang"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes.sglang_emulator", *argv],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert proc.stdout is not None
+        assert _readline(proc.stdout, timeout=30) == f"READY http://127.0.0.1:{port}\n"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "cli-sglang"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode == 0

@@ -416,9 +416,9 @@ class _Plan:
                 {
                     "index": 0,
                     "content": text,
-                    "tokens": [],
+                    "tokens": fake_tokenize(text),
                     "stop": False,
-                    "id_slot": 0,
+                    "id_slot": -1,
                     "tokens_predicted": n_gen,
                     "tokens_evaluated": self.prompt_tokens,
                 }
@@ -547,7 +547,7 @@ def _json_response(status: int, obj: Any, *, keep_alive: bool = True) -> bytes:
     headers = [
         ("Content-Type", "application/json; charset=utf-8"),
         ("Content-Length", str(len(body))),
-        ("Connection", "keep-alive" if keep_alive else "close"),
+        ("Keep-Alive", "timeout=5, max=100") if keep_alive else ("Connection", "close"),
     ]
     return _head(status, headers) + body
 
@@ -559,9 +559,10 @@ def _chunk(data: bytes) -> bytes:
 _SSE_HEAD: Final = _head(
     200,
     [
+        ("X-Accel-Buffering", "no"),
         ("Content-Type", "text/event-stream"),
         ("Transfer-Encoding", "chunked"),
-        ("Connection", "keep-alive"),
+        ("Keep-Alive", "timeout=5, max=100"),
     ],
 )
 _LAST_CHUNK: Final = b"0\r\n\r\n"
