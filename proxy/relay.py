@@ -251,7 +251,10 @@ class Attempt:
                     self.usage_stripped += 1
                     if not choices:
                         continue  # the usage-only event: the client did not ask for it
+                    # usage on a content event (llama.cpp /v1/completions): drop the key, re-serialize
                     doc.pop("usage")
+                    if self.client_model is not None and "model" in doc:
+                        doc["model"] = self.client_model
                     self.reserialized += 1
                     out.append(encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()))
                     continue
