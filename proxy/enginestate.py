@@ -237,15 +237,16 @@ def route_label(models: Iterable[str]) -> str:
 
 
 def model_identity(settings: Settings, route_models: Iterable[str], engine: str, served: str | None) -> str | None:
-    """What "the same model" means for drift. Where the config's model aliases map this engine to a served
-    name and the engine serves exactly that name, the alias is the identity (the operator declared the
-    engines equivalent); otherwise the served name itself, reduced to its file/dir stem, lower-cased."""
+    """What "the same model" means for drift. Where one of the route's model aliases (any alias for a ``*``
+    route) maps this engine to a served name and the engine serves exactly that name, the alias is the
+    identity (the operator declared the engines equivalent); otherwise the served name itself, reduced to its
+    file/dir stem, lower-cased."""
     if served is None:
         return None
-    for alias in route_models:
-        for m in settings.models:
-            if m.alias == alias and m.engines.get(engine) == served:
-                return f"alias:{alias}"
+    route_models = tuple(route_models)
+    for m in settings.models:
+        if (m.alias in route_models or "*" in route_models) and m.engines.get(engine) == served:
+            return f"alias:{m.alias}"
     stem = PurePosixPath(served).name.lower()
     return stem.removesuffix(".gguf")
 

@@ -8,6 +8,7 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from proxy import enginestate
 from proxy.app import create_app
+from proxy.embedded import LlamaServer
 from proxy.enginestate import EngineStatePoller
 from proxy.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.upstream import Engine, make_client
-from tests.helpers import free_port, run_uvicorn_app, wait_until
-
-Factory = Callable[..., Any]
+from tests.helpers import LlamaServerFactory, free_port, run_uvicorn_app, wait_until
 
 
 def settings(
@@ -107,7 +107,7 @@ def sglang_emulator() -> Iterator[Callable[[str, str], str]]:
 
 
 def test_llamacpp_props_and_slots(
-    llama_server_factory: Factory, proxy_with_state: Callable[[Settings], Running]
+    llama_server_factory: LlamaServerFactory, proxy_with_state: Callable[[Settings], Running]
 ) -> None:
     srv = llama_server_factory(np=2, alias="tiny", extra_args=["-c", "2048"])
     p = proxy_with_state(settings({"llama": srv.url}))
@@ -138,7 +138,7 @@ def test_llamacpp_props_and_slots(
 
 
 def test_busy_slots_follow_a_running_generation(
-    llama_server_factory: Factory, proxy_with_state: Callable[[Settings], Running]
+    llama_server_factory: LlamaServerFactory, proxy_with_state: Callable[[Settings], Running]
 ) -> None:
     srv = llama_server_factory(np=2, alias="tiny", extra_args=["-c", "8192"])
     p = proxy_with_state(settings({"llama": srv.url}))
@@ -157,7 +157,9 @@ def test_busy_slots_follow_a_running_generation(
 
 
 def test_sglang_server_info_model_info_models(
-    llama_server: Any, sglang_emulator: Callable[[str, str], str], proxy_with_state: Callable[[Settings], Running]
+    llama_server: LlamaServer,
+    sglang_emulator: Callable[[str, str], str],
+    proxy_with_state: Callable[[Settings], Running],
 ) -> None:
     url = sglang_emulator(llama_server.url, "Qwen/Tiny-Instruct")
     p = proxy_with_state(settings({"sglang": url}))
@@ -200,7 +202,7 @@ def drift_values(p: Running) -> dict[str, float | None]:
 
 
 def test_drift_between_engines_with_different_context(
-    llama_server_factory: Factory, proxy_with_state: Callable[[Settings], Running]
+    llama_server_factory: LlamaServerFactory, proxy_with_state: Callable[[Settings], Running]
 ) -> None:
     a = llama_server_factory(np=2, alias="tiny", extra_args=["-c", "2048"])
     b = llama_server_factory(np=2, alias="tiny", extra_args=["-c", "4096"])
@@ -211,7 +213,7 @@ def test_drift_between_engines_with_different_context(
 
 
 def test_no_drift_with_the_same_config_and_model_drift_by_name(
-    llama_server_factory: Factory, proxy_with_state: Callable[[Settings], Running]
+    llama_server_factory: LlamaServerFactory, proxy_with_state: Callable[[Settings], Running]
 ) -> None:
     a = llama_server_factory(np=2, alias="tiny", extra_args=["-c", "2048"])
     b = llama_server_factory(np=2, alias="tiny", extra_args=["-c", "2048"])
@@ -223,7 +225,9 @@ def test_no_drift_with_the_same_config_and_model_drift_by_name(
 
 
 def test_llamacpp_and_sglang_declared_equal_by_an_alias(
-    llama_server: Any, sglang_emulator: Callable[[str, str], str], proxy_with_state: Callable[[Settings], Running]
+    llama_server: LlamaServer,
+    sglang_emulator: Callable[[str, str], str],
+    proxy_with_state: Callable[[Settings], Running],
 ) -> None:
     """The SGLang emulator serves the llama-server's own model under another name: same context and slots;
     the model counts as the same only where the config's model alias says these names are one model."""
@@ -253,6 +257,14 @@ def test_drift_is_pure() -> None:
     }
     d = {x["field"]: x["drift"] for x in enginestate.drift(s, states)}
     assert d == {"context_length": False, "model": False, "quantization": False}
+    # a catch-all route: any configured alias can declare two served names one model
+    named = {
+        "a": enginestate.EngineState("a", up=True, model="qwen-7b-q8"),
+        "b": enginestate.EngineState("b", up=True, model="Qwen/Qwen2.5-7B-Instruct"),
+    }
+    assert [x["drift"] for x in enginestate.drift(s, named)] == [True]
+    team = ModelAlias(alias="team", engines={"a": "qwen-7b-q8", "b": "Qwen/Qwen2.5-7B-Instruct"})
+    assert [x["drift"] for x in enginestate.drift(replace(s, models=(team,)), named)] == [False]
 
 
 # --------------------------------------------------------------------------------------------- vLLM, failures
