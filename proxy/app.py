@@ -206,9 +206,10 @@ class Gateway:
         except ProxyError as exc:
             self.rejected(endpoint, body, "rejected")
             return self.error_response(exc, request_id)
+        mirrored = False
         if self.mirror is not None and decision.shadows:
-            self.mirror.submit(self, decision, body, endpoint, request_id)
-        return await self.serve(request_id, endpoint, decision, body, timer)
+            mirrored = bool(self.mirror.submit(self, decision, body, endpoint, request_id))
+        return await self.serve(request_id, endpoint, decision, body, timer, collect_text=mirrored)
 
     async def serve(
         self,
@@ -217,6 +218,7 @@ class Gateway:
         decision: Decision,
         body: dict[str, Any],
         timer: StreamTimer,
+        collect_text: bool = False,
     ) -> Response:
         last_exc: ProxyError | None = None
         for i, name in enumerate(decision.engines):
@@ -230,6 +232,7 @@ class Gateway:
                 role="primary",
                 body=body,
                 timer=timer,
+                collect_text=collect_text,
             )
             more = i + 1 < len(decision.engines)
             self.metrics.in_flight.labels(name, "primary").inc()

@@ -105,6 +105,7 @@ class Comparison:
     ratio_ttft: float | None  # shadow / primary
     ratio_tpot: float | None
     ratio_decode_tps: float | None
+    ratio_e2e: float | None  # log record only (non-stream pairs have no TTFT/TPOT)
 
 
 def first_diff(a: str, b: str) -> int | None:
@@ -158,6 +159,7 @@ def compare(primary: Result, shadow: Result) -> Comparison:
         ratio_ttft=_ratio(s.upstream_ttft_s, p.upstream_ttft_s) if ok else None,
         ratio_tpot=_ratio(s.tpot_s, p.tpot_s) if ok else None,
         ratio_decode_tps=_ratio(s.decode_tps, p.decode_tps) if ok else None,
+        ratio_e2e=_ratio(s.e2e_s, p.e2e_s) if ok else None,
     )
 
 
@@ -231,7 +233,12 @@ def to_record(
         },
         "delta": {"prompt_tokens": c.prompt_delta, "completion_tokens": c.completion_delta},
         "first_diff_pos": c.first_diff_pos,
-        "ratios": {"ttft": c.ratio_ttft, "tpot": c.ratio_tpot, "decode_tps": c.ratio_decode_tps},
+        "ratios": {
+            "ttft": c.ratio_ttft,
+            "tpot": c.ratio_tpot,
+            "decode_tps": c.ratio_decode_tps,
+            "e2e": c.ratio_e2e,
+        },
     }
     if prompt is not None:
         rec["prompt"] = prompt

@@ -10,13 +10,15 @@ from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
 from proxy import enginestate, gpu
+from proxy.admin import install_admin
 from proxy.app import Gateway, create_app
+from proxy.mirror import install_mirror
 from proxy.settings import Settings
 
 
 def extensions() -> list[Callable[[Gateway], Any]]:
     """Optional stages (mirroring, collectors), each installed by a function taking the Gateway."""
-    exts: list[Callable[[Gateway], Any]] = []
+    exts: list[Callable[[Gateway], Any]] = [install_mirror, install_admin]
     exts += [gpu.install, enginestate.install]
     return exts
 

@@ -193,7 +193,7 @@ def test_record_schema_and_text_only_when_given() -> None:
         "finish_reason",
     }
     assert set(rec["mismatch"]) == {"prompt_tokens", "completion_tokens", "finish_reason", "output"}
-    assert set(rec["ratios"]) == {"ttft", "tpot", "decode_tps"}
+    assert set(rec["ratios"]) == {"ttft", "tpot", "decode_tps", "e2e"}
     assert "prompt" not in rec and "text" not in rec["primary"]
     json.dumps(rec)  # serializable as is
     with_text = to_record(c, prompt=[{"role": "user", "content": "hi"}], primary_text="a", shadow_text="b")

@@ -1,0 +1,85 @@
+"""Admin endpoints, behind ``settings.admin_key`` (a bearer token, separate from the client API keys).
+
+- ``GET /admin/mirror``  -> the mirroring state (``Mirror.state()``: enabled, per-route rates, in flight,
+  sent/dropped counts, pending pairs, comparison log).
+- ``POST /admin/mirror`` with ``{"enabled": bool?, "sample_rate": float?, "route": int?}`` -> changes it at run
+  time and answers with the new state. ``sample_rate`` without ``route`` applies to every route.
+
+No admin key configured -> 404 (the endpoints do not exist); a wrong or missing key -> 401. Every error is the
+OpenAI-style envelope marked ``"enginemeter": true``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
+from proxy.mirror import Mirror
+
+if TYPE_CHECKING:
+    from proxy.app import Gateway
+
+MAX_ADMIN_BODY = 64 * 1024
+
+
+def _authorize(gw: Gateway, request: Request) -> None:
+    key = gw.settings.admin_key
+    if not key:
+        raise NotFound(f"Not Found: {request.method} {request.url.path} (no admin_key configured)")
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        raise Unauthorized("missing or invalid admin key")
+
+
+def _mirror(gw: Gateway) -> Mirror:
+    if not isinstance(gw.mirror, Mirror):
+        raise NotFound("mirroring is not installed")
+    return gw.mirror
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_ADMIN_BODY:
+        raise BadRequest("request body too large")
+    try:
+        doc = json.loads(raw or b"{}")
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = set(doc) - {"enabled", "sample_rate", "route"}
+    if unknown:
+        raise BadRequest(f"unknown field(s) {sorted(unknown)}", param=sorted(unknown)[0])
+    enabled, rate, route = doc.get("enabled"), doc.get("sample_rate"), doc.get("route")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise BadRequest("`enabled` must be a boolean", param="enabled")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)):
+        raise BadRequest("`sample_rate` must be a number", param="sample_rate")
+    if route is not None and (isinstance(route, bool) or not isinstance(route, int)):
+        raise BadRequest("`route` must be an integer", param="route")
+    return doc
+
+
+def install_admin(gw: Gateway) -> None:
+    async def mirror_state(request: Request) -> Response:
+        try:
+            _authorize(gw, request)
+            m = _mirror(gw)
+            if request.method == "POST":
+                doc = _parse(await request.body())
+                rate = doc.get("sample_rate")
+                m.set(
+                    enabled=doc.get("enabled"),
+                    sample_rate=float(rate) if rate is not None else None,
+                    route=doc.get("route"),
+                )
+        except ProxyError as exc:
+            return gw.error_response(exc, "")
+        return JSONResponse(m.state())
+
+    gw.extra_routes.append(Route("/admin/mirror", mirror_state, methods=["GET", "POST"]))

@@ -1,0 +1,369 @@
+"""Shadow mirroring through the real proxy (uvicorn, real sockets).
+
+- real llama-server pairs: same model with different settings (greedy outputs match, nothing counted as a
+  mismatch), different tokenizers (prompt-token mismatch counted), the SGLang emulator as shadow;
+- isolation: shadows 10x slower, refusing connections and hanging leave the primary's client-visible TTFT
+  and stream as they are with mirroring off (measured in the same test); the fault engines run as separate
+  processes so their work does not share the test process's GIL with the proxy;
+- the bounds: dropped when full, not cancelled by the client's disconnect, bounded by ``mirror.timeout``;
+- /admin/mirror switches mirroring and its rate at run time; /health shows the state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.result import Result
+from proxy.server import build_app
+from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
+from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from tests.helpers import free_port, run_uvicorn_app, wait_until
+
+MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+ADMIN = {"authorization": "Bearer admin-secret"}
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Proxy:
+    url: str
+    registry: CollectorRegistry
+    results: list[Result] = field(default_factory=list)
+
+    def value(self, name: str, **labels: str) -> float:
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum over every sample of ``name`` whose labels include ``labels``."""
+        return sum(
+            s.value
+            for metric in self.registry.collect()
+            for s in metric.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def of(self, role: str, engine: str | None = None) -> list[Result]:
+        return [r for r in list(self.results) if r.role == role and (engine is None or r.engine == engine)]
+
+    def admin(self, **body: Any) -> dict[str, Any]:
+        r = httpx.post(f"{self.url}/admin/mirror", json=body, headers=ADMIN, timeout=10)
+        assert r.status_code == 200, r.text
+        doc: dict[str, Any] = r.json()
+        return doc
+
+
+@pytest.fixture
+def start_proxy() -> Iterator[Callable[[Settings], Proxy]]:
+    with ExitStack() as stack:
+
+        def start(settings: Settings) -> Proxy:
+            registry = CollectorRegistry()
+            app = build_app(settings, registry=registry)
+            p = Proxy(url="", registry=registry)
+            app.state.gateway.result_hooks.append(p.results.append)
+            p.url = stack.enter_context(run_uvicorn_app(app))
+            return p
+
+        yield start
+
+
+@contextmanager
+def fault_process(*args: str) -> Iterator[str]:
+    """``python -m tests.fakes.fault_engine`` as its own process; yields its base URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes.fault_engine", "--port", "0", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 30
+        line = ""
+        while not line.startswith("READY") and time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(timeout=0.5):
+                line = proc.stdout.readline()
+        if not line.startswith("READY"):
+            raise RuntimeError(f"fault engine did not start: {line!r}")
+        sel.close()
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def engine(name: str, url: str, **kw: Any) -> EngineSettings:
+    return EngineSettings(name=name, url=url, timeouts=Timeouts(connect=2, read=30), **kw)
+
+
+def mirrored(primary: EngineSettings, *shadows: EngineSettings, **mirror: Any) -> Settings:
+    return Settings(
+        engines=(primary, *shadows),
+        routes=(RouteSettings(models=("*",), primary=primary.name, shadows=tuple(s.name for s in shadows)),),
+        admin_key="admin-secret",
+        mirror=replace(MirrorSettings(), **mirror),
+    )
+
+
+@dataclass
+class Timed:
+    ttft_s: float
+    total_s: float
+    text: str
+
+
+def timed_stream(url: str, *, max_tokens: int = 64, path: str = "/v1/chat/completions") -> Timed:
+    """One streaming request: client-side time to the first content event and to the end of the stream."""
+    body: dict[str, Any] = {"model": "m", "messages": MSGS, "stream": True, "max_tokens": max_tokens}
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            assert "error" not in doc, doc
+            for c in doc.get("choices") or []:
+                piece = c.get("delta", {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    parts.append(piece)
+    assert ttft is not None
+    return Timed(ttft_s=ttft, total_s=time.perf_counter() - t0, text="".join(parts))
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------- isolation
+
+
+def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
+    start_proxy: Callable[[Settings], Proxy],
+) -> None:
+    n = 6
+    with ExitStack() as stack:
+        primary = stack.enter_context(fault_process("--tokens", "20", "--cadence-ms", "20", "--ttft-ms", "50"))
+        # 10x slower in both TTFT and cadence
+        slow = stack.enter_context(fault_process("--tokens", "20", "--cadence-ms", "200", "--ttft-ms", "500"))
+        hang = stack.enter_context(fault_process("--fault", "hang"))
+        refused = f"http://127.0.0.1:{free_port()}"
+        p = start_proxy(
+            mirrored(
+                engine("primary", primary, kind="llamacpp"),
+                engine("slow", slow, kind="llamacpp"),
+                engine("refused", refused, kind="llamacpp"),
+                engine("hang", hang, kind="llamacpp"),
+                timeout=6.0,
+            )
+        )
+        timed_stream(p.url)  # warm the connections on both sides of the proxy (mirrored too)
+        assert p.admin(enabled=False)["enabled"] is False
+        off = [timed_stream(p.url) for _ in range(n)]
+        assert p.admin(enabled=True)["enabled"] is True
+        on = [timed_stream(p.url) for _ in range(n)]
+
+        # the copies really went out, and the primary still finished first every time
+        for s in ("slow", "refused", "hang"):
+            assert p.value("enginemeter_mirror_requests_total", engine=s, result="sent") == n + 1
+            assert p.value("enginemeter_mirror_requests_total", engine=s, result="dropped_disabled") == n
+        ttft_off = statistics.median(t.ttft_s for t in off)
+        ttft_on = statistics.median(t.ttft_s for t in on)
+        total_off = statistics.median(t.total_s for t in off)
+        total_on = statistics.median(t.total_s for t in on)
+        print(
+            f"primary TTFT median off/on {ttft_off * 1e3:.1f}/{ttft_on * 1e3:.1f} ms, stream {total_off * 1e3:.0f}/{total_on * 1e3:.0f} ms"
+        )
+        # generous bounds (a shared 2-core machine); the precise overhead figure belongs to bench/
+        assert ttft_on < ttft_off + 0.1, (ttft_off, ttft_on)
+        assert total_on < total_off + 0.15, (total_off, total_on)
+        assert max(t.total_s for t in on) < 0.5 + 19 * 0.2, "a primary stream waited for the slow shadow"
+        assert {t.text for t in on} == {t.text for t in off}, "the client stream changed with mirroring on"
+
+        # every copy ends in exactly one shadow Result: slow ones finish, refused ones fail fast, hanging
+        # ones are cut by mirror.timeout; none of it shows on the primary's side
+        wait_until(lambda: len(p.of("shadow")) == 3 * (n + 1), timeout=30)
+        outcomes = {(r.engine, r.outcome) for r in p.of("shadow")}
+        assert outcomes == {("slow", "ok"), ("refused", "connect_error"), ("hang", "timeout")}
+        assert {r.outcome for r in p.of("primary")} == {"ok"}
+        for s in ("slow", "refused", "hang"):
+            assert p.value("enginemeter_in_flight_requests", engine=s, role="shadow") == 0
+        # the slow shadow is timed like a primary: its TTFT/TPOT histograms fill, and the pairs are compared
+        assert p.value("enginemeter_time_to_first_token_seconds_count", engine="slow", model="other", role="shadow", stream="true") == n + 1  # fmt: skip
+        assert p.value("enginemeter_compared_pairs_total", primary="primary", shadow="slow") == n + 1
+        ratio_sum = p.value("enginemeter_shadow_ratio_sum", primary="primary", shadow="slow", metric="tpot")
+        assert ratio_sum / (n + 1) > 3, "the 10x slower shadow should show a TPOT ratio well above 1"
+
+
+def test_a_full_shadow_drops_copies_instead_of_queueing(start_proxy: Callable[[Settings], Proxy]) -> None:
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=4))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(hang=True))) as hang,
+    ):
+        p = start_proxy(
+            mirrored(
+                engine("p", primary, kind="llamacpp"), engine("h", hang, kind="llamacpp"), max_in_flight=1, timeout=3.0
+            )
+        )
+        t0 = time.perf_counter()
+        for _ in range(3):
+            timed_stream(p.url)
+        assert time.perf_counter() - t0 < 2.5, "requests waited for the hanging shadow"
+        assert p.value("enginemeter_mirror_requests_total", engine="h", result="sent") == 1
+        assert p.value("enginemeter_mirror_requests_total", engine="h", result="dropped_full") == 2
+        assert p.value("enginemeter_in_flight_requests", engine="h", role="shadow") == 1
+        # the timeout frees the slot; the next copy goes out again
+        wait_until(lambda: p.value("enginemeter_in_flight_requests", engine="h", role="shadow") == 0, timeout=10)
+        (r,) = p.of("shadow")
+        assert r.outcome == "timeout"
+        assert 2.5 < (r.timing.e2e_s or 0) < 6
+        timed_stream(p.url)
+        assert p.value("enginemeter_mirror_requests_total", engine="h", result="sent") == 2
+        state = httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()
+        assert state["dropped"]["dropped_full"] == 2
+        assert state["in_flight"]["h"] == 1
+
+
+def test_the_client_hanging_up_does_not_cancel_the_shadow(
+    start_proxy: Callable[[Settings], Proxy], tmp_path: Path
+) -> None:
+    log = tmp_path / "pairs.jsonl"
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=40, cadence_ms=25))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=40, cadence_ms=10, ttft_ms=300))) as shadow,
+    ):
+        p = start_proxy(
+            mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp"), log_path=str(log))
+        )
+        body = {"model": "m", "messages": MSGS, "stream": True, "max_tokens": 40}
+        with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if '"content":"' in line:
+                    break  # first token seen: hang up
+        wait_until(lambda: len(p.of("primary")) == 1 and len(p.of("shadow")) == 1, timeout=15)
+        assert p.of("primary")[0].outcome == "client_disconnect"
+        (s,) = p.of("shadow")
+        assert s.outcome == "ok"
+        assert s.usage is not None and s.usage.completion_tokens == 40
+        wait_until(lambda: len(read_log(log)) == 1, timeout=10)
+        (rec,) = read_log(log)
+        assert rec["primary"]["outcome"] == "client_disconnect"
+        assert rec["shadow"]["outcome"] == "ok"
+        assert rec["comparable"] is False
+        assert rec["mismatch"] == {
+            "prompt_tokens": None,
+            "completion_tokens": None,
+            "finish_reason": None,
+            "output": None,
+        }
+        assert p.value("enginemeter_compared_pairs_total", primary="p", shadow="s") == 0
+
+
+# ------------------------------------------------------------------------------------------------- admin
+
+
+def test_admin_switches_mirroring_at_run_time(start_proxy: Callable[[Settings], Proxy]) -> None:
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as shadow,
+    ):
+        p = start_proxy(mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp")))
+
+        def sent() -> float:
+            return p.value("enginemeter_mirror_requests_total", engine="s", result="sent")
+
+        # auth: no key / wrong key -> 401, marked as the proxy's
+        for headers in ({}, {"authorization": "Bearer nope"}):
+            r = httpx.get(f"{p.url}/admin/mirror", headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["enginemeter"] is True
+        state = httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()
+        assert state["enabled"] is True
+        assert state["routes"] == [{"route": 0, "models": ["*"], "shadows": ["s"], "sample_rate": 1.0}]
+
+        timed_stream(p.url, max_tokens=2)
+        assert sent() == 1
+        p.admin(enabled=False)
+        timed_stream(p.url, max_tokens=2)
+        assert sent() == 1
+        assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_disabled") == 1
+        state = p.admin(enabled=True, sample_rate=0.0)
+        assert state["routes"][0]["sample_rate"] == 0.0
+        timed_stream(p.url, max_tokens=2)
+        assert sent() == 1
+        assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled") == 1
+        p.admin(sample_rate=1.0, route=0)
+        timed_stream(p.url, max_tokens=2)
+        assert sent() == 2
+
+        health = httpx.get(f"{p.url}/health").json()
+        assert health["mirror"]["enabled"] is True
+        assert health["mirror"]["sent"] == 2
+        assert health["mirror"]["dropped"]["dropped_sampled"] == 1
+
+        # bad input: a 400 from the proxy, state unchanged
+        for bad in ({"sample_rate": 2}, {"sample_rate": 0.5, "route": 7}, {"enabled": "yes"}, {"rate": 1}, [1]):
+            r = httpx.post(f"{p.url}/admin/mirror", json=bad, headers=ADMIN)
+            assert r.status_code == 400, bad
+            assert r.json()["error"]["enginemeter"] is True
+        r = httpx.post(f"{p.url}/admin/mirror", content=b"{oops", headers=ADMIN)
+        assert r.status_code == 400
+        assert httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()["routes"][0]["sample_rate"] == 1.0
+
+
+def test_admin_endpoints_are_off_without_an_admin_key(start_proxy: Callable[[Settings], Proxy]) -> None:
+    with run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary:
+        p = start_proxy(replace(mirrored(engine("p", primary, kind="llamacpp")), admin_key=None))
+        for method in ("GET", "POST"):
+            r = httpx.request(method, f"{p.url}/admin/mirror", json={"enabled": False}, headers=ADMIN)
+            assert r.status_code == 404
+            assert r.json()["error"]["enginemeter"] is True
+
+
+def test_sampling_mirrors_about_the_configured_fraction(start_proxy: Callable[[Settings], Proxy]) -> None:
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=1))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=1))) as shadow,
+    ):
+        s = mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp"))
+        s = replace(s, routes=(replace(s.routes[0], sample_rate=0.3),))
+        p = start_proxy(s)
+        n = 100
+        for _ in range(n):
+            r = httpx.post(f"{p.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
+            assert r.status_code == 200
+        sent = p.value("enginemeter_mirror_requests_total", engine="s", result="sent")
+        sampled_out = p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled")
+        assert sent + sampled_out == n
+        assert 10 <= sent <= 50, sent  # binomial(100, 0.3): sd 4.6
