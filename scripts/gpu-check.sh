@@ -15,21 +15,23 @@
 # real proxy, real attribution by port):   DRY_RUN=1 scripts/gpu-check.sh
 #
 # Knobs: LLAMA_SERVER_BIN (skip the build), MODEL (skip generating), SHAPE (default 7b), NGL (99),
-#        CTX (8192), NP (4), WORK (/tmp/enginemeter-gpu-check), TOLERANCE (0.01), ENGINE_PORT, PROXY_PORT.
+#        CTX (8192), NP (4), WORK (/tmp/enginemeter-gpu-check), TOLERANCE (0.01), ENGINE_PORT, PROXY_PORT,
+#        PYTHON (python3), NO_WHEELS=1 (use the interpreter's packages, skip .whl/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
 if [ "${1:-}" = wheels ]; then
   # here (with network): the proxy's runtime wheels for the GPU machine's python3.12; numpy is in its image
-  mkdir -p .whl
-  python3 -m pip download -q --dest .whl --only-binary=:all: --python-version 3.12 \
+  dest=${WHEEL_DIR:-.whl}
+  mkdir -p "$dest"
+  "${PYTHON:-python3}" -m pip download -q --dest "$dest" --only-binary=:all: --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --implementation cp --abi cp312 --abi abi3 --abi none \
     starlette uvicorn httpx prometheus-client PyYAML gguf anyio idna certifi h11 httpcore click \
     typing_extensions sniffio tqdm
-  rm -f .whl/numpy-*.whl
-  ls -la .whl
+  rm -f "$dest"/numpy-*.whl
+  ls -la "$dest"
   exit 0
 fi
 
@@ -54,7 +56,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # 1. python dependencies: wheels carried in .whl/ (the GPU image lacks starlette, uvicorn, httpx, ...)
-if [ "$dry" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
+if [ "$dry" != 1 ] && [ -z "${NO_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$root${PYTHONPATH:+:$PYTHONPATH}"
 else

@@ -138,6 +138,10 @@ def compare(a: argparse.Namespace) -> int:
     # 1. a successful sample that has found the engine's GPU process
     deadline = time.monotonic() + a.timeout
     samples: list[tuple[str, dict[str, str], float]] = []
+    gpu_health = json.loads(http_get(f"{a.proxy}/health")[1]).get("gpu", {})
+    if not gpu_health.get("enabled"):
+        t.notes.append(f"the proxy's GPU collectors are off: {gpu_health.get('reason')}")
+        deadline = 0.0  # nothing will come: report at once
     while time.monotonic() < deadline:
         samples = parse_metrics(http_get(f"{a.proxy}/metrics")[1].decode())
         okv = pick(samples, "enginemeter_gpu_sample_success")
@@ -146,14 +150,15 @@ def compare(a: argparse.Namespace) -> int:
             break
         time.sleep(0.5)
     else:
-        t.notes.append(f"no successful sample attributing a GPU process to {eng} within {a.timeout:.0f}s")
+        if deadline:
+            t.notes.append(f"no successful sample attributing a GPU process to {eng} within {a.timeout:.0f}s")
     # 2. nvidia-smi, then two fresh proxy samples, then nvidia-smi again; retry while memory moves
     health: dict[str, Any] = {}
     before = after = smi_state()
     for _attempt in range(10):
         before = smi_state()
         n0 = json.loads(http_get(f"{a.proxy}/health")[1]).get("gpu", {}).get("samples", 0)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + (30 if gpu_health.get("enabled") else 0)
         while time.monotonic() < deadline:
             health = json.loads(http_get(f"{a.proxy}/health")[1])
             if health.get("gpu", {}).get("samples", 0) >= n0 + 2:
