@@ -43,6 +43,7 @@ from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_
 from proxy.upstream import detect_kind
 
 CHAT_PATH = "/v1/chat/completions"
+_NEVER_SEEN = "Server disconnected without sending a response"
 PIN_HEADER = "x-enginemeter-engine"
 _QUANT = re.compile(
     r"(?i)(?<![a-z0-9])(i?q[1-8](?:_[a-z0-9]+)*|f16|bf16|f32|fp16|fp8|fp32|int8|int4|awq|gptq|mxfp4|nvfp4)(?![a-z0-9])"
@@ -149,10 +150,25 @@ class RequestOutcome:
     n_token_events: int
     t_start_ns: int
     t_done_ns: int
+    retried: bool = False
 
 
 async def send_one(client: httpx.AsyncClient, body: bytes, headers: Mapping[str, str]) -> RequestOutcome:
-    """POST one streaming chat request and time it exactly as the proxy times its upstream."""
+    """POST one streaming chat request and time it exactly as the proxy times its upstream.
+
+    A kept-alive connection the server closed before answering (llama-server's cpp-httplib closes idle
+    keep-alive connections after 5 s and every connection after a fixed number of requests; a client can win
+    that race) is retried once with a fresh clock: the engine never saw that request. Through the proxy the
+    same event comes back as its 502 "closed the connection: Server disconnected without sending a response".
+    """
+    o = await _send_once(client, body, headers)
+    if not o.ok and o.error and _NEVER_SEEN in o.error and o.status in (0, 502):  # 502: the proxy relaying it
+        o = await _send_once(client, body, headers)
+        o.retried = True
+    return o
+
+
+async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[str, str]) -> RequestOutcome:
     timer = StreamTimer()
     framer = SSEFramer()
     usage: Usage | None = None
@@ -672,6 +688,7 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
                     "completion_tokens": u.completion_tokens if u else None,
                     "cached_tokens": u.cached_tokens if u else (e.cache_n if e else None),
                     "token_events": o.n_token_events,
+                    "retried": o.retried,
                     "finish_reason": o.finish_reason,
                     "engine_timings": asdict(e) if e else None,
                     "t_s": (o.t_start_ns - t0_ns) / 1e9,
