@@ -12,11 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
-import selectors
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -28,15 +24,17 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.embedded import LlamaServer
 from proxy.result import Result
 from proxy.server import build_app
 from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from tests.helpers import free_port, run_uvicorn_app, wait_until
+from tests.fakes.sglang_emulator import EmulatorConfig
+from tests.fakes.sglang_emulator import run_in_thread as run_emulator
+from tests.helpers import LlamaServerFactory, ProcessServer, free_port, run_uvicorn_app, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 ADMIN = {"authorization": "Bearer admin-secret"}
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -86,35 +84,8 @@ def start_proxy() -> Iterator[Callable[[Settings], Proxy]]:
 @contextmanager
 def fault_process(*args: str) -> Iterator[str]:
     """``python -m tests.fakes.fault_engine`` as its own process; yields its base URL."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.fault_engine", "--port", "0", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    try:
-        assert proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + 30
-        line = ""
-        while not line.startswith("READY") and time.monotonic() < deadline and proc.poll() is None:
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline()
-        if not line.startswith("READY"):
-            raise RuntimeError(f"fault engine did not start: {line!r}")
-        sel.close()
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with ProcessServer("tests.fakes.fault_engine", *args, ready_path="/health") as server:
+        yield server.url
 
 
 def engine(name: str, url: str, **kw: Any) -> EngineSettings:
@@ -367,3 +338,113 @@ def test_sampling_mirrors_about_the_configured_fraction(start_proxy: Callable[[S
         sampled_out = p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled")
         assert sent + sampled_out == n
         assert 10 <= sent <= 50, sent  # binomial(100, 0.3): sd 4.6
+
+
+# ------------------------------------------------------------------------------------ real engines
+
+
+def greedy_requests(url: str, model: str = "tiny") -> list[str]:
+    """Chat and completions, stream and not, all greedy; returns the texts the client saw."""
+    texts: list[str] = []
+    for path, stream in (
+        ("/v1/chat/completions", True),
+        ("/v1/chat/completions", False),
+        ("/v1/completions", True),
+        ("/v1/completions", False),
+    ):
+        body: dict[str, Any] = {"model": model, "max_tokens": 24, "temperature": 0, "stream": stream}
+        if "chat" in path:
+            body["messages"] = MSGS
+        else:
+            body["prompt"] = "Once upon a time, in a lighthouse by the sea,"
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            parts = [c.get("delta", {}).get("content") or c.get("text") or "" for e in events for c in e["choices"]]
+            texts.append("".join(parts))
+        else:
+            c0 = r.json()["choices"][0]
+            texts.append(c0["message"]["content"] if "message" in c0 else c0["text"])
+    return texts
+
+
+def test_same_model_with_different_slots_greedy_outputs_match(
+    start_proxy: Callable[[Settings], Proxy], llama_server_factory: LlamaServerFactory, tmp_path: Path
+) -> None:
+    a = llama_server_factory(np=1)
+    b = llama_server_factory(np=2)
+    log = tmp_path / "pairs.jsonl"
+    p = start_proxy(mirrored(engine("np1", a.url), engine("np2", b.url), log_path=str(log), record_text=True))
+    texts = greedy_requests(p.url)
+    assert all(texts)
+    wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="np1", shadow="np2") == 4, timeout=30)
+    for name in (
+        "enginemeter_token_count_mismatches_total",
+        "enginemeter_output_mismatches_total",
+        "enginemeter_finish_reason_mismatches_total",
+    ):
+        assert p.total(name) == 0, name
+    assert p.value("enginemeter_shadow_ratio_count", primary="np1", shadow="np2", metric="ttft") == 2  # streams
+    wait_until(lambda: len(read_log(log)) == 4, timeout=10)
+    records = read_log(log)
+    for rec, client_text in zip(records, texts, strict=True):
+        assert rec["greedy"] is True and rec["comparable"] is True
+        assert rec["mismatch"] == {
+            "prompt_tokens": False,
+            "completion_tokens": False,
+            "finish_reason": False,
+            "output": False,
+        }
+        assert rec["first_diff_pos"] is None
+        assert rec["primary"]["text"] == rec["shadow"]["text"] == client_text  # record_text: true
+        assert rec["primary"]["completion_tokens"] == rec["shadow"]["completion_tokens"] == 24
+        assert rec["primary"]["kind"] == rec["shadow"]["kind"] == "llamacpp"
+        assert rec["shadow"]["cached_tokens"] is not None  # llama.cpp reports cache_n / cached_tokens
+        assert rec["shadow"]["engine_decode_tps"] is not None
+        assert "prompt" in rec
+
+
+def test_different_tokenizers_count_a_prompt_token_mismatch(
+    start_proxy: Callable[[Settings], Proxy],
+    llama_server_factory: LlamaServerFactory,
+    tiny_model: Path,
+    tiny_model_spm: Path,
+    tmp_path: Path,
+) -> None:
+    qwen = llama_server_factory(model=tiny_model)
+    spm = llama_server_factory(model=tiny_model_spm)
+    log = tmp_path / "pairs.jsonl"
+    p = start_proxy(mirrored(engine("qwen", qwen.url), engine("spm", spm.url), log_path=str(log)))
+    greedy_requests(p.url)
+    labels = {"primary": "qwen", "shadow": "spm"}
+    wait_until(lambda: p.value("enginemeter_compared_pairs_total", **labels) == 4, timeout=30)
+    assert p.value("enginemeter_token_count_mismatches_total", kind="prompt", **labels) == 4
+    assert p.value("enginemeter_token_count_mismatches_total", kind="completion", **labels) == 0
+    assert p.value("enginemeter_token_count_delta_count", kind="prompt", **labels) == 4
+    wait_until(lambda: len(read_log(log)) == 4, timeout=10)
+    for rec in read_log(log):
+        assert rec["mismatch"]["prompt_tokens"] is True
+        assert rec["delta"]["prompt_tokens"] == rec["shadow"]["prompt_tokens"] - rec["primary"]["prompt_tokens"] != 0
+        assert "prompt" not in rec and "text" not in rec["primary"]  # record_text is off by default
+
+
+def test_sglang_emulator_as_shadow(start_proxy: Callable[[Settings], Proxy], llama_server: LlamaServer) -> None:
+    with run_emulator(EmulatorConfig(backend=llama_server.url, served_model_name="tiny-sglang")) as sglang:
+        p = start_proxy(mirrored(engine("llama", llama_server.url), engine("sglang", sglang)))
+        greedy_requests(p.url)
+        labels = {"primary": "llama", "shadow": "sglang"}
+        wait_until(lambda: p.value("enginemeter_compared_pairs_total", **labels) == 4, timeout=30)
+        shadows = p.of("shadow", "sglang")
+        assert len(shadows) == 4
+        assert {r.engine_kind for r in shadows} == {"sglang"}
+        assert {r.outcome for r in shadows} == {"ok"}
+        for r in shadows:
+            assert r.usage is not None and r.usage.completion_tokens == 24
+            if r.stream:
+                # TTFT at the first content event, not SGLang's role chunk with content ""
+                assert r.timing.ttft_s is not None and r.n_token_events == 24
+        # same weights behind both: the greedy texts and token counts agree
+        assert p.total("enginemeter_output_mismatches_total") == 0
+        assert p.total("enginemeter_token_count_mismatches_total", kind="completion") == 0
+        assert p.total("enginemeter_finish_reason_mismatches_total") == 0
