@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
@@ -448,3 +449,59 @@ def test_sglang_emulator_as_shadow(start_proxy: Callable[[Settings], Proxy], lla
         assert p.total("enginemeter_output_mismatches_total") == 0
         assert p.total("enginemeter_token_count_mismatches_total", kind="completion") == 0
         assert p.total("enginemeter_finish_reason_mismatches_total") == 0
+
+
+# ------------------------------------------------------------------------------------------------ pairing
+
+
+def test_the_pair_takes_the_primary_that_served_after_a_fallback(start_proxy: Callable[[Settings], Proxy]) -> None:
+    with (
+        run_in_thread(FaultEngineConfig(model="a", knobs=Knobs(tokens=3))) as a,
+        run_in_thread(FaultEngineConfig(model="s", knobs=Knobs(tokens=3))) as s,
+    ):
+        dead = f"http://127.0.0.1:{free_port()}"
+        settings = mirrored(engine("dead", dead, kind="llamacpp"), engine("s", s, kind="llamacpp"))
+        settings = replace(
+            settings,
+            engines=(*settings.engines, engine("a", a, kind="llamacpp")),
+            routes=(replace(settings.routes[0], fallback=("a",)),),
+        )
+        p = start_proxy(settings)
+        r = httpx.post(f"{p.url}/v1/chat/completions", json={"model": "m", "messages": MSGS, "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-enginemeter-engine"] == "a"
+        wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="a", shadow="s") == 1, timeout=10)
+        assert p.total("enginemeter_compared_pairs_total", primary="dead") == 0
+        assert [(x.engine, x.outcome) for x in p.of("primary")] == [("dead", "connect_error"), ("a", "ok")]
+
+
+def test_a_lost_half_expires_as_unpaired() -> None:
+    from proxy.app import Gateway
+    from proxy.mirror import PAIR_GRACE_S, install_mirror
+
+    async def main() -> None:
+        refused = f"http://127.0.0.1:{free_port()}"
+        registry = CollectorRegistry()
+        gw = Gateway(
+            mirrored(engine("p", refused, kind="llamacpp"), engine("s", refused, kind="llamacpp")), registry=registry
+        )
+        m = install_mirror(gw)
+        shadow_done = asyncio.Event()
+        gw.result_hooks.append(lambda r: shadow_done.set() if r.role == "shadow" else None)
+        async with m.lifespan():
+            decision = gw.router.decide("m", {}, None)
+            # the primary is never run here: its half is lost
+            assert m.submit(gw, decision, {"model": "m", "messages": MSGS}, "chat", "r1")
+            await asyncio.wait_for(shadow_done.wait(), timeout=10)
+            assert m.state()["pending_pairs"] == 1
+            m.sweep(time.monotonic() + m.timeout + PAIR_GRACE_S - 5)
+            assert m.state()["pending_pairs"] == 1, "expired too early"
+            m.sweep(time.monotonic() + m.timeout + PAIR_GRACE_S + 1)
+            assert m.state()["pending_pairs"] == 0
+            assert m.state()["unpaired"] == 1
+            assert (
+                registry.get_sample_value("enginemeter_mirror_requests_total", {"engine": "s", "result": "unpaired"})
+                == 1
+            )
+        await asyncio.gather(*(e.client.aclose() for e in gw.engines.values()))
+
+    asyncio.run(main())
