@@ -291,10 +291,12 @@ class Attributor:
         by_pid = {p: name for name, r in self.roots.items() for p in r.pids}
         cur: int | None = pid
         for _ in range(max_depth):
-            if cur is None or cur <= 1:
+            if cur is None or cur <= 0:
                 return None
             if cur in by_pid:
                 return by_pid[cur]
+            if cur == 1:
+                return None
             cur = parent_pid(cur, self.proc)
         return None
 

@@ -245,9 +245,14 @@ def test_attribution_by_pid_file(tmp_path: Path, child: subprocess.Popen[bytes])
     assert mon.sample_once()
     assert val(reg, "enginemeter_engine_gpu_memory_used_bytes", engine="llama", gpu="0") == 5 * GB
     assert mon.health()["gpu"]["engines"]["llama"]["source"] == "pid_file"
-    # the pid file is re-read every sample (engine restarted elsewhere): the process is no longer the engine's
-    pid_file.write_text("1\n")
-    assert mon.sample_once()
+    # the pid file is re-read every sample (engine restarted as another process): the old one is not the engine's
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid_file.write_text(f"{other.pid}\n")
+        assert mon.sample_once()
+    finally:
+        other.kill()
+        other.wait()
     assert val(reg, "enginemeter_engine_gpu_memory_used_bytes", engine="llama", gpu="0") == 0
     assert val(reg, "enginemeter_gpu_other_processes_memory_used_bytes", gpu="0") == 5 * GB
 
