@@ -1,0 +1,311 @@
+"""Every dashboard query and every rule, run against a real Prometheus scraping a real proxy with real traffic.
+
+The stack: two real llama-server engines; the primary serves the qwen2-vocab tiny model, the shadow backend the
+llama-SPM-vocab one behind the SGLang emulator (so every pair disagrees on token counts and greedy text);
+``proxy.server.build_app`` under real uvicorn with a mirror route; Debian's ``prometheus`` scraping the proxy
+and both engines' own ``/metrics`` with ``deploy/prometheus/prometheus.yml`` (targets and intervals swapped) and
+the repository's rule files. Two identical waves of traffic, each waited for in Prometheus, so every counter
+and histogram has an increase inside the query window.
+
+Then each panel target and each variable of each dashboard, each recording rule and each alert's signal must
+come back ``success`` with at least one finite sample. The only exception is an explicit allow-list of GPU
+queries, and only while the proxy's ``/health`` says NVML is unavailable (no GPU in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from proxy.server import build_app
+from proxy.settings import load
+from tests.helpers import free_port, run_uvicorn_app, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
+RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
+ALIAS = "tiny-chat"
+SHADOW_MODEL = "Qwen/Tiny-Instruct"
+
+#: queries allowed to be empty on a host without NVML, and only there: (dashboard uid or "rules", title)
+GPU_ALLOW = {
+    ("enginemeter-compare", "GPU memory per GPU"),
+    ("enginemeter-compare", "GPU memory per engine (with peak)"),
+    ("enginemeter-compare", "GPU utilization"),
+    ("enginemeter-overview", "GPU memory used share"),
+    ("rules", "EnginemeterGPUMemoryNearFull"),
+}
+#: Grafana's $__rate_interval for a 1 s scrape is 4 s; a little more keeps both waves' increases in view
+RATE_INTERVAL = "10s"
+ALERT_EXPR = re.compile(r"^(?P<signal>.+?)\s*(?:>|<|>=|<=|==|!=)\s*[0-9.e+-]+\s*$", re.S)
+
+pytestmark = pytest.mark.timeout(420)
+
+
+class Prom:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = httpx.Client(base_url=url, timeout=10)
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.client.get(path, params=params)
+        body = r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def value(self, expr: str) -> float:
+        res = self.get("/api/v1/query", query=expr)["result"]
+        return float(res[0]["value"][1]) if res else 0.0
+
+
+def finite(result: list[dict[str, Any]]) -> bool:
+    for series in result:
+        values = series.get("values") or [series["value"]]
+        if any(math.isfinite(float(v)) for _, v in values):
+            return True
+    return False
+
+
+def substitute(expr: str) -> str:
+    out = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$__range", "10m").replace("$__interval", "1s")
+    out = out.replace("$engine", ".*").replace("$model", ".*")
+    assert "$" not in out, f"unknown Grafana variable left in {expr}"
+    return out
+
+
+@pytest.fixture
+def prometheus_bin() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.skip("Debian's prometheus is not installed (run scripts/install-monitoring-tools.sh)")
+    return path
+
+
+@pytest.fixture
+def sglang_shadow(llama_server_factory: Any, tiny_model_spm: Path) -> Iterator[str]:
+    """The SGLang emulator with --enable-metrics in front of a llama-server on a different-tokenizer model."""
+    backend = llama_server_factory(model=tiny_model_spm, np=2, alias="tiny-spm")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes.sglang_emulator", "--port", str(port), "--backend", backend.url,
+         "--served-model-name", SHADOW_MODEL, "--enable-metrics", "--enable-cache-report"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is None and httpx.get(f"{url}/v1/models", timeout=1).status_code == 200, 60)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_prometheus(binary: str, tmp: Path, targets: dict[str, str]) -> tuple[subprocess.Popen[bytes], Prom]:
+    """deploy/prometheus/prometheus.yml with loopback targets, 1 s scrapes and 1 s rule evaluation."""
+    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    assert {j["job_name"] for j in cfg["scrape_configs"]} == set(targets)
+    for job in cfg["scrape_configs"]:
+        for sc in job["static_configs"]:
+            sc["targets"] = [targets[job["job_name"]]]
+    rules = []
+    for f in RULE_FILES:
+        doc = yaml.safe_load(f.read_text())
+        for g in doc["groups"]:
+            g["interval"] = "1s"
+        (tmp / f.name).write_text(yaml.safe_dump(doc))
+        rules.append(str(tmp / f.name))
+    cfg["rule_files"] = rules
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    with (tmp / "prometheus.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    prom = Prom(f"http://127.0.0.1:{port}")
+    try:
+        wait_until(lambda: proc.poll() is None and prom.client.get("/-/ready").status_code == 200, 30)
+    except BaseException:
+        prom.client.close()
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, prom
+
+
+def post(c: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    """A client that retries once when the proxy reports that the engine dropped a pooled connection unanswered.
+
+    Known proxy issue (upstream keep-alive reuse against llama-server under load, reported separately): without
+    this, the monitoring test would flake on it. Anything else, and a second failure, fails the test.
+    """
+    for attempt in range(2):
+        r = c.post(path, json=body)
+        if r.status_code == 502 and "closed the connection" in r.text and attempt == 0:
+            print(f"monitoring: retried once after: {r.text}")
+            continue
+        assert r.status_code == 200, r.text
+        return
+
+
+def drive(proxy: str) -> None:
+    """One wave: the same mix every time, so every series seen in wave 1 increases in wave 2."""
+    with httpx.Client(base_url=proxy, timeout=120) as c:
+        for stream in (True, False, True):
+            post(c, "/v1/chat/completions", {"model": ALIAS, "stream": stream, "temperature": 0, "max_tokens": 12,
+                 "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]})  # fmt: skip
+        post(c, "/v1/completions", {"model": ALIAS, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        # a rejected request (outcome="rejected") is part of normal life too
+        r = c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["enginemeter"] is True
+
+
+def wait_scraped(prom: Prom, pairs: float, ok: float) -> None:
+    """Poll Prometheus (not the proxy) until a scrape holds the wave's comparisons and requests."""
+
+    def seen() -> bool:
+        return (
+            prom.value('sum(enginemeter_compared_pairs_total{job="enginemeter"})') >= pairs
+            and prom.value('sum(enginemeter_requests_total{job="enginemeter", role="primary", outcome="ok"})') >= ok
+        )
+
+    wait_until(seen, timeout=120, interval=0.2)
+
+
+def queries() -> Iterator[tuple[str, str, str, str]]:
+    """(source, title, kind, expr): every panel target, variable, recording rule and alert signal."""
+    for path in DASHBOARDS:
+        dash = json.loads(path.read_text())
+        for v in dash["templating"]["list"]:
+            if v["type"] == "query":
+                yield dash["uid"], f"variable {v['name']}", "variable", v["definition"]
+        for p in dash["panels"]:
+            for t in p.get("targets", []):
+                yield dash["uid"], p["title"], "instant" if t.get("instant") else "range", t["expr"]
+    for f in RULE_FILES:
+        for g in yaml.safe_load(f.read_text())["groups"]:
+            for r in g["rules"]:
+                if "record" in r:
+                    yield "rules", r["record"], "range", r["record"]
+                    yield "rules", r["record"], "range", r["expr"]
+                else:
+                    m = ALERT_EXPR.match(r["expr"].strip())
+                    assert m, f"alert {r['alert']}: expr is not `<signal> <op> <number>`"
+                    yield "rules", r["alert"], "range", m["signal"]
+
+
+def run_query(prom: Prom, kind: str, expr: str, start: float, end: float) -> bool:
+    if kind == "variable":
+        m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", expr)
+        assert m, expr
+        series = prom.get("/api/v1/series", **{"match[]": substitute(m[1]), "start": start, "end": end})
+        return any(m[2] in s for s in series)
+    if kind == "instant":
+        return finite(prom.get("/api/v1/query", query=substitute(expr), time=end)["result"])
+    return finite(prom.get("/api/v1/query_range", query=substitute(expr), start=start, end=end, step=1)["result"])
+
+
+def test_every_dashboard_and_rule_query_returns_data(
+    prometheus_bin: str, llama_server_factory: Any, sglang_shadow: str, tmp_path: Path
+) -> None:
+    primary = llama_server_factory(np=2, alias="tiny")
+    config = {
+        "engines": [
+            {"name": "llama", "url": primary.url, "kind": "llamacpp", "model": "tiny"},
+            {"name": "sglang", "url": sglang_shadow, "kind": "sglang", "model": SHADOW_MODEL},
+        ],
+        "models": [{"alias": ALIAS, "engines": {"llama": "tiny", "sglang": SHADOW_MODEL}}],
+        "routes": [{"models": [ALIAS], "primary": "llama", "shadows": ["sglang"]}],
+    }
+    (tmp_path / "enginemeter.yaml").write_text(yaml.safe_dump(config))
+    settings = load(config=str(tmp_path / "enginemeter.yaml"), env={})
+    app = build_app(settings, registry=CollectorRegistry())
+    start = time.time() - 5
+    with run_uvicorn_app(app) as proxy:
+        health = httpx.get(f"{proxy}/health", timeout=10).json()
+        no_nvml = health.get("gpu", {}).get("enabled") is False
+        targets = {"enginemeter": proxy[len("http://") :], "llamacpp": primary.url[len("http://") :],
+                   "sglang": sglang_shadow[len("http://") :]}  # fmt: skip
+        proc, prom = start_prometheus(prometheus_bin, tmp_path, targets)
+        try:
+            # every target scraped once before any traffic, so each counter's first sample precedes its increase
+            wait_until(lambda: prom.value('count(up{job=~"enginemeter|llamacpp|sglang"} == 1)') == 3, 30, 0.2)
+            drive(proxy)
+            wait_scraped(prom, pairs=4, ok=4)
+            drive(proxy)
+            wait_scraped(prom, pairs=8, ok=8)
+            t_data = time.time()
+            # every rule group evaluated at least once after the second wave was scraped, all healthy
+            wait_until(
+                lambda: all(
+                    g["lastEvaluation"] and _ts(g["lastEvaluation"]) > t_data
+                    for g in prom.get("/api/v1/rules")["groups"]
+                ),
+                timeout=30,
+                interval=0.2,
+            )
+            # at least two scrapes of every target
+            assert prom.value("min(count_over_time(up[5m]))") >= 2
+            for g in prom.get("/api/v1/rules")["groups"]:
+                for r in g["rules"]:
+                    assert r["health"] == "ok", f"{r['name']}: {r.get('lastError')}"
+            # range queries step back from `end`, so the last recorded-rule sample (<= end) is always in view
+            end = time.time()
+            start = end - math.ceil(end - start)
+            checked, allowed_empty, failures = 0, [], []
+            for source, title, kind, expr in queries():
+                checked += 1
+                try:
+                    ok = run_query(prom, kind, expr, start, end)
+                except AssertionError as exc:
+                    failures.append(f"{source} | {title} | {expr} | {exc}")
+                    continue
+                if ok:
+                    continue
+                if (source, title) in GPU_ALLOW and no_nvml:
+                    allowed_empty.append(title)
+                    continue
+                failures.append(f"{source} | {title} | {expr} | empty")
+            print(f"\nmonitoring: {checked} queries checked against a live Prometheus, "
+                  f"{checked - len(failures) - len(allowed_empty)} returned data, "
+                  f"{len(allowed_empty)} GPU queries empty (no NVML), {len(failures)} failed")  # fmt: skip
+            assert not failures, "\n".join(failures)
+            # proof the allow-list is not hiding something: without NVML the GPU metrics are absent, with it present
+            gpu_series = prom.get("/api/v1/series", **{"match[]": "enginemeter_gpu_memory_total_bytes", "start": start})
+            assert bool(gpu_series) is not no_nvml
+            # the comparison really saw a token-count mismatch (different tokenizers)
+            assert prom.value('sum(enginemeter_token_count_mismatches_total{kind="prompt"})') >= 8
+        finally:
+            prom.client.close()
+            proc.terminate()
+            proc.wait(15)
+
+
+def _ts(rfc3339: str) -> float:
+    """Prometheus' RFC 3339 with nanoseconds -> epoch seconds (fromisoformat takes at most microseconds)."""
+    m = re.fullmatch(r"(.+?)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", rfc3339)
+    assert m, rfc3339
+    frac = (m[2] or "0")[:6].ljust(6, "0")
+    tz = "+00:00" if m[3] == "Z" else m[3]
+    return datetime.fromisoformat(f"{m[1]}.{frac}{tz}").timestamp()
