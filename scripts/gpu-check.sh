@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Real-GPU check of the GPU collectors (issue 4): a CUDA llama-server on a synthetic 7B-shape model, the proxy
-# in front of it with collectors on, and the proxy's per-GPU and per-process memory (scraped from /metrics)
-# against nvidia-smi within 1 %, plus the engine's process attributed to the right engine (by its port).
+# Real-GPU check of the GPU collectors (issue 4): a CUDA llama-server on a synthetic 7B-shape model plus a
+# second, tiny one on the same GPU, the proxy in front with collectors on, and the proxy's per-GPU and
+# per-engine memory (scraped from /metrics) against nvidia-smi within 1 %, plus each engine's process
+# attributed to the right engine (found by its port; the other engine's pid must not be counted).
 # Prints a PASS/FAIL table; writes it to $OUT/gpu-check.txt (and metrics, health, nvidia-smi, logs) when $OUT
 # is set. Exit status 0 only when every row passes.
 #
@@ -39,7 +40,8 @@ dry=${DRY_RUN:-0}
 work=${WORK:-/tmp/enginemeter-gpu-check}
 out=${OUT:-}
 tol=${TOLERANCE:-0.01}
-engine=llama-gpu
+engine=llama-gpu   # the 7B-shape engine
+small=llama-small  # a second engine on the same GPU (tiny model): attribution must tell the two apart
 mkdir -p "$work"
 [ -n "$out" ] && mkdir -p "$out"
 log() { printf '[gpu-check %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
@@ -49,6 +51,7 @@ cleanup() {
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
   if [ -n "$out" ]; then
     tail -n 60 "$work/llama-server.log" > "$out/llama-server.log.txt" 2>/dev/null || true
+    tail -n 30 "$work/llama-server-small.log" > "$out/llama-server-small.log.txt" 2>/dev/null || true
     tail -n 60 "$work/proxy.log" > "$out/proxy.log.txt" 2>/dev/null || true
   fi
 }
@@ -88,26 +91,38 @@ if [ -z "$model" ]; then
   model=$("$py" -m proxy.embedded model "$work/model-$shape.gguf" --shape "$shape" | tail -n 1)
 fi
 log "model: $model ($(du -h "$model" | cut -f1))"
+tiny=$model
+[ "$shape" = tiny ] || tiny=$("$py" -m proxy.embedded model "$work/model-tiny.gguf" --shape tiny | tail -n 1)
 
-# 4. the engine, all layers on the GPU
+# 4. the engines, all layers on the GPU
 eport=${ENGINE_PORT:-$(free_port)}
+sport=$(free_port)
 ngl=(-ngl "${NGL:-99}")
 [ "$dry" = 1 ] && ngl=()
 "$LLAMA_SERVER_BIN" -m "$model" --host 127.0.0.1 --port "$eport" "${ngl[@]}" -c "${CTX:-8192}" -np "${NP:-4}" \
   --alias "$engine" --no-webui > "$work/llama-server.log" 2>&1 &
 epid=$!
 pids+=("$epid")
-log "llama-server pid $epid on port $eport"
+"$LLAMA_SERVER_BIN" -m "$tiny" --host 127.0.0.1 --port "$sport" "${ngl[@]}" -c 2048 -np 1 \
+  --alias "$small" --no-webui > "$work/llama-server-small.log" 2>&1 &
+spid=$!
+pids+=("$spid")
+log "llama-server $engine pid $epid on port $eport; $small pid $spid on port $sport"
 "$py" scripts/gpu_check.py wait "http://127.0.0.1:$eport/health" --timeout 300 \
   || { tail -n 30 "$work/llama-server.log" >&2; exit 1; }
+"$py" scripts/gpu_check.py wait "http://127.0.0.1:$sport/health" --timeout 120 \
+  || { tail -n 30 "$work/llama-server-small.log" >&2; exit 1; }
 
-# 5. the proxy with collectors on; the engine is found by its listening port (no pid in the config)
+# 5. the proxy with collectors on; each engine is found by its listening port (no pid in the config)
 pport=${PROXY_PORT:-$(free_port)}
 cat > "$work/enginemeter.yaml" <<EOF
 listen: 127.0.0.1:$pport
 engines:
   - name: $engine
     url: http://127.0.0.1:$eport
+    kind: llamacpp
+  - name: $small
+    url: http://127.0.0.1:$sport
     kind: llamacpp
 collectors: {gpu: true, gpu_interval: 0.5, engine_interval: 2}
 EOF
@@ -116,7 +131,8 @@ if [ "$dry" = 1 ]; then
   cat > "$work/fake-nvml.json" <<EOF
 {"devices": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-dry-run", "total": 150754820096,
   "used": 16030000000, "free": 134095685632, "reserved": 629145600,
-  "processes": [{"pid": $epid, "used": 15370000000}, {"pid": 1, "used": 4194304}]}]}
+  "processes": [{"pid": $epid, "used": 15370000000}, {"pid": $spid, "used": 536870912},
+                {"pid": 1, "used": 4194304}]}]}
 EOF
   mkdir -p "$work/bin"
   printf '#!/bin/sh\nexec "%s" "%s/scripts/gpu_check.py" fake-smi --fake "%s" "$@"\n' \
@@ -139,7 +155,7 @@ grep -i "gpu collectors" "$work/proxy.log" >&2 || true
 "$py" scripts/gpu_check.py chat "$proxy" "$engine" >&2
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >&2 || true
 set +e
-"$py" scripts/gpu_check.py compare --proxy "$proxy" --engine "$engine" --engine-pid "$epid" --tolerance "$tol" \
+"$py" scripts/gpu_check.py compare --proxy "$proxy" --engine "$engine=$epid" --engine "$small=$spid" --tolerance "$tol" \
   ${out:+--out "$out/gpu-check.txt" --out-dir "$out"}
 rc=$?
 set -e

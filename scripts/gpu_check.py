@@ -5,7 +5,7 @@ Standard library only (the GPU machine has no httpx), except ``fake-serve``, whi
 
     gpu_check.py wait URL [--timeout S]                 until GET URL answers 200
     gpu_check.py chat PROXY MODEL                       one short chat completion through the proxy
-    gpu_check.py compare --proxy URL --engine NAME --engine-pid PID [--tolerance 0.01] [--out FILE]
+    gpu_check.py compare --proxy URL --engine NAME=PID [--engine NAME=PID ...] [--tolerance 0.01] [--out FILE]
     gpu_check.py fake-serve --config CFG --fake JSON    the proxy with a recorded NVML reader (dry run)
     gpu_check.py fake-smi --fake JSON ARGS...            an nvidia-smi stand-in over the same JSON (dry run)
 
@@ -134,8 +134,8 @@ def fmt(b: float | None) -> str:
 
 def compare(a: argparse.Namespace) -> int:
     t = Table()
-    eng, pid = a.engine, a.engine_pid
-    # 1. a successful sample that has found the engine's GPU process
+    engines = {n: int(p) for n, _, p in (e.partition("=") for e in a.engine)}
+    # 1. a successful sample that has found every engine's GPU process
     deadline = time.monotonic() + a.timeout
     samples: list[tuple[str, dict[str, str], float]] = []
     gpu_health = json.loads(http_get(f"{a.proxy}/health")[1]).get("gpu", {})
@@ -145,13 +145,13 @@ def compare(a: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         samples = parse_metrics(http_get(f"{a.proxy}/metrics")[1].decode())
         okv = pick(samples, "enginemeter_gpu_sample_success")
-        procs = pick(samples, "enginemeter_engine_gpu_processes", engine=eng)
-        if okv and okv[0][1] == 1 and procs and procs[0][1] >= 1:
+        procs = {lab["engine"]: v for lab, v in pick(samples, "enginemeter_engine_gpu_processes")}
+        if okv and okv[0][1] == 1 and all(procs.get(n, 0) >= 1 for n in engines):
             break
         time.sleep(0.5)
     else:
         if deadline:
-            t.notes.append(f"no successful sample attributing a GPU process to {eng} within {a.timeout:.0f}s")
+            t.notes.append(f"no successful sample attributing GPU processes to {list(engines)} within {a.timeout:.0f}s")
     # 2. nvidia-smi, then two fresh proxy samples, then nvidia-smi again; retry while memory moves
     health: dict[str, Any] = {}
     before = after = smi_state()
@@ -196,37 +196,41 @@ def compare(a: argparse.Namespace) -> int:
             res = f"{pr[0][1] / MIB:.0f} MiB" if pr else "n/a (NVML v1)"
             t.notes.append(f"gpu {idx}: {name}; NVML reserved {res}")
 
-    # 4. the engine's process
+    # 4. each engine's processes, and 5. attribution: the engine found by its port, naming its own pid
     smi_pids = {int(p): float(m) for p, m in apps if p.isdigit() and m.replace(".", "", 1).isdigit()}
-    peng = pick(samples, "enginemeter_engine_gpu_memory_used_bytes", engine=eng)
-    proxy_eng = sum(v for _, v in peng) if peng else None
-    t.bytes_row(f"engine {eng} (pid {pid}) memory", proxy_eng, smi_pids.get(pid), a.tolerance)
-    if pid not in smi_pids:
+    attribution = health.get("gpu", {}).get("engines", {})
+    for eng, pid in engines.items():
+        peng = pick(samples, "enginemeter_engine_gpu_memory_used_bytes", engine=eng)
+        proxy_eng = sum(v for _, v in peng) if peng else None
+        t.bytes_row(f"engine {eng} (pid {pid}) memory", proxy_eng, smi_pids.get(pid), a.tolerance)
+        att = attribution.get(eng, {})
+        # right engine: its own pid, and none of the other engines' pids
+        others = {p for n, p in engines.items() if n != eng}
+        gpu_pids = set(att.get("gpu_pids", []))
+        ok = pid in gpu_pids and pid in smi_pids and not gpu_pids & others
+        t.add(
+            f"engine {eng} attribution",
+            f"source={att.get('source')} pids={att.get('pids')} gpu_pids={att.get('gpu_pids')}",
+            f"pid {pid} on GPU" if pid in smi_pids else f"pid {pid} not listed",
+            "-",
+            ok,
+        )
+        es = health.get("engine_state", {}).get("engines", {}).get(eng, {})
+        peak = pick(samples, "enginemeter_engine_gpu_memory_peak_bytes", engine=eng)
+        t.notes.append(
+            f"engine {eng}: up={es.get('up')} kind={es.get('kind')} model={es.get('model')} "
+            f"context_length={es.get('context_length')} slots={es.get('slots')} quantization={es.get('quantization')}; "
+            f"peak since proxy start {fmt(sum(v for _, v in peak)) if peak else 'absent'}"
+        )
+    missing = [p for p in engines.values() if p not in smi_pids]
+    if missing:
         visible = [p for p in smi_pids if os.path.exists(f"/proc/{p}")]
         t.notes.append(
-            f"nvidia-smi lists pids {sorted(smi_pids)}, not the engine's pid {pid}"
+            f"nvidia-smi lists pids {sorted(smi_pids)}, not the engines' pids {missing}"
             + ("" if visible or not smi_pids else " -- none of them exists in /proc: a different pid namespace?")
         )
-
-    # 5. attribution: the proxy found the engine by its listening port and names the engine's own pid
-    att = health.get("gpu", {}).get("engines", {}).get(eng, {})
-    ok = pid in att.get("gpu_pids", []) and pid in smi_pids
-    t.add(
-        f"engine {eng} attribution",
-        f"source={att.get('source')} pids={att.get('pids')} gpu_pids={att.get('gpu_pids')}",
-        f"pid {pid} on GPU" if pid in smi_pids else f"pid {pid} not listed",
-        "-",
-        ok,
-    )
     other = pick(samples, "enginemeter_gpu_other_processes_memory_used_bytes")
     t.notes.append("unattributed GPU memory: " + (", ".join(f"gpu {lab['gpu']}: {fmt(v)}" for lab, v in other) or "-"))
-    es = health.get("engine_state", {}).get("engines", {}).get(eng, {})
-    t.notes.append(
-        f"engine state: up={es.get('up')} kind={es.get('kind')} model={es.get('model')} "
-        f"context_length={es.get('context_length')} slots={es.get('slots')} quantization={es.get('quantization')}"
-    )
-    peak = pick(samples, "enginemeter_engine_gpu_memory_peak_bytes", engine=eng)
-    t.notes.append(f"engine peak since proxy start: {fmt(sum(v for _, v in peak)) if peak else 'absent'}")
 
     report = t.render()
     print(report)
@@ -314,8 +318,7 @@ def main() -> int:
     c.add_argument("model")
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("--proxy", required=True)
-    cmp_.add_argument("--engine", required=True)
-    cmp_.add_argument("--engine-pid", type=int, required=True)
+    cmp_.add_argument("--engine", action="append", required=True, help="NAME=PID (repeatable)")
     cmp_.add_argument("--tolerance", type=float, default=0.01)
     cmp_.add_argument("--timeout", type=float, default=60)
     cmp_.add_argument("--out")
