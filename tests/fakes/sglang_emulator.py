@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import itertools
 import json
 import signal
 import socket
@@ -373,6 +374,24 @@ def _abort(code: HTTPStatus, message: str, prompt_tokens: int, completion_tokens
     return _Output("", completion_tokens, prompt_tokens, finish=finish)
 
 
+class _ShardedTransport(httpx.AsyncBaseTransport):
+    """Round-robin over small connection pools: httpcore scans its whole pool for every request, which
+    costs seconds of TTFT at a few hundred concurrent streams in one pool."""
+
+    def __init__(self, shards: int = 16, per_shard: int = 64) -> None:
+        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+        self._shards = [httpx.AsyncHTTPTransport(limits=limits) for _ in range(shards)]
+        self._next = itertools.count()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        shard = self._shards[next(self._next) % len(self._shards)]
+        return await shard.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for shard in self._shards:
+            await shard.aclose()
+
+
 class SGLangEmulator:
     """Backend connection and live state; one per app, built in the lifespan."""
 
@@ -402,9 +421,8 @@ class SGLangEmulator:
     async def start(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.client = httpx.AsyncClient(
             base_url=self.config.backend,
-            transport=transport,
+            transport=transport if transport is not None else _ShardedTransport(),
             timeout=httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
         )
         deadline = time.monotonic() + self.config.backend_wait_s
         while True:
