@@ -440,7 +440,7 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=80)
         drew = False
         for cache in caches:
-            for n in names:
+            for ni, n in enumerate(names):
                 xs, ys, lo, hi = series(cache, n, attr, key)
                 if not xs:
                     continue
@@ -456,6 +456,7 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
                     marker="o",
                     capsize=3,
                     linestyle="-" if cache != "warm" else "--",
+                    color=f"C{ni}",  # one colour per engine; warm cache dashed
                     label=f"{n} ({cache})",
                 )
                 if key == "prompt_len":
@@ -465,6 +466,9 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
             continue
         if key == "concurrency":
             ax.set_xscale("log", base=2)
+            ticks = sorted({s.cell.concurrency for s in r.samples})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
             ax.set_xlabel("concurrent requests")
         else:
             ax.set_xlabel("prompt length class")
