@@ -294,6 +294,12 @@ def test_every_dashboard_and_rule_query_returns_data(
             # proof the allow-list is not hiding something: without NVML the GPU metrics are absent, with it present
             gpu_series = prom.get("/api/v1/series", **{"match[]": "enginemeter_gpu_memory_total_bytes", "start": start})
             assert bool(gpu_series) is not no_nvml
+            # the exposition itself passes Prometheus' lint (names, units, _total), with every family populated
+            promtool = shutil.which("promtool")
+            assert promtool is not None, "Debian's prometheus package ships promtool"
+            exposition = httpx.get(f"{proxy}/metrics", timeout=10).text
+            lint = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, check=False)  # fmt: skip
+            assert lint.returncode == 0, lint.stdout + lint.stderr
             # the comparison really saw a token-count mismatch (different tokenizers)
             assert prom.value('sum(enginemeter_token_count_mismatches_total{kind="prompt"})') >= 8
         finally:
