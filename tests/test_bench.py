@@ -5,6 +5,7 @@ mapping, metrics parsing). Every bench here is ``--quick`` on the tiny model: se
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -338,3 +339,32 @@ def test_bench_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["bench", "--engine", "a=", "--engine", "b=", "--through", "http://x", "--out", str(tmp_path)]) == 2
     assert "--model" in capsys.readouterr().err
     assert main(["report", "--log", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
+
+
+def test_memory_probe_keeps_the_peak_while_a_cell_runs() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    readings = iter([1_000, 5_000, 3_000] + [2_000] * 1000)
+    scrapes = 0
+
+    async def metrics(_: Request) -> PlainTextResponse:
+        nonlocal scrapes
+        scrapes += 1
+        return PlainTextResponse(f'enginemeter_engine_gpu_memory_used_bytes{{engine="a",gpu="0"}} {next(readings)}\n')
+
+    async def scenario(url: str) -> tuple[int | None, str]:
+        probe = runner.MemoryProbe(f"{url}/metrics")
+        async with httpx.AsyncClient() as c, probe.watch(c, "a", period_s=0.01) as box:
+            deadline = asyncio.get_running_loop().time() + 10
+            while scrapes < 4:  # the "cell": poll until the probe has read several times
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+        return box["peak"], probe.source
+
+    with run_uvicorn_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
+        peak, source = asyncio.run(scenario(url))
+    assert peak == 5_000
+    assert source == "proxy engine gauge"

@@ -83,6 +83,7 @@ def load_log(
                         decode_tps=_med([s.get("decode_tps") for s in ok]),
                         e2e_s=_med([s.get("e2e_s") for s in ok]),
                         completion_tokens=_med([s.get("completion_tokens") for s in ok]),
+                        prompt_tokens=_med([s.get("prompt_tokens") for s in ok]),
                         errors=tuple(f"outcome {e}" for e in errs),
                     )
                 )

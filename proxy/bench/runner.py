@@ -820,6 +820,7 @@ def _sample_record(
         return _median([cast(float, getattr(o.timing, attr)) for o in ok if getattr(o.timing, attr) is not None])
 
     comp = [float(o.usage.completion_tokens) for o in ok if o.usage and o.usage.completion_tokens]
+    prompt = [float(o.usage.prompt_tokens) for o in ok if o.usage and o.usage.prompt_tokens]
     return {
         "type": "sample",
         "engine": engine,
@@ -837,6 +838,7 @@ def _sample_record(
         "decode_tps": med("decode_tps"),
         "e2e_s": med("e2e_s"),
         "completion_tokens": sum(comp) / len(comp) if comp else None,
+        "prompt_tokens": sum(prompt) / len(prompt) if prompt else None,
         "engine_decode_tps": _median(
             [o.engine.predicted_per_second for o in ok if o.engine and o.engine.predicted_per_second is not None]
         ),

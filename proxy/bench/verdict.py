@@ -54,6 +54,7 @@ class Sample:
     decode_tps: float | None = None
     e2e_s: float | None = None
     completion_tokens: float | None = None  # mean per request
+    prompt_tokens: float | None = None  # mean per request (engine usage): per-cell prompt-token parity
     output_tps: float | None = None  # all output tokens of the repeat / its wall time
     gpu_mem_peak_bytes: int | None = None
     errors: tuple[str, ...] = ()
