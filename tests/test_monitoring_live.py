@@ -31,6 +31,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from proxy import gpu
+from proxy.app import create_app
+from proxy.gpu import DeviceReading, ProcReading
 from proxy.server import build_app
 from proxy.settings import load
 from tests.helpers import free_port, run_uvicorn_app, wait_until
@@ -226,6 +229,29 @@ def run_query(prom: Prom, kind: str, expr: str, start: float, end: float) -> boo
     return finite(prom.get("/api/v1/query_range", query=substitute(expr), start=start, end=end, step=1)["result"])
 
 
+def check_queries(
+    prom: Prom, start: float, end: float, *, allow_gpu_empty: bool, only: set[tuple[str, str]] | None = None
+) -> tuple[int, list[str], list[str]]:
+    """Run the queries (all, or those whose (source, title) is in ``only``): (checked, allowed empty, failures)."""
+    checked, allowed_empty, failures = 0, [], []
+    for source, title, kind, expr in queries():
+        if only is not None and (source, title) not in only:
+            continue
+        checked += 1
+        try:
+            ok = run_query(prom, kind, expr, start, end)
+        except AssertionError as exc:
+            failures.append(f"{source} | {title} | {expr} | {exc}")
+            continue
+        if ok:
+            continue
+        if (source, title) in GPU_ALLOW and allow_gpu_empty:
+            allowed_empty.append(title)
+            continue
+        failures.append(f"{source} | {title} | {expr} | empty")
+    return checked, allowed_empty, failures
+
+
 def test_every_dashboard_and_rule_query_returns_data(
     prometheus_bin: str, llama_server_factory: Any, sglang_shadow: str, tmp_path: Path
 ) -> None:
@@ -273,20 +299,7 @@ def test_every_dashboard_and_rule_query_returns_data(
             # range queries step back from `end`, so the last recorded-rule sample (<= end) is always in view
             end = time.time()
             start = end - math.ceil(end - start)
-            checked, allowed_empty, failures = 0, [], []
-            for source, title, kind, expr in queries():
-                checked += 1
-                try:
-                    ok = run_query(prom, kind, expr, start, end)
-                except AssertionError as exc:
-                    failures.append(f"{source} | {title} | {expr} | {exc}")
-                    continue
-                if ok:
-                    continue
-                if (source, title) in GPU_ALLOW and no_nvml:
-                    allowed_empty.append(title)
-                    continue
-                failures.append(f"{source} | {title} | {expr} | empty")
+            checked, allowed_empty, failures = check_queries(prom, start, end, allow_gpu_empty=no_nvml)
             print(f"\nmonitoring: {checked} queries checked against a live Prometheus, "
                   f"{checked - len(failures) - len(allowed_empty)} returned data, "
                   f"{len(allowed_empty)} GPU queries empty (no NVML), {len(failures)} failed")  # fmt: skip
@@ -315,3 +328,65 @@ def _ts(rfc3339: str) -> float:
     frac = (m[2] or "0")[:6].ljust(6, "0")
     tz = "+00:00" if m[3] == "Z" else m[3]
     return datetime.fromisoformat(f"{m[1]}.{frac}{tz}").timestamp()
+
+
+class ReplayedNvml:
+    """NVML readings replayed from the H200 run in shared/reference/gpu.md (7B F16 llama-server, one GPU)."""
+
+    TOTAL = 150_754_820_096
+
+    def __init__(self, engine_pid: int) -> None:
+        self.engine_pid = engine_pid
+
+    def devices(self) -> list[DeviceReading]:
+        used, reserved = 16_030_000_000, 600 * 2**20
+        return [DeviceReading(0, "NVIDIA H200", "GPU-0000", self.TOTAL, used, self.TOTAL - used - reserved, reserved, 0.37)]  # fmt: skip
+
+    def processes(self, index: int) -> list[ProcReading]:
+        return [ProcReading(self.engine_pid, 15_370_000_000)]
+
+    def close(self) -> None:
+        pass
+
+
+def test_gpu_queries_return_data_from_replayed_nvml(prometheus_bin: str, tmp_path: Path) -> None:
+    """The GPU allow-list above only excuses *absence*: here NVML readings exist and those queries must answer.
+
+    NVML is replaced at the reader seam (``gpu.install(opener=)``); exposition, scrape and PromQL are real.
+    """
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        config = {
+            "engines": [{"name": "llama", "url": "http://127.0.0.1:9", "kind": "llamacpp", "model": "m", "pid": engine.pid}],
+            "routes": [{"primary": "llama"}],
+            "collectors": {"gpu": True, "gpu_interval": 0.2},
+        }  # fmt: skip
+        (tmp_path / "enginemeter.yaml").write_text(yaml.safe_dump(config))
+        settings = load(config=str(tmp_path / "enginemeter.yaml"), env={})
+        reader = ReplayedNvml(engine.pid)
+        app = create_app(settings, registry=CollectorRegistry(), extensions=[lambda gw: gpu.install(gw, opener=lambda: reader)])  # fmt: skip
+        start = time.time() - 5
+        with run_uvicorn_app(app) as proxy:
+            assert httpx.get(f"{proxy}/health", timeout=10).json()["gpu"]["enabled"] is True
+            addr = proxy[len("http://") :]
+            # nothing listens on the engine ports: those jobs are down, which is fine for GPU queries
+            proc, prom = start_prometheus(prometheus_bin, tmp_path, {"enginemeter": addr, "llamacpp": "127.0.0.1:9", "sglang": "127.0.0.1:9"})  # fmt: skip
+            try:
+                wait_until(lambda: prom.value("count_over_time(enginemeter_gpu_memory_total_bytes[1m])") >= 2, 30, 0.2)
+                end = time.time()
+                start = end - math.ceil(end - start)
+                checked, _, failures = check_queries(prom, start, end, allow_gpu_empty=False, only=GPU_ALLOW)
+                print(
+                    f"\nmonitoring: {checked} GPU queries checked against replayed NVML readings, {len(failures)} failed"
+                )
+                assert checked == 7 and not failures, "\n".join(failures)
+                used_share = prom.value("max(enginemeter_gpu_memory_used_bytes / enginemeter_gpu_memory_total_bytes)")
+                assert used_share == pytest.approx(16_030_000_000 / ReplayedNvml.TOTAL)
+                assert prom.value('max(enginemeter_engine_gpu_memory_used_bytes{engine="llama"})') == 15_370_000_000
+            finally:
+                prom.client.close()
+                proc.terminate()
+                proc.wait(15)
+    finally:
+        engine.kill()
+        engine.wait()
