@@ -505,3 +505,17 @@ def test_a_lost_half_expires_as_unpaired() -> None:
         await asyncio.gather(*(e.client.aclose() for e in gw.engines.values()))
 
     asyncio.run(main())
+
+
+def test_quick_flags_mirror_every_request(start_proxy: Callable[[Settings], Proxy]) -> None:
+    from proxy.settings import load
+
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as shadow,
+    ):
+        p = start_proxy(load(primary=primary, shadow=shadow, env={}))
+        for _ in range(5):
+            timed_stream(p.url, max_tokens=2)
+        assert p.value("enginemeter_mirror_requests_total", engine="shadow", result="sent") == 5
+        wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="primary", shadow="shadow") == 5)
