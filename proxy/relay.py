@@ -295,9 +295,10 @@ class Attempt:
             self.error = exc.message
             yield encode_data(json.dumps(error_body(exc.message, exc.type, exc.status)).encode())
         except BaseException:
-            # cancelled (client went away) or torn down: the upstream is closed below, freeing the slot
+            # cancelled (client went away) or torn down: the upstream is closed below, freeing the slot.
+            # A client that hangs up after [DONE] was relayed got the whole answer: that is "ok".
             if self.outcome is None:
-                self.outcome = "client_disconnect"
+                self.outcome = "ok" if self.saw_done else "client_disconnect"
             raise
         finally:
             await self.response.aclose()
