@@ -117,6 +117,16 @@ def test_quick_bench_np1_vs_np2(np1_np2: tuple[str, str], tmp_path: Path, monkey
     assert "Charts skipped: matplotlib is not installed" in (bare / "report.md").read_text()
     assert "data:image/png" not in (bare / "report.html").read_text()
     assert not list(bare.glob("*.png"))
+    monkeypatch.undo()
+
+    # a second run on the same (now warm) engines is still cold: the prefixes are new every run
+    again = tmp_path / "second"
+    argv = ["bench", "--engine", f"a={a}", "--engine", f"b={b}", "--quick", "--concurrency", "1",
+            "--prompt-lengths", "medium", "--repeats", "1", "--out", str(again), "--no-progress", *QUANT]  # fmt: skip
+    assert main(argv) == 0
+    second = [r for r in recs(again / "results.jsonl", "request") if r["phase"] == "measure"]
+    assert second and all((r["cached_tokens"] or 0) < r["prompt_tokens"] / 2 for r in second)
+    assert recs(again / "results.jsonl", "run")[0]["run_id"] != run["run_id"]
 
 
 def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ Protocol (docs/bench.md):
 - timing is the proxy's: ``SSEFramer`` + ``StreamTimer`` + ``StreamTiming.derive``, token events as in
   ``proxy.relay`` — so TTFT/TPOT/decode tok/s mean the same here and in ``/metrics``;
 - warm-up requests are sent first and discarded;
-- cache-cold: a unique prefix per request (``[bench <seed>-<n>]``; the *same* prefix on every engine, so
+- cache-cold: a unique prefix per request (``[<random hex> bench <run id>]``: it differs from its first
+  token, so only the chat template's own preamble can be cached; the *same* prefix on every engine, so
   per-request prompt tokens stay comparable), optionally ``cache_prompt: false`` to llama.cpp, and
   ``POST /flush_cache`` to SGLang before the phase; cache-warm: the bare prompts, primed once per engine;
 - sweeps change one variable from the base point (concurrency 1, base max_tokens, base prompt length);
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import re
+import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -579,6 +581,9 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
     path = out / "results.jsonl"
     w = Writer(path)
     t_start = time.time()
+    # a new id per run: engines keep prompt caches across runs (llama.cpp slots and its RAM prompt cache), so a
+    # prefix that repeats from one run to the next would turn the next run's "cold" requests into cache hits
+    run_id = secrets.token_hex(4)
     interrupted = False
     try:
         await asyncio.gather(*(probe(t) for t in cfg.engines))
@@ -611,6 +616,7 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
             {
                 "type": "run",
                 "version": 1,
+                "run_id": run_id,
                 "started": t_start,
                 "config": cfg_rec,
                 "engines": engines_rec,
@@ -663,7 +669,6 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
                 )
             headers = {t.name: ({PIN_HEADER: t.name} if cfg.through else {}) for t in cfg.engines}
             headers = {k: {"content-type": "application/json", **v} for k, v in headers.items()}
-            seq = 0
 
             async def fire(t: Target, prompt: Prompt, prefix: str, max_tokens: int, cold: bool) -> RequestOutcome:
                 msgs = _with_prefix(prompt, prefix)
@@ -700,7 +705,7 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
                 prog.label = f"warm-up {t.name}"
                 for i in range(cfg.warmup):
                     p = prompts[i % len(prompts)]
-                    o = await fire(t, p, f"[warmup {cfg.seed}-{i}] ", cfg.max_tokens, True)
+                    o = await fire(t, p, f"[{secrets.token_hex(4)} warmup {run_id}] ", cfg.max_tokens, True)
                     w.write(request_record(t, o, phase="warmup", prompt=p.id))
                     prog.step()
 
@@ -730,9 +735,8 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
                         jobs = []
                         for i in range(n):
                             p = pool[i % len(pool)]
-                            prefix = f"[bench {cfg.seed}-{seq + i}] " if cache == "cold" else ""
+                            prefix = f"[{secrets.token_hex(4)} bench {run_id}] " if cache == "cold" else ""
                             jobs.append((p, prefix))
-                        seq += n
                         for t in order:
                             prog.label = (
                                 f"{cache} c={cell.concurrency} max_tokens={cell.max_tokens} "
