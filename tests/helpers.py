@@ -1,54 +1,253 @@
-"""Shared test helpers: free ports, polling with a deadline, a real uvicorn server in a thread."""
+"""Shared test helpers: real sockets, real processes, deadlines instead of sleeps.
+
+- :func:`free_port`: a port on 127.0.0.1 that was free a moment ago.
+- :func:`wait_until`: poll a predicate until it is truthy or a deadline passes (then :class:`WaitTimeout`,
+  a ``TimeoutError``). Polling is how tests wait; a fixed sleep never is.
+- :func:`run_uvicorn_app`: a real uvicorn server in a background thread on a pre-bound 127.0.0.1 socket
+  (uvicorn's own ``tests/utils.py:run_server`` pattern), yielding its base URL.
+- :class:`ProcessServer`: a ``python -m MODULE ...`` subprocess serving HTTP, ready once a URL answers.
+- :class:`LlamaServerFactory`: the type of the ``llama_server_factory`` fixture (tests/conftest.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar
 
-import uvicorn
-from starlette.types import ASGIApp
+if TYPE_CHECKING:
+    from proxy.embedded import LlamaServer
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class LlamaServerFactory(Protocol):
+    """``llama_server_factory(model=None, np=1, alias="tiny", extra_args=(), ctx_size=2048, threads=1, **kw)``."""
+
+    def __call__(
+        self,
+        model: Path | None = None,
+        np: int = 1,
+        alias: str | None = "tiny",
+        extra_args: Sequence[str] = (),
+        ctx_size: int = 2048,
+        threads: int = 1,
+        **kwargs: Any,
+    ) -> LlamaServer: ...
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> None:
-    """Poll ``predicate`` until it is truthy; raise TimeoutError after ``timeout`` seconds."""
+class WaitTimeout(TimeoutError):
+    """A :func:`wait_until` deadline passed with the predicate still falsy."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS just handed out; free now, though a later bind can still lose a race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    *,
+    message: str = "",
+    ignore: tuple[type[BaseException], ...] = (Exception,),
+) -> T:
+    """Call ``predicate`` every ``interval`` s until it returns something truthy; return that value.
+
+    Raises :class:`WaitTimeout` after ``timeout`` s (the predicate is always tried at least once and once
+    more at the deadline). Exceptions listed in ``ignore`` count as falsy: by default every ``Exception``,
+    since what is polled is often not up yet (``httpx.ConnectError``); the last one is in the timeout
+    message. Pass ``ignore=()`` to let any exception propagate at once.
+    """
     deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
+    last: object = None
     while True:
         try:
-            if predicate():
-                return
-        except Exception as exc:  # the thing polled may not be up yet
-            last_exc = exc
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout}s (last error: {last_exc!r})")
-        time.sleep(interval)
+            value = predicate()
+        except ignore as exc:
+            last = exc
+        else:
+            if value:
+                return value
+            last = value
+        if time.monotonic() >= deadline:
+            what = message or getattr(predicate, "__name__", repr(predicate))
+            raise WaitTimeout(f"not true within {timeout:g} s: {what} (last: {last!r})")
+        time.sleep(interval)  # the poll interval, bounded by the deadline above
 
 
 @contextlib.contextmanager
-def run_uvicorn_app(app: ASGIApp, *, port: int | None = None) -> Iterator[str]:
-    """Serve ``app`` with a real uvicorn server on 127.0.0.1 in a thread; yield its base URL.
+def run_uvicorn_app(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    factory: bool = False,
+    lifespan: Literal["auto", "on", "off"] = "on",
+    startup_timeout: float = 10.0,
+    shutdown_timeout: float = 10.0,
+    **config: Any,
+) -> Iterator[str]:
+    """Serve ``app`` (an ASGI app, or a ``"module:attr"`` import string; ``factory=True`` if it names a
+    factory) with a real uvicorn server in a daemon thread; yield ``http://127.0.0.1:PORT``.
 
-    Real sockets, real chunk timing (in-process ASGI transports buffer whole responses).
+    The socket (``port``, default any free one) is bound here and handed to uvicorn, so there is no window
+    in which the port can be taken.
+    Startup failure (the lifespan raising, say) raises here. On exit the server is asked to stop
+    (``should_exit``), given ``shutdown_timeout`` s, then forced (``force_exit``); extra keyword arguments
+    go to ``uvicorn.Config``.
     """
-    port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port or 0))
+    port = int(sock.getsockname()[1])
+    config.setdefault("log_level", "warning")
+    config.setdefault("access_log", False)
+    config.setdefault("timeout_graceful_shutdown", 5)
+    cfg = uvicorn.Config(app, host=host, port=port, lifespan=lifespan, factory=factory, **config)
+    server = uvicorn.Server(cfg)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{port}")
     thread.start()
     try:
-        wait_until(lambda: server.started or not thread.is_alive(), timeout=30, interval=0.01)
+        wait_until(
+            lambda: server.started or not thread.is_alive(),
+            timeout=startup_timeout,
+            message=f"uvicorn on port {port} to start",
+        )
         if not server.started:
-            raise RuntimeError("uvicorn did not start")
-        yield f"http://127.0.0.1:{port}"
+            raise RuntimeError(f"uvicorn on port {port} exited during startup (see the log output above)")
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=shutdown_timeout)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(timeout=shutdown_timeout)
+        sock.close()
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """Status of ``GET url``, or ``None`` when nothing answers (refused, reset, timed out)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            status: int = r.status
+            return status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+class ProcessServer:
+    """``python -m MODULE ARGS...`` serving HTTP on 127.0.0.1; a context manager, ready on ``__enter__``.
+
+    ``"{port}"`` inside ``args`` is replaced by the chosen port; without one, ``--port PORT`` is appended.
+    The repo root is put on ``PYTHONPATH`` (so ``tests.fakes...`` modules run). Ready means ``GET
+    url + ready_path`` answered with a status in ``ready_status`` (any status if ``None``) before
+    ``startup_timeout``; dying first raises with the log tail. Output goes to ``log_path``.
+    The process runs in its own process group; :meth:`stop` sends SIGTERM, then SIGKILL after ``stop_timeout``.
+    """
+
+    def __init__(
+        self,
+        module: str,
+        *args: str,
+        port: int | None = None,
+        ready_path: str = "/",
+        ready_status: Container[int] | None = None,
+        env: Mapping[str, str] | None = None,
+        startup_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+        log_path: Path | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args_ = [a.replace("{port}", str(self.port)) for a in args]
+        if not any("{port}" in a for a in args):
+            args_ += ["--port", str(self.port)]
+        self.argv = [sys.executable, "-m", module, *args_]
+        self.ready_path = ready_path
+        self.ready_status = ready_status
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"{module.rsplit('.', 1)[-1]}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def start(self) -> Self:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                cwd=REPO, start_new_session=True,
+            )  # fmt: skip
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.argv} exited with {proc.returncode}:\n{self.output()[-4000:]}")
+            status = http_status(self.url + self.ready_path)
+            return status is not None and (self.ready_status is None or status in self.ready_status)
+
+        try:
+            wait_until(
+                ready, timeout=self.startup_timeout, interval=0.02, message=f"{self.url}{self.ready_path}", ignore=()
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> int | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

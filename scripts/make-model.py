@@ -1,0 +1,16 @@
+#!/usr/bin/env python3
+"""Write a random-weight GGUF with a real tokenizer; prints its path. See ``python3 -m proxy.embedded model -h``.
+
+Examples: ``scripts/make-model.py`` (tiny qwen2 model in the cache), ``scripts/make-model.py /data --shape 7b``.
+Needs the ``gguf`` and ``numpy`` packages.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from proxy.embedded import main
+
+if __name__ == "__main__":
+    sys.exit(main(["model", *sys.argv[1:]]))

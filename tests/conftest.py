@@ -1,0 +1,120 @@
+"""Fixtures for tests that need a real engine. The names are stable: everyone's tests use them.
+
+============================  ==========  ==================================================================
+fixture                       scope       value
+============================  ==========  ==================================================================
+``llama_server_bin``          session     ``Path`` of llama-server (``build_llama_server()``;
+                                          ``$LLAMA_SERVER_BIN`` wins)
+``tiny_model``                session     ``Path``: 2 layers x 64, qwen2 architecture and vocabulary (152k
+                                          tokens, ChatML template), random weights, 45 MB
+``tiny_model_spm``            session     ``Path``: same size, llama architecture, llama-spm vocabulary (32k,
+                                          adds BOS, Llama-2 style template), 9 MB
+``llama_server``              session     running :class:`proxy.embedded.LlamaServer` on ``tiny_model``:
+                                          ``-np 2 -c 2048`` (1024 per slot), alias ``"tiny"``, ``--metrics``
+``llama_server_factory``      function    ``factory(model=tiny_model, np=1, alias="tiny", extra_args=(),
+                                          ctx_size=2048, threads=1, **LlamaServer kwargs)`` -> a started
+                                          LlamaServer; every one is stopped at teardown. ``extra_args`` go
+                                          last, so ``["-c", "8192"]`` overrides ``ctx_size``.
+============================  ==========  ==================================================================
+
+What the tiny models do (see ``proxy/embedded.py``): greedy decoding never stops early — ``max_tokens=N``
+gives exactly N completion tokens, ``finish_reason == "length"`` — and each streamed token arrives as one
+event with non-empty text. Greedy output is the same on ``-np 1`` and ``-np 2`` engines. Decode is about
+650 tok/s (qwen2 vocab) and 2,500 tok/s (llama-spm) on one CPU thread here; start-up takes under a second.
+
+Building: if a collected test uses any of these fixtures and no binary is cached, llama-server is built
+once in ``pytest_collection_finish`` — before any test starts, so per-test timeouts don't cut it short
+(about 8 minutes on 2 cores). Its log goes to ``<cache>/build-<version>-<flavour>.log``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.embedded import LlamaServer, build_llama_server, cache_root, make_model, server_dir
+from tests.helpers import LlamaServerFactory
+
+TINY_ALIAS = "tiny"
+ENGINE_FIXTURES = frozenset(
+    {"llama_server_bin", "tiny_model", "tiny_model_spm", "llama_server", "llama_server_factory"}
+)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any(ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())) for item in session.items):
+        return
+    import os
+
+    if os.environ.get("LLAMA_SERVER_BIN") or (server_dir() / "bin" / "llama-server").is_file():
+        return
+    log_path = cache_root() / f"build-{server_dir().name.removeprefix('llama-server-')}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    reporter: Any = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"building llama-server once (several minutes); log: {log_path}")
+    with open(log_path, "a") as log:
+        path = build_llama_server(log=log)
+    if reporter is not None:
+        reporter.write_line(f"built {path}")
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    return build_llama_server()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return make_model(vocab="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_spm() -> Path:
+    return make_model(vocab="llama-spm")
+
+
+@pytest.fixture(scope="session")
+def llama_server(
+    llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    log_path = tmp_path_factory.mktemp("llama_server") / "llama-server.log"
+    with LlamaServer(
+        tiny_model, binary=llama_server_bin, n_parallel=2, ctx_size=2048, alias=TINY_ALIAS, log_path=log_path
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def llama_server_factory(llama_server_bin: Path, tiny_model: Path, tmp_path: Path) -> Iterator[LlamaServerFactory]:
+    started: list[LlamaServer] = []
+
+    def factory(
+        model: Path | None = None,
+        np: int = 1,
+        alias: str | None = TINY_ALIAS,
+        extra_args: Sequence[str] = (),
+        ctx_size: int = 2048,
+        threads: int = 1,
+        **kwargs: Any,
+    ) -> LlamaServer:
+        server = LlamaServer(
+            model or tiny_model,
+            binary=llama_server_bin,
+            n_parallel=np,
+            ctx_size=ctx_size,
+            threads=threads,
+            alias=alias,
+            extra_args=extra_args,
+            log_path=kwargs.pop("log_path", tmp_path / f"llama-server-{len(started)}.log"),
+            **kwargs,
+        )
+        started.append(server)
+        return server.start()
+
+    yield factory
+    for server in started:
+        server.stop()
