@@ -11,6 +11,7 @@ import base64
 import datetime as dt
 import html
 import json
+import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -536,8 +537,6 @@ def render_md(blocks: Sequence[Block]) -> str:
 
 def _inline(s: str) -> str:
     """HTML-escape, then the two bits of Markdown we use: **bold** and `code`."""
-    import re
-
     e = html.escape(s)
     e = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", e)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", e)
