@@ -112,6 +112,7 @@ class Attempt:
     _finished: bool = False
     reserialized: int = 0
     usage_stripped: int = 0
+    retried: bool = False
 
     # ------------------------------------------------------------------------------------ opening
 
@@ -131,7 +132,13 @@ class Attempt:
         )
         self.timer.sent()
         try:
-            self.response = await e.client.send(req, stream=True)
+            try:
+                self.response = await e.client.send(req, stream=True)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # a kept-alive connection the engine closed at the same moment: nothing came back, so the
+                # engine did not answer this request; one retry on a fresh connection is safe
+                self.retried = True
+                self.response = await e.client.send(req, stream=True)
         except httpx.HTTPError as exc:
             raise from_httpx(exc, e.name) from exc
         self.timer.headers()

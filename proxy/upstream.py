@@ -22,6 +22,11 @@ from proxy.settings import EngineKind, EngineSettings
 
 log = logging.getLogger("enginemeter.upstream")
 
+#: idle upstream connections are dropped before the engine drops them: llama.cpp (cpp-httplib) and uvicorn-based
+#: engines (SGLang, vLLM) close a kept-alive connection after 5 s idle, and reusing one that the engine is closing
+#: fails with "Server disconnected without sending a response"
+KEEPALIVE_EXPIRY_S = 4.0
+
 HEALTH_PATH: dict[EngineKind, str] = {
     "llamacpp": "/health",
     "sglang": "/ready",
@@ -42,7 +47,9 @@ def make_client(
     return httpx.AsyncClient(
         base_url=e.url,
         timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=30),
+        limits=httpx.Limits(
+            max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=KEEPALIVE_EXPIRY_S
+        ),
         headers=headers,
         transport=transport if transport is not None else ShardedTransport(limit),
         # the proxy forwards bytes as they are; never let httpx decode or re-encode them
@@ -60,7 +67,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     Least-loaded choice keeps the shards even, so the total stays ``max_connections`` (rounded up).
     """
 
-    def __init__(self, max_connections: int, per_shard: int = 8, keepalive_expiry: float = 30) -> None:
+    def __init__(self, max_connections: int, per_shard: int = 8, keepalive_expiry: float = KEEPALIVE_EXPIRY_S) -> None:
         n = max(1, -(-max_connections // per_shard))
         size = -(-max_connections // n)
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size, keepalive_expiry=keepalive_expiry)
@@ -92,9 +99,8 @@ class _Released(httpx.AsyncByteStream):
         assert isinstance(stream, httpx.AsyncByteStream)
         self._stream, self._counts, self._i, self._open = stream, counts, i, True
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._stream.__aiter__()  # no generator of our own: one less hop per chunk
 
     async def aclose(self) -> None:
         if self._open:
