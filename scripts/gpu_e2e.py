@@ -164,12 +164,13 @@ mirror: {{log_path: "{cmp_log}", max_in_flight: 64}}
 collectors: {{gpu: true, gpu_interval: 0.5, engine_interval: 2}}
 """
         )
-        proxy_proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "warning"],
-            stdout=open(work / "proxy.log", "w"),
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
+        with open(work / "proxy.log", "w") as proxy_log:  # the child keeps its own copy of the descriptor
+            proxy_proc = subprocess.Popen(
+                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "warning"],
+                stdout=proxy_log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client import CollectorRegistry
 
 from proxy.embedded import LlamaServer
@@ -24,7 +25,9 @@ from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, 
 from tests.helpers import run_uvicorn_app, wait_until
 
 ALIAS = "team-model"
-MSGS = [{"role": "user", "content": "Write a story about a robot who learns to paint."}]
+MSGS: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Write a story about a robot who learns to paint."}
+]
 
 
 class Proxy:
@@ -98,7 +101,7 @@ def test_chat_stream_alias_round_trip_and_usage_stripped(proxy: Proxy) -> None:
         messages=MSGS,
         stream=True,
         max_tokens=16,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     chunks = list(stream)
     assert chunks, "no chunks"
@@ -116,7 +119,7 @@ def test_chat_stream_usage_kept_when_asked(proxy: Proxy) -> None:
     chunks = list(
         sdk(proxy).chat.completions.create(
             model=ALIAS,
-            messages=MSGS,  # type: ignore[arg-type]
+            messages=MSGS,
             stream=True,
             max_tokens=8,
             stream_options={"include_usage": True},
@@ -129,7 +132,7 @@ def test_chat_stream_usage_kept_when_asked(proxy: Proxy) -> None:
 
 
 def test_chat_non_stream(proxy: Proxy) -> None:
-    r = sdk(proxy).chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8)  # type: ignore[arg-type]
+    r = sdk(proxy).chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8)
     assert r.model == ALIAS
     assert r.usage is not None and r.usage.completion_tokens == 8
     (res,) = proxy.wait_results(1)
@@ -151,7 +154,7 @@ def test_completions_stream_and_non_stream(proxy: Proxy) -> None:
 
 def test_engine_receives_explicit_sampling(proxy: Proxy, llama_server: LlamaServer) -> None:
     """llama-server's /slots shows the params the last task ran with: the proxy's explicit defaults."""
-    sdk(proxy).chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=4, seed=7)  # type: ignore[arg-type]
+    sdk(proxy).chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=4, seed=7)
     slots = httpx.get(f"{llama_server.url}/slots").json()
     params = [s["params"] for s in slots if s.get("params", {}).get("seed") == 7]
     assert params, slots
@@ -169,7 +172,7 @@ def test_proxy_decode_rate_agrees_with_llama_server(proxy: Proxy) -> None:
         list(
             sdk(proxy).chat.completions.create(
                 model=ALIAS,
-                messages=MSGS,  # type: ignore[arg-type]
+                messages=MSGS,
                 stream=True,
                 max_tokens=128,
                 temperature=0,
@@ -303,5 +306,5 @@ def test_models_health_and_quick_form(llama_server: LlamaServer, proxy_for: Any)
     models = httpx.get(f"{p.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
     # quick form: any model name routes to the primary and comes back as sent
-    r = sdk(p).chat.completions.create(model="whatever", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
+    r = sdk(p).chat.completions.create(model="whatever", messages=MSGS, max_tokens=2)
     assert r.model == "whatever"
