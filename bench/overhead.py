@@ -147,7 +147,12 @@ class LoadGen:
             reader = conn.reader
             buf = b""
             while b"\r\n\r\n" not in buf:
-                data = await reader.read(65536)
+                try:
+                    data = await reader.read(65536)
+                except ConnectionResetError:
+                    if not (reused and not buf):
+                        raise
+                    data = b""  # the same race as below, seen as a reset
                 if not data and reused and not buf:
                     # the server closed this idle keep-alive connection (uvicorn: after 5 s): retry once on a
                     # fresh one, as every HTTP client does; the connect counts in this stream's TTFT
@@ -596,7 +601,7 @@ def print_table(streams: int, rows: list[dict[str, Any]], args: argparse.Namespa
 
 
 def shadow_seen(port: int) -> float:
-    """Shadow requests the proxy counted so far (0 when mirroring is not installed)."""
+    """Shadow requests the proxy counted so far, finished or in flight (0 when mirroring is not installed)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -607,7 +612,10 @@ def shadow_seen(port: int) -> float:
         return 0.0
     total = 0.0
     for line in data.decode(errors="replace").splitlines():
-        if line.startswith("enginemeter_requests_total{") and 'role="shadow"' in line:
+        if (
+            line.startswith(("enginemeter_requests_total{", "enginemeter_in_flight_requests{"))
+            and 'role="shadow"' in line
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
