@@ -104,9 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_commands(sub)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO) if "log_level" in args else logging.INFO
-    )
+    level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     return int(args.func(args))
 
 

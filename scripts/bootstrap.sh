@@ -12,7 +12,12 @@ if [ -f "$stamp" ]; then exit 0; fi
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install -q --upgrade pip >&2 2>/dev/null || true
-"$venv/bin/python" -m pip install -q -e "$root[$extras]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+echo "enginemeter: installing into $venv (first run or pyproject.toml changed)..." >&2
+log="$venv/bootstrap.log"
+"$venv/bin/python" -m pip install -q --upgrade pip > "$log" 2>&1 || true
+if ! "$venv/bin/python" -m pip install -q -e "$root[$extras]" >> "$log" 2>&1; then
+  grep -v '^WARNING: Location' "$log" >&2
+  exit 1
+fi
 "$venv/bin/python" -c "import proxy, starlette, uvicorn, httpx, prometheus_client" # fail loudly if the install did not take
 touch "$stamp"
