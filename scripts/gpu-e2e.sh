@@ -15,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 phase=${1:-all}
+deadline=$(( $(date +%s) + ${BUDGET_S:-580} ))   # the device call's limit is 600 s
 out=${OUT:-/tmp/gpu-e2e-out}
 mkdir -p "$out"
 log() { printf '[gpu-e2e %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
@@ -38,5 +39,5 @@ if [ "$phase" = check ] || [ "$phase" = all ]; then
   LLAMA_SERVER_BIN="$bin" MODEL="$model" NO_WHEELS=1 OUT="$out" scripts/gpu-check.sh || log "gpu-check FAILED (rc=$?)"
 fi
 if [ "$phase" = e2e ] || [ "$phase" = all ]; then
-  python3 scripts/gpu_e2e.py --bin "$bin" --model "$model" --out "$out"
+  python3 scripts/gpu_e2e.py --bin "$bin" --model "$model" --out "$out" --deadline "$deadline"
 fi
