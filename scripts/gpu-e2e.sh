@@ -16,8 +16,15 @@ cd "$(dirname "$0")/.."
 root=$PWD
 phase=${1:-all}
 deadline=$(( $(date +%s) + ${BUDGET_S:-580} ))   # the device call's limit is 600 s
-out=${OUT:-/tmp/gpu-e2e-out}
-mkdir -p "$out"
+final=${OUT:-/tmp/gpu-e2e-out}   # the device tool brings back at most 8 files: everything is packed at the end
+out=/tmp/gpu-e2e-results
+mkdir -p "$final" "$out/check" "$out/e2e"
+pack() {
+  cp "$out/check/gpu-check.txt" "$final/" 2>/dev/null || true
+  cp "$out/e2e/summary.json" "$final/" 2>/dev/null || true
+  tar -czf "$final/results.tar.gz" -C "$out" . 2>/dev/null || true
+}
+trap pack EXIT
 log() { printf '[gpu-e2e %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -36,8 +43,8 @@ log "model: $model ($(du -h "$model" | cut -f1), $(( $(date +%s) - t0 )) s)"
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv >&2 || true
 
 if [ "$phase" = check ] || [ "$phase" = all ]; then
-  LLAMA_SERVER_BIN="$bin" MODEL="$model" NO_WHEELS=1 OUT="$out" scripts/gpu-check.sh || log "gpu-check FAILED (rc=$?)"
+  LLAMA_SERVER_BIN="$bin" MODEL="$model" NO_WHEELS=1 OUT="$out/check" scripts/gpu-check.sh || log "gpu-check FAILED (rc=$?)"
 fi
 if [ "$phase" = e2e ] || [ "$phase" = all ]; then
-  python3 scripts/gpu_e2e.py --bin "$bin" --model "$model" --out "$out" --deadline "$deadline"
+  python3 scripts/gpu_e2e.py --bin "$bin" --model "$model" --out "$out/e2e" --deadline "$deadline"
 fi

@@ -189,7 +189,7 @@ collectors: {{gpu: true, gpu_interval: 0.5, engine_interval: 2}}
         # 3. agreement, mirror on: each request runs on np1 (primary) and np4 (shadow)
         for _ in range(args.agree_requests):
             stream_once(proxy, max_tokens=args.agree_tokens)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             lines = cmp_log.read_text().splitlines() if cmp_log.exists() else []
             if len(lines) >= args.agree_requests + 1:
