@@ -38,7 +38,7 @@ t0=$(date +%s)
 bin=$(scripts/build-llama-server.sh)
 log "llama-server (CUDA): $bin ($(( $(date +%s) - t0 )) s)"
 t0=$(date +%s)
-model=$(python3 -m proxy.embedded model "$root/.gpubuild/model-7b.gguf" --shape 7b | tail -n 1)
+model=${MODEL:-$(python3 -m proxy.embedded model "$root/.gpubuild/model-7b.gguf" --shape 7b | tail -n 1)}
 log "model: $model ($(du -h "$model" | cut -f1), $(( $(date +%s) - t0 )) s)"
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv >&2 || true
 
