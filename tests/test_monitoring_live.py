@@ -158,18 +158,8 @@ def start_prometheus(binary: str, tmp: Path, targets: dict[str, str]) -> tuple[s
 
 
 def post(c: httpx.Client, path: str, body: dict[str, Any]) -> None:
-    """A client that retries once when the proxy reports that the engine dropped a pooled connection unanswered.
-
-    Known proxy issue (upstream keep-alive reuse against llama-server under load, reported separately): without
-    this, the monitoring test would flake on it. Anything else, and a second failure, fails the test.
-    """
-    for attempt in range(2):
-        r = c.post(path, json=body)
-        if r.status_code == 502 and "closed the connection" in r.text and attempt == 0:
-            print(f"monitoring: retried once after: {r.text}")
-            continue
-        assert r.status_code == 200, r.text
-        return
+    r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
 
 
 def drive(proxy: str) -> None:
