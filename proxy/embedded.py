@@ -632,7 +632,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _http_status(url: str, timeout_s: float) -> int | None:
+def http_status(url: str, timeout_s: float = 2.0) -> int | None:
     """HTTP status of GET ``url``; ``None`` when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
@@ -779,7 +779,7 @@ class LlamaServer:
         deadline = t0 + self.ready_timeout_s
         health = f"{self.url}/health"
         while True:
-            if _http_status(health, timeout_s=2.0) == 200:
+            if http_status(health, timeout_s=2.0) == 200:
                 self.ready_s = time.monotonic() - t0
                 return
             if time.monotonic() >= deadline:

@@ -20,12 +20,18 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from proxy.embedded import free_port as free_port  # re-exported: tests import it from here
+from proxy.embedded import http_status
+from proxy.result import Result
+from proxy.settings import Settings
 
 if TYPE_CHECKING:
     from proxy.embedded import LlamaServer
@@ -51,14 +57,6 @@ class LlamaServerFactory(Protocol):
 
 class WaitTimeout(TimeoutError):
     """A :func:`wait_until` deadline passed with the predicate still falsy."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS just handed out; free now, though a later bind can still lose a race."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_until(
@@ -143,18 +141,6 @@ def run_uvicorn_app(
             server.force_exit = True
             thread.join(timeout=shutdown_timeout)
         sock.close()
-
-
-def http_status(url: str, timeout: float = 2.0) -> int | None:
-    """Status of ``GET url``, or ``None`` when nothing answers (refused, reset, timed out)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            status: int = r.status
-            return status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return None
 
 
 class ProcessServer:
@@ -251,3 +237,41 @@ class ProcessServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+@dataclass
+class ProxyUnderTest:
+    """The real proxy (``proxy.server.build_app``) on a real uvicorn socket, with its registry and Results."""
+
+    url: str
+    registry: CollectorRegistry
+    results: list[Result] = field(default_factory=list)
+
+    def value(self, name: str, **labels: str) -> float:
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum over every sample of ``name`` whose labels include ``labels``."""
+        return sum(
+            s.value
+            for metric in self.registry.collect()
+            for s in metric.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def wait_results(self, n: int, timeout: float = 10.0) -> list[Result]:
+        wait_until(lambda: len(self.results) >= n, timeout=timeout)
+        return self.results
+
+
+def start_proxy(stack: contextlib.ExitStack, settings: Settings) -> ProxyUnderTest:
+    """Serve the fully wired app for ``settings`` until ``stack`` closes; every Result lands in ``.results``."""
+    from proxy.server import build_app
+
+    registry = CollectorRegistry()
+    app = build_app(settings, registry=registry)
+    p = ProxyUnderTest(url="", registry=registry)
+    app.state.gateway.result_hooks.append(p.results.append)
+    p.url = stack.enter_context(run_uvicorn_app(app))
+    return p

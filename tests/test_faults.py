@@ -10,7 +10,9 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -18,55 +20,46 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.result import Result
-from proxy.server import build_app
 from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from tests.helpers import run_uvicorn_app, wait_until
+from tests.helpers import ProxyUnderTest, start_proxy, wait_until
 
 ALIAS = "team-model"
 MSGS = [{"role": "user", "content": "hello there"}]
 
 
+@dataclass
 class Setup:
-    def __init__(self, engine_url: str, proxy_url: str, results: list[Result], registry: CollectorRegistry) -> None:
-        self.engine_url = engine_url
-        self.url = proxy_url
-        self.results = results
-        self.registry = registry
+    engine_url: str
+    proxy: ProxyUnderTest
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.proxy.registry
 
     def result(self) -> Result:
-        wait_until(lambda: len(self.results) >= 1, timeout=10)
-        return self.results[0]
+        return self.proxy.wait_results(1)[0]
 
 
 @pytest.fixture
-def setup() -> Iterator[Any]:
-    stack: list[Any] = []
+def setup() -> Iterator[Callable[..., Setup]]:
+    with ExitStack() as stack:
 
-    def start(knobs: Knobs, read_timeout: float = 30.0) -> Setup:
-        engine_cm = run_in_thread(FaultEngineConfig(model="engine-name", knobs=knobs))
-        engine_url = engine_cm.__enter__()
-        stack.append(engine_cm)
-        settings = Settings(
-            engines=(
-                EngineSettings(
-                    name="fake", url=engine_url, kind="llamacpp", timeouts=Timeouts(connect=2, read=read_timeout)
-                ),
-            ),
-            routes=(RouteSettings(models=(ALIAS,), primary="fake"),),
-            models=(ModelAlias(alias=ALIAS, engines={"fake": "served-name"}),),
-        )
-        registry = CollectorRegistry()
-        app = build_app(settings, registry=registry)
-        results: list[Result] = []
-        app.state.gateway.result_hooks.append(results.append)
-        cm = run_uvicorn_app(app)
-        stack.append(cm)
-        return Setup(engine_url, cm.__enter__(), results, registry)
+        def start(knobs: Knobs, read_timeout: float = 30.0) -> Setup:
+            engine_url = stack.enter_context(run_in_thread(FaultEngineConfig(model="engine-name", knobs=knobs)))
+            timeouts = Timeouts(connect=2, read=read_timeout)
+            settings = Settings(
+                engines=(EngineSettings(name="fake", url=engine_url, kind="llamacpp", timeouts=timeouts),),
+                routes=(RouteSettings(models=(ALIAS,), primary="fake"),),
+                models=(ModelAlias(alias=ALIAS, engines={"fake": "served-name"}),),
+            )
+            return Setup(engine_url, start_proxy(stack, settings))
 
-    yield start
-    for cm in reversed(stack):
-        cm.__exit__(None, None, None)
+        yield start
 
 
 def stream_events(url: str, body: dict[str, Any] | None = None) -> list[bytes]:

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,36 +27,18 @@ from prometheus_client import CollectorRegistry
 
 from proxy.embedded import LlamaServer
 from proxy.result import Result
-from proxy.server import build_app
 from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
+from tests import helpers
 from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from tests.fakes.sglang_emulator import EmulatorConfig
 from tests.fakes.sglang_emulator import run_in_thread as run_emulator
-from tests.helpers import LlamaServerFactory, ProcessServer, free_port, run_uvicorn_app, wait_until
+from tests.helpers import LlamaServerFactory, ProcessServer, ProxyUnderTest, free_port, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 ADMIN = {"authorization": "Bearer admin-secret"}
 
 
-@dataclass
-class Proxy:
-    url: str
-    registry: CollectorRegistry
-    results: list[Result] = field(default_factory=list)
-
-    def value(self, name: str, **labels: str) -> float:
-        v = self.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v
-
-    def total(self, name: str, **labels: str) -> float:
-        """Sum over every sample of ``name`` whose labels include ``labels``."""
-        return sum(
-            s.value
-            for metric in self.registry.collect()
-            for s in metric.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
-
+class Proxy(ProxyUnderTest):
     def of(self, role: str, engine: str | None = None) -> list[Result]:
         return [r for r in list(self.results) if r.role == role and (engine is None or r.engine == engine)]
 
@@ -72,12 +54,8 @@ def start_proxy() -> Iterator[Callable[[Settings], Proxy]]:
     with ExitStack() as stack:
 
         def start(settings: Settings) -> Proxy:
-            registry = CollectorRegistry()
-            app = build_app(settings, registry=registry)
-            p = Proxy(url="", registry=registry)
-            app.state.gateway.result_hooks.append(p.results.append)
-            p.url = stack.enter_context(run_uvicorn_app(app))
-            return p
+            p = helpers.start_proxy(stack, settings)
+            return Proxy(url=p.url, registry=p.registry, results=p.results)
 
         yield start
 

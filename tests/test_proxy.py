@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -16,42 +17,16 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client import CollectorRegistry
 
 from proxy.embedded import LlamaServer
-from proxy.result import Result
-from proxy.server import build_app
 from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts, load
-from tests.helpers import run_uvicorn_app, wait_until
+from tests.helpers import ProxyUnderTest as Proxy
+from tests.helpers import start_proxy, wait_until
 
 ALIAS = "team-model"
 MSGS: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Write a story about a robot who learns to paint."}
 ]
-
-
-class Proxy:
-    def __init__(self, url: str, registry: CollectorRegistry, results: list[Result]) -> None:
-        self.url = url
-        self.registry = registry
-        self.results = results
-
-    def value(self, name: str, **labels: str) -> float:
-        v = self.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v
-
-    def total(self, name: str, **labels: str) -> float:
-        """Sum of every sample of ``name`` whose labels include ``labels``."""
-        return sum(
-            s.value
-            for metric in self.registry.collect()
-            for s in metric.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
-
-    def wait_results(self, n: int, timeout: float = 10.0) -> list[Result]:
-        wait_until(lambda: len(self.results) >= n, timeout=timeout)
-        return self.results
 
 
 def settings_for(engine_url: str, **kw: Any) -> Settings:
@@ -64,22 +39,9 @@ def settings_for(engine_url: str, **kw: Any) -> Settings:
 
 
 @pytest.fixture
-def proxy_for() -> Iterator[Any]:
-    stack: list[Any] = []
-
-    def start(settings: Settings) -> Proxy:
-        registry = CollectorRegistry()
-        app = build_app(settings, registry=registry)
-        results: list[Result] = []
-        app.state.gateway.result_hooks.append(results.append)
-        cm = run_uvicorn_app(app)
-        url = cm.__enter__()
-        stack.append(cm)
-        return Proxy(url, registry, results)
-
-    yield start
-    for cm in reversed(stack):
-        cm.__exit__(None, None, None)
+def proxy_for() -> Iterator[Callable[[Settings], Proxy]]:
+    with ExitStack() as stack:
+        yield lambda settings: start_proxy(stack, settings)
 
 
 @pytest.fixture
