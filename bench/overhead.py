@@ -387,9 +387,11 @@ class Procs:
         self.verbose = verbose
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT
+    ) -> subprocess.Popen[bytes]:
         log = (self.tmp / f"{name}.log").open("wb")
-        p = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        p = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.procs.append((name, p))
         if self.verbose:
             print(f"  started {name} (pid {p.pid}): {' '.join(argv)}", file=sys.stderr)
@@ -404,14 +406,14 @@ class Procs:
         return port, p
 
     def proxy(
-        self, name: str, primary: int, shadow: int | None, env: dict[str, str]
+        self, name: str, primary: int, shadow: int | None, env: dict[str, str], cwd: Path = ROOT
     ) -> tuple[int, subprocess.Popen[bytes]]:
         port = free_port()
         argv = [sys.executable, "-m", "proxy.cli", "serve", "--primary", f"http://127.0.0.1:{primary}"]
         argv += ["--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
         if shadow is not None:
             argv += ["--shadow", f"http://127.0.0.1:{shadow}"]
-        p = self.start(name, argv, env)
+        p = self.start(name, argv, env, cwd)
         wait_http(port, "/health", p)
         return port, p
 
@@ -641,6 +643,11 @@ def main() -> int:
     ap.add_argument("--nginx", choices=["auto", "off"], default="auto")
     ap.add_argument("--nginx-workers", type=int, default=1, help="1 = one event loop, like the proxy")
     ap.add_argument("--proxy-env", action="append", default=[], help="KEY=VALUE for the proxy processes")
+    ap.add_argument(
+        "--baseline-tree",
+        help="another checkout of the repo (e.g. `git archive <commit> | tar -x -C DIR`): its proxy runs as"
+        " target `proxy@base`, interleaved with the others, for a before/after in the same rounds",
+    )
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
@@ -674,6 +681,9 @@ def main() -> int:
         targets = [Target("direct", e_port, [])]
         p_port, p_proc = procs.proxy("proxy", e_port, None, env)
         targets.append(Target("proxy", p_port, [p_proc.pid]))
+        if args.baseline_tree:
+            b_port, b_proc = procs.proxy("proxy-base", e_port, None, env, Path(args.baseline_tree).resolve())
+            targets.append(Target("proxy@base", b_port, [b_proc.pid]))
         if args.nginx == "auto" and nginx_bin is not None:
             n_port, n_proc = procs.nginx(nginx_bin, e_port, args.nginx_workers)
             targets.append(Target("nginx", n_port, [n_proc.pid, *children(n_proc.pid)]))

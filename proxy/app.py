@@ -33,7 +33,7 @@ from proxy.result import Result
 from proxy.routing import Decision, Router
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
-from proxy.upstream import Engine, make_client, probe_all
+from proxy.upstream import Engine, make_client, make_streams, probe_all
 
 log = logging.getLogger("enginemeter")
 
@@ -54,9 +54,11 @@ class Gateway:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.router = Router(settings)
-        self.engines: dict[str, Engine] = {
-            e.name: Engine(settings=e, client=make_client(e, transport=transport)) for e in settings.engines
-        }
+        self.engines: dict[str, Engine] = {}
+        for e in settings.engines:
+            client = make_client(e, transport=transport)
+            streams = make_streams(e, client, transport=transport)
+            self.engines[e.name] = Engine(settings=e, client=client, stream_client=streams)
         self.aliases = {m.alias: m for m in settings.models}
         #: called with every Result (metrics first); the mirror/comparison and tests hook in here
         self.result_hooks: list[ResultHook] = []
@@ -350,7 +352,7 @@ def create_app(
             yield
         for t in list(gw.background):
             t.cancel()
-        await asyncio.gather(*(e.client.aclose() for e in gw.engines.values()), return_exceptions=True)
+        await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),

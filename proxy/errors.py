@@ -10,7 +10,9 @@
         ├── UpstreamTimeout        504  connect/read/pool timeout
         └── UpstreamBroken         502  stream broke off or was malformed after it started
 
-httpx exceptions are translated to this tree at one seam (``from_httpx``). Every body the proxy makes says so:
+Transport exceptions (httpx for probes and injected transports, aiohttp for the relay's streams) are translated
+to this tree at one seam (``from_transport_error``; ``TRANSPORT_ERRORS`` is what it accepts). Every body the
+proxy makes says so:
 ``{"error": {"message", "type", "param", "code", "enginemeter": true}}`` — clients and dashboards can always tell
 a proxy error from an engine error, which passes through untouched (``enginemeter`` absent).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import httpx
 
 
@@ -83,15 +86,40 @@ def error_body(message: str, type_: str, code: int, *, param: str | None = None)
     return {"error": {"message": message, "type": type_, "param": param, "code": code, "enginemeter": True}}
 
 
-def from_httpx(exc: httpx.HTTPError, engine: str) -> UpstreamError:
+#: every exception an upstream call can raise that ``from_transport_error`` maps (TimeoutError: aiohttp's timeouts)
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, aiohttp.ClientError, TimeoutError)
+
+
+def from_transport_error(exc: BaseException, engine: str) -> UpstreamError:
     """The single seam where transport errors become ours."""
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return UpstreamTimeout(f"engine {engine!r} timed out ({type(exc).__name__})")
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, httpx.ConnectError | aiohttp.ClientConnectorError):
         return UpstreamConnectError(f"engine {engine!r} is unreachable: {exc}")
-    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
+    if isinstance(
+        exc,
+        httpx.RemoteProtocolError
+        | httpx.ReadError
+        | aiohttp.ServerDisconnectedError
+        | aiohttp.ClientPayloadError
+        | aiohttp.ClientOSError,
+    ):
         return UpstreamBroken(f"engine {engine!r} closed the connection: {exc}")
     return UpstreamBroken(f"engine {engine!r} transport error: {type(exc).__name__}: {exc}")
+
+
+def is_stale_connection(exc: BaseException) -> bool:
+    """A kept-alive connection the engine closed as we reused it: nothing came back, a retry is safe."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False  # a fresh connection that could not be made
+    return isinstance(
+        exc,
+        httpx.RemoteProtocolError
+        | httpx.ReadError
+        | httpx.WriteError
+        | aiohttp.ServerDisconnectedError
+        | aiohttp.ClientOSError,
+    )
 
 
 def normalize_engine_error(body: bytes, status: int) -> bytes:

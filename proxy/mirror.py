@@ -5,9 +5,9 @@ Guarantees (each one is tested in tests/test_mirror.py):
 - **The primary never waits.** ``submit()`` is synchronous and O(shadows): it draws the sample, checks the
   bounds and spawns one referenced task per shadow copy (``Gateway.spawn``). Nothing on the primary's path
   awaits the shadow; the shadow's failures are recorded as its Result's outcome, never raised.
-- **Own pool.** Every shadow engine gets its own ``httpx.AsyncClient`` (pool size ``mirror.max_in_flight``),
-  so a slow or hanging shadow cannot hold connections the primary needs, even when the same engine is a
-  primary on another route.
+- **Own pool.** Every shadow engine gets its own clients (``make_client``, ``make_streams``; pool size
+  ``mirror.max_in_flight``), so a slow or hanging shadow cannot hold connections the primary needs, even when
+  the same engine is a primary on another route.
 - **Bounded.** At most ``mirror.max_in_flight`` copies per shadow engine are in flight; when full the copy is
   dropped (``enginemeter_mirror_requests_total{result="dropped_full"}``), never queued.
 - **Timed the same way.** The copy is an ``Attempt`` from ``Gateway.new_attempt`` (normalized for the shadow's
@@ -49,7 +49,7 @@ from proxy.relay import Attempt
 from proxy.result import Result
 from proxy.routing import Decision
 from proxy.timing import StreamTimer
-from proxy.upstream import Engine, make_client
+from proxy.upstream import Engine, StreamClient, make_client, make_streams
 
 if TYPE_CHECKING:
     from proxy.app import Gateway
@@ -106,7 +106,7 @@ class Mirror:
         self.compared = 0
         self.log: ComparisonLog | None = None
         self._transport = transport
-        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._clients: dict[str, tuple[httpx.AsyncClient, StreamClient]] = {}
         self._pending: dict[str, _Pending] = {}
         self._rng = random.Random()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -211,12 +211,15 @@ class Mirror:
             task.add_done_callback(self._tasks.discard)
         return True
 
-    def _client(self, engine: Engine) -> httpx.AsyncClient:
-        client = self._clients.get(engine.name)
-        if client is None:
+    def _client(self, engine: Engine) -> tuple[httpx.AsyncClient, StreamClient]:
+        pair = self._clients.get(engine.name)
+        if pair is None:
             client = make_client(engine.settings, transport=self._transport, max_connections=self.max_in_flight)
-            self._clients[engine.name] = client
-        return client
+            streams = make_streams(
+                engine.settings, client, transport=self._transport, max_connections=self.max_in_flight
+            )
+            pair = self._clients[engine.name] = (client, streams)
+        return pair
 
     async def _shadow(
         self, name: str, body: dict[str, Any], endpoint: Endpoint, request_id: str, timer: StreamTimer
@@ -241,7 +244,10 @@ class Mirror:
         try:
             base = gw.engines[name]
             # a view of the engine with the mirror's own client: what probing learned, not its pool
-            engine = Engine(settings=base.settings, client=self._client(base), kind=base.kind, model=base.model)
+            client, streams = self._client(base)
+            engine = Engine(
+                settings=base.settings, client=client, stream_client=streams, kind=base.kind, model=base.model
+            )
             attempt = gw.new_attempt(
                 request_id=request_id,
                 endpoint=endpoint,
@@ -388,7 +394,7 @@ class Mirror:
                 t.cancel()
             await asyncio.gather(sweeper, *tasks, return_exceptions=True)
             clients, self._clients = list(self._clients.values()), {}
-            await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+            await asyncio.gather(*(c.aclose() for pair in clients for c in pair), return_exceptions=True)
             if self.log is not None:
                 await asyncio.to_thread(self.log.close)
 

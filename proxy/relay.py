@@ -28,22 +28,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
+    TRANSPORT_ERRORS,
     ProxyError,
     UpstreamBroken,
     UpstreamError,
     error_body,
-    from_httpx,
+    from_transport_error,
+    is_stale_connection,
     normalize_engine_error,
 )
 from proxy.normalize import Endpoint, Normalized
 from proxy.result import Result
 from proxy.sse import Event, SSEFramer, encode_data
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
-from proxy.upstream import Engine
+from proxy.upstream import Engine, UpstreamResponse
 
 log = logging.getLogger("enginemeter.relay")
 
@@ -92,7 +93,7 @@ class Attempt:
     on_result: Callable[[Result], None]
     collect_text: bool = False
 
-    response: httpx.Response | None = None
+    response: UpstreamResponse | None = None
     status: int = 0
     outcome: str | None = None
     error: str | None = None
@@ -120,27 +121,25 @@ class Attempt:
         """Send the request and wait for headers (and, for streams, the first event). Raises UpstreamError."""
         e = self.engine
         content = json.dumps(self.norm.body, ensure_ascii=False).encode()
-        req = e.client.build_request(
-            "POST",
-            PATHS[self.endpoint],
-            content=content,
-            headers={
-                "content-type": "application/json",
-                "accept-encoding": "identity",
-                "x-request-id": self.request_id,
-            },
-        )
+        headers = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            "x-request-id": self.request_id,
+        }
+        path = PATHS[self.endpoint]
         self.timer.sent()
         try:
             try:
-                self.response = await e.client.send(req, stream=True)
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                self.response = await e.streams.post(path, content, headers)
+            except TRANSPORT_ERRORS as exc:
+                if not is_stale_connection(exc):
+                    raise
                 # a kept-alive connection the engine closed at the same moment: nothing came back, so the
                 # engine did not answer this request; one retry on a fresh connection is safe
                 self.retried = True
-                self.response = await e.client.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            raise from_httpx(exc, e.name) from exc
+                self.response = await e.streams.post(path, content, headers)
+        except TRANSPORT_ERRORS as exc:
+            raise from_transport_error(exc, e.name) from exc
         self.timer.headers()
         self.status = self.response.status_code
         if self.status >= 400 or not self.norm.stream:
@@ -153,9 +152,9 @@ class Attempt:
                 self._first = self._framer.feed(chunk)
         except StopAsyncIteration:
             pass
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             await self.response.aclose()
-            raise from_httpx(exc, e.name) from exc
+            raise from_transport_error(exc, e.name) from exc
         if not self._first:
             await self.response.aclose()
             raise UpstreamBroken(f"engine {e.name!r} closed the stream before its first event")
@@ -190,7 +189,7 @@ class Attempt:
                     size += len(chunk)
                     if size > MAX_ERROR_BODY:
                         break
-            except httpx.HTTPError as exc:
+            except TRANSPORT_ERRORS as exc:
                 chunks.append(f"(error body cut short: {exc})".encode())
             finally:
                 await self.response.aclose()
@@ -295,8 +294,8 @@ class Attempt:
                     raise UpstreamBroken(f"engine {self.engine.name!r} ended the stream before finishing")
                 if self.outcome is None:
                     self.outcome = "ok"
-            except httpx.HTTPError as exc:
-                raise from_httpx(exc, self.engine.name) from exc
+            except TRANSPORT_ERRORS as exc:
+                raise from_transport_error(exc, self.engine.name) from exc
         except UpstreamError as exc:
             self.outcome = exc.outcome
             self.error = exc.message
@@ -316,8 +315,8 @@ class Attempt:
         assert self.response is not None
         try:
             body = await self.response.aread()
-        except httpx.HTTPError as exc:
-            raise from_httpx(exc, self.engine.name) from exc
+        except TRANSPORT_ERRORS as exc:
+            raise from_transport_error(exc, self.engine.name) from exc
         finally:
             await self.response.aclose()
         try:

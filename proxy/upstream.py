@@ -1,5 +1,11 @@
-"""One ``httpx.AsyncClient`` per engine, with explicit timeouts and pool limits; kind and model probing;
-cheap reachability checks. Transport errors are mapped to ``proxy.errors`` in one place (``errors.from_httpx``).
+"""Per engine: an ``httpx.AsyncClient`` (probes, health, engine state) and a ``StreamClient`` for the relay's
+generation requests, both with explicit timeouts and pool limits; kind and model probing; cheap reachability
+checks. Transport errors are mapped to ``proxy.errors`` in one place (``errors.from_transport_error``).
+
+The relay's stream client is aiohttp (``AiohttpStreams``): its C (llhttp) response parser and one buffer per
+connection cost a fraction of httpx/httpcore's pure-Python read path (h11 events, anyio cancel scopes and five
+async-iterator layers per chunk; docs/performance.md). Where a test injects an ``httpx`` transport, the relay
+uses that client instead (``HttpxStreams``), so ``httpx.MockTransport`` still fakes every upstream call.
 
 Probing (only when the config leaves ``kind`` / ``model`` out), first answer wins:
 ``GET /props`` -> llamacpp, ``GET /server_info`` or ``/get_server_info`` -> sglang, ``GET /version`` -> vllm,
@@ -15,8 +21,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import aiohttp
 import httpx
+from yarl import URL
 
 from proxy.settings import EngineKind, EngineSettings
 
@@ -109,6 +118,121 @@ class _Released(httpx.AsyncByteStream):
         await self._stream.aclose()
 
 
+class UpstreamResponse(Protocol):
+    """What the relay needs of a response; ``httpx.Response`` is one as it is."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class StreamClient(Protocol):
+    """Sends a generation request; returns once the response headers are in, the body still unread."""
+
+    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxStreams:
+    """Generation requests through the engine's httpx client (used where a test injects a transport)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        req = self.client.build_request("POST", path, content=content, headers=headers)
+        return await self.client.send(req, stream=True)
+
+    async def aclose(self) -> None:
+        pass  # the client belongs to the Engine, which closes it
+
+
+class AiohttpStreams:
+    """Generation requests through one ``aiohttp.ClientSession`` per engine (made on first use, in the loop).
+
+    Timeouts from ``EngineSettings.timeouts``: ``connect`` per new socket, ``pool`` + ``connect`` to get a
+    connection at all (aiohttp's ``connect`` covers waiting for a free one), ``read`` between two reads (as
+    httpx's). aiohttp has no write timeout; a request body is one small JSON document. Idle connections are
+    dropped after ``KEEPALIVE_EXPIRY_S``, before the engine drops them. No cookies, no decompression.
+    """
+
+    def __init__(self, e: EngineSettings, max_connections: int) -> None:
+        t = e.timeouts
+        self._base = e.url.rstrip("/")
+        self._limit = max_connections
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=t.pool + t.connect, sock_connect=t.connect, sock_read=t.read
+        )
+        self._headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}
+
+    def _open(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            headers=self._headers,
+            auto_decompress=False,  # the proxy forwards the bytes the engine sent
+            cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies are no other client's business
+            trust_env=False,
+        )
+        return self._session
+
+    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        session = self._session or self._open()
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self._base + path)
+        resp = await session.post(url, data=content, headers=headers)
+        return _AiohttpResponse(resp)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+
+class _AiohttpResponse:
+    __slots__ = ("_resp", "status_code")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._resp.content.iter_any()  # whatever the socket delivered, no generator of our own
+
+    async def aread(self) -> bytes:
+        return await self._resp.read()
+
+    async def aclose(self) -> None:
+        r = self._resp
+        if r.content.at_eof():
+            r.release()  # back to the pool
+        else:
+            r.close()  # cut off mid-body (client gone, error): close, so the engine frees its slot at once
+
+
+def make_streams(
+    e: EngineSettings,
+    client: httpx.AsyncClient,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    max_connections: int | None = None,
+) -> StreamClient:
+    """The relay's client for ``e``: aiohttp, or ``client`` itself when a test injected an httpx transport."""
+    if transport is not None:
+        return HttpxStreams(client)
+    return AiohttpStreams(e, max_connections or e.max_connections)
+
+
 @dataclass
 class Engine:
     """An engine at run time: its settings, its client, and what probing learned."""
@@ -120,10 +244,23 @@ class Engine:
     up: bool | None = None
     last_error: str | None = None
     info: dict[str, object] = field(default_factory=dict)
+    #: the relay's client (``make_streams``); None: generation requests go through ``client``
+    stream_client: StreamClient | None = None
 
     @property
     def name(self) -> str:
         return self.settings.name
+
+    @property
+    def streams(self) -> StreamClient:
+        if self.stream_client is None:
+            self.stream_client = HttpxStreams(self.client)
+        return self.stream_client
+
+    async def aclose(self) -> None:
+        if self.stream_client is not None:
+            await self.stream_client.aclose()
+        await self.client.aclose()
 
     @property
     def effective_kind(self) -> EngineKind:
