@@ -14,8 +14,9 @@ Life of one attempt (``Attempt``):
 5. After the first byte, a failure becomes one in-band ``data: {"error": ...}`` event, then the stream closes.
 6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``.
 
-Per chunk the loop does: one ``perf_counter_ns``, the framer split, one ``json.loads`` per event (needed to
-tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name.
+Per chunk the loop does: one ``perf_counter_ns``, the framer split, one ``orjson.loads`` per event (needed to
+tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name. Parsing
+never feeds the output: pass-through events are forwarded as the bytes that arrived.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
@@ -50,6 +52,14 @@ log = logging.getLogger("enginemeter.relay")
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_ERROR_BODY = 1 << 20
+
+
+def _loads(data: bytes) -> Any:
+    """orjson first; what it refuses and ``json`` accepts (NaN, lone surrogate escapes) still parses the same."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 def _has_token(choices: list[Any]) -> bool:
@@ -161,7 +171,7 @@ class Attempt:
         first = self._first[0]
         if not first.is_comment and not first.is_done:
             try:
-                doc = json.loads(first.data)
+                doc = _loads(first.data)
             except ValueError:
                 doc = None
             if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
@@ -229,7 +239,7 @@ class Attempt:
                 out.append(ev.raw)
                 continue
             try:
-                doc = json.loads(ev.data)
+                doc = _loads(ev.data)
             except ValueError as exc:
                 raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed event: {ev.data[:200]!r}") from exc
             if not isinstance(doc, dict):

@@ -66,7 +66,12 @@ class SSEFramer:
                 end = buf.find(b"\n\n", start)
                 if end < 0:
                     break
-                events.append(_parse(buf[start : end + 2]))
+                raw = buf[start : end + 2]
+                if raw.startswith(b"data: ") and buf.find(b"\n", start + 6, end) < 0:
+                    # one "data: " line, the shape of nearly every event: no line splitting
+                    events.append(Event(raw, raw[6:-2], False))
+                else:
+                    events.append(_parse(raw))
                 start = end + 2
         else:
             while True:
