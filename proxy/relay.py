@@ -34,7 +34,6 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
     TRANSPORT_ERRORS,
-    ProxyError,
     UpstreamBroken,
     UpstreamError,
     error_body,
@@ -430,7 +429,3 @@ class RelayResponse:
                     with anyio.CancelScope(shield=True):
                         await aclose()
             tg.cancel_scope.cancel()
-
-
-def proxy_error_response_parts(exc: ProxyError) -> tuple[int, bytes]:
-    return exc.status, exc.to_bytes()
