@@ -93,6 +93,8 @@ class Gateway:
         return engine.model or alias
 
     def record(self, result: Result) -> None:
+        """Every attempt's one Result: the attempt leaves the in-flight gauge, metrics, then hooks."""
+        self.metrics.in_flight.labels(result.engine, result.role).dec()
         observe(self.metrics, result)
         for hook in self.result_hooks:
             try:
@@ -128,7 +130,7 @@ class Gateway:
         )
         for ch in norm.changes:
             self.metrics.params.labels(engine.name, param_label(ch.param), ch.action).inc()
-        return Attempt(
+        attempt = Attempt(
             request_id=request_id,
             endpoint=endpoint,
             engine=engine,
@@ -140,6 +142,9 @@ class Gateway:
             on_result=self.record,
             collect_text=collect_text,
         )
+        # in flight from here until its one Result (Gateway.record), whichever path ends it
+        self.metrics.in_flight.labels(engine.name, role).inc()
+        return attempt
 
     # ----------------------------------------------------------------------------- the request
 
@@ -237,8 +242,6 @@ class Gateway:
                 collect_text=collect_text,
             )
             more = i + 1 < len(decision.engines)
-            self.metrics.in_flight.labels(name, "primary").inc()
-            handed_off = False
             try:
                 try:
                     await attempt.open()
@@ -254,8 +257,7 @@ class Gateway:
                         continue
                     return Response(err, status_code=attempt.status, headers=headers, media_type="application/json")
                 if attempt.norm.stream:
-                    handed_off = True
-                    return RelayResponse(self._tracked(attempt), headers)  # type: ignore[return-value]
+                    return RelayResponse(attempt, headers)  # type: ignore[return-value]
                 try:
                     data = await attempt.read_body()
                 except UpstreamError as exc:
@@ -267,18 +269,8 @@ class Gateway:
             except BaseException:
                 attempt.finish("client_disconnect")
                 raise
-            finally:
-                if not handed_off:
-                    self.metrics.in_flight.labels(name, "primary").dec()
         assert last_exc is not None
         return self.error_response(last_exc, request_id, engine=decision.engines[-1])
-
-    async def _tracked(self, attempt: Attempt):  # type: ignore[no-untyped-def]
-        try:
-            async for chunk in attempt.iter_relay():
-                yield chunk
-        finally:
-            self.metrics.in_flight.labels(attempt.engine.name, attempt.role).dec()
 
     def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: str) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""

@@ -225,8 +225,6 @@ class Mirror:
         self, name: str, body: dict[str, Any], endpoint: Endpoint, request_id: str, timer: StreamTimer
     ) -> None:
         gw = self.gw
-        gauge = gw.metrics.in_flight.labels(name, "shadow")
-        gauge.inc()
         attempt: Attempt | None = None
         task = asyncio.current_task()
         expired = False
@@ -276,7 +274,6 @@ class Mirror:
             handle.cancel()
             if attempt is not None:
                 attempt.finish()  # idempotent: a copy cut off while opening still yields its one Result
-            gauge.dec()
             self.in_flight[name] -= 1
 
     @staticmethod

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,7 +282,7 @@ class Attempt:
 
     # ------------------------------------------------------------------------------------ relaying
 
-    async def iter_relay(self) -> AsyncIterator[bytes]:
+    async def iter_relay(self) -> AsyncGenerator[bytes, None]:
         """Yield the client's stream. Holds the upstream response; closes it in ``finally``."""
         assert self.response is not None
         assert self._raw is not None
@@ -316,8 +316,16 @@ class Attempt:
                 self.outcome = "ok" if self.saw_done else "client_disconnect"
             raise
         finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the upstream response and emit the Result, if not done yet. Idempotent.
+
+        Also the safety net for a relay whose generator never started (the client left before the first send).
+        """
+        if self.response is not None:
             await self.response.aclose()
-            self.finish()
+        self.finish("client_disconnect" if self.outcome is None else None)
 
     async def read_body(self) -> bytes:
         """Non-stream: read the whole body, record usage/timings, rewrite the model. Raises UpstreamError."""
@@ -396,8 +404,9 @@ class RelayResponse:
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]) -> None:
-        self.body = body
+    def __init__(self, attempt: Attempt, headers: dict[str, str]) -> None:
+        self.attempt = attempt
+        self.body = attempt.iter_relay()
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -424,8 +433,7 @@ class RelayResponse:
             except OSError:
                 pass  # the client went away mid-send; the relay's finally records it
             finally:
-                aclose = getattr(self.body, "aclose", None)
-                if aclose is not None:
-                    with anyio.CancelScope(shield=True):
-                        await aclose()
+                with anyio.CancelScope(shield=True):
+                    await self.body.aclose()
+                    await self.attempt.close()
             tg.cancel_scope.cancel()
