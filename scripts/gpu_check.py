@@ -280,7 +280,8 @@ def fake_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from proxy import gpu, server
+    from proxy import server
+    from proxy.server import gpu
     from proxy.settings import load
 
     class FakeReader:

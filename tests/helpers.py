@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.embedded import free_port as free_port  # re-exported: tests import it from here
 from proxy.embedded import http_status
-from proxy.result import Result
+from proxy.server.result import Result
 from proxy.settings import Settings
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class ProcessServer:
     """``python -m MODULE ARGS...`` serving HTTP on 127.0.0.1; a context manager, ready on ``__enter__``.
 
     ``"{port}"`` inside ``args`` is replaced by the chosen port; without one, ``--port PORT`` is appended.
-    The repo root is put on ``PYTHONPATH`` (so ``tests.fakes...`` modules run). Ready means ``GET
+    The repo root is put on ``PYTHONPATH`` (so ``fakes...`` modules run). Ready means ``GET
     url + ready_path`` answered with a status in ``ready_status`` (any status if ``None``) before
     ``startup_timeout``; dying first raises with the log tail. Output goes to ``log_path``.
     The process runs in its own process group; :meth:`stop` sends SIGTERM, then SIGKILL after ``stop_timeout``.

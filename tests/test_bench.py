@@ -135,7 +135,7 @@ def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: 
     port = free_port()
     with (tmp_path / "emulator.log").open("wb") as emu_log:
         emu = subprocess.Popen(
-            [sys.executable, "-m", "tests.fakes.sglang_emulator", "--port", str(port), "--backend", backend.url,
+            [sys.executable, "-m", "fakes.sglang_emulator", "--port", str(port), "--backend", backend.url,
              "--served-model-name", "tiny"],
             cwd=ROOT, stdout=emu_log, stderr=subprocess.STDOUT,
         )  # fmt: skip

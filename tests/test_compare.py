@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.compare import ComparisonLog, compare, first_diff, observe_comparison, to_record
-from proxy.metrics import Metrics
-from proxy.result import Result
+from proxy.server.compare import ComparisonLog, compare, first_diff, observe_comparison, to_record
+from proxy.server.metrics import Metrics
+from proxy.server.result import Result
 from proxy.timing import EngineTimings, StreamTiming, Usage
 
 

@@ -16,12 +16,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy import enginestate
-from proxy.app import create_app
 from proxy.embedded import LlamaServer
-from proxy.enginestate import EngineStatePoller
+from proxy.server import enginestate
+from proxy.server.app import create_app
+from proxy.server.enginestate import EngineStatePoller
+from proxy.server.upstream import Engine, make_client
 from proxy.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
-from proxy.upstream import Engine, make_client
 from tests.helpers import LlamaServerFactory, free_port, run_uvicorn_app, wait_until
 
 
@@ -77,14 +77,14 @@ def proxy_with_state() -> Iterator[Callable[[Settings], Running]]:
 
 @pytest.fixture
 def sglang_emulator() -> Iterator[Callable[[str, str], str]]:
-    """Start ``python -m tests.fakes.sglang_emulator`` subprocesses in front of a backend; yields a starter."""
+    """Start ``python -m fakes.sglang_emulator`` subprocesses in front of a backend; yields a starter."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(backend: str, served: str) -> str:
         port = free_port()
         root = Path(__file__).resolve().parent.parent
         p = subprocess.Popen(
-            [sys.executable, "-m", "tests.fakes.sglang_emulator", "--port", str(port), "--backend", backend,
+            [sys.executable, "-m", "fakes.sglang_emulator", "--port", str(port), "--backend", backend,
              "--served-model-name", served],
             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -362,7 +362,8 @@ def test_engine_never_reached_has_up_zero_and_nothing_else(proxy_with_state: Cal
 
 
 def test_server_wires_the_collectors() -> None:
-    from proxy import gpu, server
+    from proxy import server
+    from proxy.server import gpu
 
     exts = server.extensions()
     assert gpu.install in exts

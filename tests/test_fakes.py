@@ -24,10 +24,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakes.fault_engine import EOS_ID, PIECES, FaultEngineConfig, Knobs
-from tests.fakes.fault_engine import run_in_thread as run_engine
-from tests.fakes.sglang_emulator import EmulatorConfig
-from tests.fakes.sglang_emulator import run_in_thread as run_emulator
+from fakes.fault_engine import EOS_ID, PIECES, FaultEngineConfig, Knobs
+from fakes.fault_engine import run_in_thread as run_engine
+from fakes.sglang_emulator import EmulatorConfig
+from fakes.sglang_emulator import run_in_thread as run_emulator
 from tests.helpers import free_port, wait_until
 
 if TYPE_CHECKING:
@@ -372,7 +372,7 @@ def test_info_endpoints_look_like_llama_cpp(engine: str) -> None:
 
 def test_cli_prints_a_ready_line_and_serves() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.fault_engine", "--port", "0", "--tokens", "2", "--model", "cli-model"],
+        [sys.executable, "-m", "fakes.fault_engine", "--port", "0", "--tokens", "2", "--model", "cli-model"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
@@ -690,7 +690,7 @@ def test_emulator_cli_prints_a_ready_line(slow_backend: str) -> None:
     port = free_port()
     argv = ["--port", str(port), "--backend", slow_backend, "--served-model-name", "cli-sglang"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.sglang_emulator", *argv],
+        [sys.executable, "-m", "fakes.sglang_emulator", *argv],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

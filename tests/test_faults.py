@@ -1,6 +1,6 @@
 """Fault injection: what the client sees and what is recorded when the engine misbehaves.
 
-The engine is tests/fakes/fault_engine.py (a llama.cpp look-alike with exact control over bytes, timing and
+The engine is fakes/fault_engine.py (a llama.cpp look-alike with exact control over bytes, timing and
 abrupt closes); the proxy runs under a real uvicorn server on a real socket.
 """
 
@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.result import Result
+from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.server.result import Result
 from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
-from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from tests.helpers import ProxyUnderTest, start_proxy, wait_until
 
 ALIAS = "team-model"

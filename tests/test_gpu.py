@@ -21,9 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
-from proxy import gpu
-from proxy.app import create_app
-from proxy.gpu import DeviceReading, GpuMonitor, NvmlUnavailable, ProcReading
+from proxy.server import gpu
+from proxy.server.app import create_app
+from proxy.server.gpu import DeviceReading, GpuMonitor, NvmlUnavailable, ProcReading
 from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings
 from tests.helpers import wait_until
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.server import build_app
 from proxy.settings import load
-from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from tests.helpers import run_uvicorn_app, wait_until
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"

@@ -25,13 +25,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from fakes.sglang_emulator import EmulatorConfig
+from fakes.sglang_emulator import run_in_thread as run_emulator
 from proxy.embedded import LlamaServer
-from proxy.result import Result
+from proxy.server.result import Result
 from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests import helpers
-from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from tests.fakes.sglang_emulator import EmulatorConfig
-from tests.fakes.sglang_emulator import run_in_thread as run_emulator
 from tests.helpers import LlamaServerFactory, ProcessServer, ProxyUnderTest, free_port, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
@@ -62,8 +62,8 @@ def start_proxy() -> Iterator[Callable[[Settings], Proxy]]:
 
 @contextmanager
 def fault_process(*args: str) -> Iterator[str]:
-    """``python -m tests.fakes.fault_engine`` as its own process; yields its base URL."""
-    with ProcessServer("tests.fakes.fault_engine", *args, ready_path="/health") as server:
+    """``python -m fakes.fault_engine`` as its own process; yields its base URL."""
+    with ProcessServer("fakes.fault_engine", *args, ready_path="/health") as server:
         yield server.url
 
 
@@ -453,8 +453,8 @@ def test_the_pair_takes_the_primary_that_served_after_a_fallback(start_proxy: Ca
 
 
 def test_a_lost_half_expires_as_unpaired() -> None:
-    from proxy.app import Gateway
-    from proxy.mirror import PAIR_GRACE_S, install_mirror
+    from proxy.server.app import Gateway
+    from proxy.server.mirror import PAIR_GRACE_S, install_mirror
 
     async def main() -> None:
         refused = f"http://127.0.0.1:{free_port()}"

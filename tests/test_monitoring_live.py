@@ -31,10 +31,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy import gpu
-from proxy.app import create_app
-from proxy.gpu import DeviceReading, ProcReading
-from proxy.server import build_app
+from proxy.server import build_app, gpu
+from proxy.server.app import create_app
+from proxy.server.gpu import DeviceReading, ProcReading
 from proxy.settings import load
 from tests.helpers import free_port, run_uvicorn_app, wait_until
 
@@ -105,7 +104,7 @@ def sglang_shadow(llama_server_factory: Any, tiny_model_spm: Path) -> Iterator[s
     backend = llama_server_factory(model=tiny_model_spm, np=2, alias="tiny-spm")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.sglang_emulator", "--port", str(port), "--backend", backend.url,
+        [sys.executable, "-m", "fakes.sglang_emulator", "--port", str(port), "--backend", backend.url,
          "--served-model-name", SHADOW_MODEL, "--enable-metrics", "--enable-cache-report"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy.metrics import Metrics
+from proxy.server.metrics import Metrics
 from proxy.settings import load
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """Routing through the real proxy (uvicorn, real sockets) to fault engines: split, pin, fallback, headers.
 
-The engines are ``tests.fakes.fault_engine`` look-alikes of llama-server: routing is about which engine gets
+The engines are ``fakes.fault_engine`` look-alikes of llama-server: routing is about which engine gets
 the request, which the fakes record (``/_fake/stats``) and the proxy names in ``x-enginemeter-engine``.
 """
 
@@ -17,10 +17,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.result import Result
+from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.server import build_app
+from proxy.server.result import Result
 from proxy.settings import EngineSettings, RouteSettings, Settings, Timeouts
-from tests.fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from tests.helpers import free_port, run_uvicorn_app, wait_until
 
 MSGS = [{"role": "user", "content": "route me somewhere"}]

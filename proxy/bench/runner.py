@@ -6,7 +6,7 @@ Protocol (docs/bench.md):
   proxy's own mapping: top_k "off" 0 vs -1, repeat_penalty vs repetition_penalty); through the proxy the body
   goes as is and the proxy maps it;
 - timing is the proxy's: ``SSEFramer`` + ``StreamTimer`` + ``StreamTiming.derive``, token events as in
-  ``proxy.relay`` — so TTFT/TPOT/decode tok/s mean the same here and in ``/metrics``;
+  ``proxy.server.relay`` — so TTFT/TPOT/decode tok/s mean the same here and in ``/metrics``;
 - warm-up requests are sent first and discarded;
 - cache-cold: a unique prefix per request (``[<random hex> bench <run id>]``: it differs from its first
   token, so only the chat template's own preamble can be cached; the *same* prefix on every engine, so
@@ -38,11 +38,11 @@ import httpx
 from proxy.bench import suite as suite_mod
 from proxy.bench.suite import Prompt
 from proxy.normalize import normalize_request
-from proxy.relay import _has_token as has_token  # one definition of a "token event" for proxy and bench
+from proxy.server.upstream import detect_kind
 from proxy.settings import EngineKind
 from proxy.sse import SSEFramer
-from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
-from proxy.upstream import detect_kind
+from proxy.stream import error_text, loads, read_event
+from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
 
 CHAT_PATH = "/v1/chat/completions"
 _NEVER_SEEN = "Server disconnected without sending a response"
@@ -185,7 +185,7 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
             status = resp.status_code
             if status != 200:
                 raw = await resp.aread()
-                error = f"HTTP {status}: {_error_message(raw)}"
+                error = f"HTTP {status}: {error_text(raw)}"
             else:
                 async for chunk in resp.aiter_raw():
                     t_ns = time.perf_counter_ns()
@@ -193,26 +193,18 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
                         if ev.is_comment or not ev.data or ev.is_done:
                             continue
                         try:
-                            doc = json.loads(ev.data)
-                        except json.JSONDecodeError:
+                            info = read_event(loads(ev.data))
+                        except ValueError:
                             error = "malformed SSE event"
                             continue
-                        if not isinstance(doc, dict):
+                        if info.error is not None:
+                            error = f"in-stream error: {info.error[:200]}"
                             continue
-                        if "error" in doc:
-                            error = f"in-stream error: {_error_message(ev.data)}"
-                            continue
-                        choices = doc.get("choices")
-                        if isinstance(choices, list) and choices:
-                            if has_token(choices):
-                                timer.token(t_ns)
-                            c0 = choices[0]
-                            if isinstance(c0, dict) and c0.get("finish_reason"):
-                                finish = str(c0["finish_reason"])
-                        if doc.get("usage"):
-                            usage = usage_from_json(doc["usage"]) or usage
-                        if doc.get("timings"):
-                            engine_t = EngineTimings.from_json(doc["timings"]) or engine_t
+                        if info.token:
+                            timer.token(t_ns)
+                        finish = info.finish_reason or finish
+                        usage = info.usage or usage
+                        engine_t = info.timings or engine_t
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
     timer.done()
@@ -238,20 +230,6 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
         t_start_ns=timer.t_received_ns,
         t_done_ns=timer.t_done_ns,
     )
-
-
-def _error_message(raw: bytes) -> str:
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return raw[:200].decode("utf-8", "replace")
-    if isinstance(doc, dict):
-        err = doc.get("error", doc)
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:200]
-        if isinstance(err, str):
-            return err[:200]
-    return raw[:200].decode("utf-8", "replace")
 
 
 # ---- request bodies -----------------------------------------------------------------------------

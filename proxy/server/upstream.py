@@ -72,7 +72,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     Why: httpcore 1.0's pool re-examines every connection on each request start and end, and for each idle one
     it probes the socket (anyio builds an attribute dict with a ``getpeername`` call) and counts the whole
     pool again: O(n^2) per call. One pool of 256 connections cost seconds of CPU per burst of new streams
-    (bench/overhead.py: +5.4 s TTFT p50 at 256 streams; docs/performance.md). Pools of <= 8 keep n small.
+    (perf/overhead.py: +5.4 s TTFT p50 at 256 streams; docs/performance.md). Pools of <= 8 keep n small.
     Least-loaded choice keeps the shards even, so the total stays ``max_connections`` (rounded up).
     """
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from proxy import __version__
-from proxy.result import Result
+from proxy.server.result import Result
 
 PREFIX = "enginemeter"
 

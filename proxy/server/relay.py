@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import orjson
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
@@ -42,50 +41,16 @@ from proxy.errors import (
     normalize_engine_error,
 )
 from proxy.normalize import Endpoint, Normalized
-from proxy.result import Result
+from proxy.server.result import Result
+from proxy.server.upstream import Engine, UpstreamResponse
 from proxy.sse import Event, SSEFramer, encode_data
+from proxy.stream import error_message, finish_reason_of, has_token, loads, text_of
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
-from proxy.upstream import Engine, UpstreamResponse
 
 log = logging.getLogger("enginemeter.relay")
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_ERROR_BODY = 1 << 20
-
-
-def _loads(data: bytes) -> Any:
-    """orjson first; what it refuses and ``json`` accepts (NaN, lone surrogate escapes) still parses the same."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
-
-
-def _has_token(choices: list[Any]) -> bool:
-    for c in choices:
-        if not isinstance(c, dict):
-            continue
-        d = c.get("delta")
-        if isinstance(d, dict):
-            if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
-                return True
-        elif c.get("text"):
-            return True
-    return False
-
-
-def _text_of(choices: list[Any]) -> str:
-    parts: list[str] = []
-    for c in choices:
-        if not isinstance(c, dict) or c.get("index", 0) != 0:
-            continue
-        d = c.get("delta")
-        src = d if isinstance(d, dict) else c.get("message") if isinstance(c.get("message"), dict) else c
-        for key in ("reasoning_content", "reasoning", "content", "text"):
-            v = src.get(key) if isinstance(src, dict) else None
-            if isinstance(v, str):
-                parts.append(v)
-    return "".join(parts)
 
 
 @dataclass
@@ -170,7 +135,7 @@ class Attempt:
         first = self._first[0]
         if not first.is_comment and not first.is_done:
             try:
-                doc = _loads(first.data)
+                doc = loads(first.data)
             except ValueError:
                 doc = None
             if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
@@ -238,26 +203,23 @@ class Attempt:
                 out.append(ev.raw)
                 continue
             try:
-                doc = _loads(ev.data)
+                doc = loads(ev.data)
             except ValueError as exc:
                 raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed event: {ev.data[:200]!r}") from exc
             if not isinstance(doc, dict):
                 raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object event")
             if "error" in doc:
                 self.outcome = "engine_error"
-                err = doc["error"]
-                self.error = (err.get("message") if isinstance(err, dict) else str(err)) or "engine error"
+                self.error = error_message(doc) or "engine error"
                 out.append(ev.raw)
                 continue
             choices = doc.get("choices")
             if isinstance(choices, list) and choices:
-                if _has_token(choices):
+                if has_token(choices):
                     self.timer.token(t_ns)
                     if self.collect_text:
-                        self._text.append(_text_of(choices))
-                c0 = choices[0]
-                if isinstance(c0, dict) and c0.get("finish_reason"):
-                    self.finish_reason = str(c0["finish_reason"])
+                        self._text.append(text_of(choices))
+                self.finish_reason = finish_reason_of(choices) or self.finish_reason
             if "usage" in doc and doc["usage"] is not None:
                 self.usage = usage_from_json(doc["usage"]) or self.usage
                 if "timings" in doc:
@@ -337,7 +299,7 @@ class Attempt:
         finally:
             await self.response.aclose()
         try:
-            doc = json.loads(body)
+            doc = loads(body)
         except ValueError as exc:
             raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed body") from exc
         if not isinstance(doc, dict):
@@ -346,11 +308,9 @@ class Attempt:
         self.engine_timings = EngineTimings.from_json(doc.get("timings"))
         choices = doc.get("choices")
         if isinstance(choices, list) and choices:
-            c0 = choices[0]
-            if isinstance(c0, dict):
-                self.finish_reason = c0.get("finish_reason")
+            self.finish_reason = finish_reason_of(choices)
             if self.collect_text:
-                self._text.append(_text_of(choices))
+                self._text.append(text_of(choices))
         # a non-stream body has no token events: TTFT/TPOT stay unset; e2e and engine timings still count
         self.outcome = "ok"
         return self._rewrite_model(body, doc)

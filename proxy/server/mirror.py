@@ -42,17 +42,17 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from proxy.compare import ComparisonLog, compare, observe_comparison, to_record
 from proxy.errors import BadRequest, UpstreamError
 from proxy.normalize import Endpoint
-from proxy.relay import Attempt
-from proxy.result import Result
-from proxy.routing import Decision
+from proxy.server.compare import ComparisonLog, compare, observe_comparison, to_record
+from proxy.server.relay import Attempt
+from proxy.server.result import Result
+from proxy.server.routing import Decision
+from proxy.server.upstream import Engine, StreamClient, make_client, make_streams
 from proxy.timing import StreamTimer
-from proxy.upstream import Engine, StreamClient, make_client, make_streams
 
 if TYPE_CHECKING:
-    from proxy.app import Gateway
+    from proxy.server.app import Gateway
 
 log = logging.getLogger("enginemeter.mirror")
 

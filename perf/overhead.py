@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Proxy overhead benchmark: what enginemeter adds to TTFT and to inter-chunk gaps, against nginx.
 
-    .venv/bin/python bench/overhead.py [--streams 256,32] [--tokens 64] [--cadence-ms 20] [--ttft-ms 50]
+    .venv/bin/python perf/overhead.py [--streams 256,32] [--tokens 64] [--cadence-ms 20] [--ttft-ms 50]
                                        [--rounds 8] [--mirror off|fast|slow|dead|all] [--nginx auto|off]
 
 Every party is its own process, all on 127.0.0.1:
 
-- a fake engine with a fixed chunk cadence (``tests.fakes.fault_engine``, a pure-asyncio llama.cpp look-alike);
+- a fake engine with a fixed chunk cadence (``fakes.fault_engine``, a pure-asyncio llama.cpp look-alike);
 - the proxy (``python -m proxy.cli serve --primary URL``), plus one more proxy per mirror mode
   (``--shadow URL``: "fast" = a second fake engine with the same cadence, "slow" = one 10x slower,
   "dead" = a closed port);
@@ -43,6 +43,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from proxy.stream import has_token, loads
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -87,20 +90,6 @@ class ChunkedDecoder:
                 self.done = True  # trailers (none expected) and the final CRLF are left unread
             self.remaining = size
         return b"".join(out)
-
-
-def _has_token(doc: Any) -> bool:
-    """Same rule as the proxy: a delta with non-empty content/reasoning/tool_calls, or completions text."""
-    if not isinstance(doc, dict):
-        return False
-    for c in doc.get("choices") or ():
-        d = c.get("delta") if isinstance(c, dict) else None
-        if isinstance(d, dict):
-            if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
-                return True
-        elif isinstance(c, dict) and c.get("text"):
-            return True
-    return False
 
 
 class Conn:
@@ -197,7 +186,7 @@ class LoadGen:
                             sse = sse[end + 2 :]
                             if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
                                 continue
-                            if _has_token(json.loads(ev[6:])):
+                            if has_token(loads(ev[6:]).get("choices") or []):
                                 if last:
                                     res.gaps_ns.append(t - last)
                                 else:
@@ -399,7 +388,7 @@ class Procs:
 
     def engine(self, name: str, tokens: int, cadence_ms: float, ttft_ms: float) -> tuple[int, subprocess.Popen[bytes]]:
         port = free_port()
-        argv = [sys.executable, "-m", "tests.fakes.fault_engine", "--port", str(port), "--tokens", str(tokens)]
+        argv = [sys.executable, "-m", "fakes.fault_engine", "--port", str(port), "--tokens", str(tokens)]
         argv += ["--cadence-ms", str(cadence_ms), "--ttft-ms", str(ttft_ms)]
         p = self.start(name, argv)
         wait_http(port, "/health", p)

@@ -5,7 +5,7 @@ generated model, or ``--model``), the proxy as its own process, N sequential gre
 each request the proxy's Result (decode tok/s = (completion_tokens - 1) / (last token - first token), per
 proxy read time) next to the engine's figure for the same request (both definitions exclude the first token).
 
-    .venv/bin/python bench/decode_agreement.py --requests 20 --max-tokens 256
+    .venv/bin/python perf/decode_agreement.py --requests 20 --max-tokens 256
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
-from proxy.mirror import Mirror
+from proxy.server.mirror import Mirror
 
 if TYPE_CHECKING:
-    from proxy.app import Gateway
+    from proxy.server.app import Gateway
 
 MAX_ADMIN_BODY = 64 * 1024
 

@@ -9,10 +9,10 @@ import httpx
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
-from proxy import enginestate, gpu
-from proxy.admin import install_admin
-from proxy.app import Gateway, create_app
-from proxy.mirror import install_mirror
+from proxy.server import enginestate, gpu
+from proxy.server.admin import install_admin
+from proxy.server.app import Gateway, create_app
+from proxy.server.mirror import install_mirror
 from proxy.settings import Settings
 
 

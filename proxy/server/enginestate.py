@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from proxy.server.upstream import Engine
 from proxy.settings import Settings
-from proxy.upstream import Engine
 
 if TYPE_CHECKING:
-    from proxy.app import Gateway
+    from proxy.server.app import Gateway
 
 log = logging.getLogger("enginemeter.enginestate")
 

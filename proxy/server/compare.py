@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.metrics import Metrics
-from proxy.result import Result
+from proxy.server.metrics import Metrics
+from proxy.server.result import Result
 
 log = logging.getLogger("enginemeter.compare")
 

@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.settings import EngineSettings
 
 if TYPE_CHECKING:
-    from proxy.app import Gateway
+    from proxy.server.app import Gateway
 
 log = logging.getLogger("enginemeter.gpu")
 

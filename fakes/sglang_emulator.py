@@ -22,10 +22,10 @@ Invariants kept from SGLang:
   rejects it. In-flight requests end when generation ends or the client goes away (which also stops the
   backend request).
 
-Test hook: an ``x-fault`` request header is passed on to the backend, so a ``tests.fakes.fault_engine``
+Test hook: an ``x-fault`` request header is passed on to the backend, so a ``fakes.fault_engine``
 backend can shape timing and failures.
 
-    python -m tests.fakes.sglang_emulator --port 30000 --backend http://127.0.0.1:8080 --served-model-name m
+    python -m fakes.sglang_emulator --port 30000 --backend http://127.0.0.1:8080 --served-model-name m
     app = create_app(EmulatorConfig(backend=...))                  # Starlette, lifespan probes the backend
     with run_in_thread(EmulatorConfig(backend=...)) as url: ...    # uvicorn on a free port in a thread
 """
@@ -1061,7 +1061,7 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
                 "enable_lora": False,
                 "skip_server_warmup": True,
                 "backend": config.backend,  # emulator only: where tokens come from
-                "launch_command": "python -m tests.fakes.sglang_emulator",
+                "launch_command": "python -m fakes.sglang_emulator",
                 "startup_time": engine.startup_time,
                 "internal_states": [
                     {
@@ -1176,7 +1176,7 @@ def run_in_thread(config: EmulatorConfig, *, port: int = 0, startup_timeout_s: f
 
 
 def _parse_args(argv: list[str] | None) -> EmulatorConfig:
-    p = argparse.ArgumentParser(prog="python -m tests.fakes.sglang_emulator", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fakes.sglang_emulator", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--backend", required=True, help="llama-server base URL, e.g. http://127.0.0.1:8080")

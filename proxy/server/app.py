@@ -26,14 +26,14 @@ from starlette.routing import Route
 
 from proxy import __version__
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, UpstreamError
-from proxy.metrics import Metrics, observe
 from proxy.normalize import Endpoint, normalize_request, param_label
-from proxy.relay import Attempt, RelayResponse
-from proxy.result import Result
-from proxy.routing import Decision, Router
+from proxy.server.metrics import Metrics, observe
+from proxy.server.relay import Attempt, RelayResponse
+from proxy.server.result import Result
+from proxy.server.routing import Decision, Router
+from proxy.server.upstream import Engine, make_client, make_streams, probe_all
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
-from proxy.upstream import Engine, make_client, make_streams, probe_all
 
 log = logging.getLogger("enginemeter")
 
@@ -62,7 +62,7 @@ class Gateway:
         self.aliases = {m.alias: m for m in settings.models}
         #: called with every Result (metrics first); the mirror/comparison and tests hook in here
         self.result_hooks: list[ResultHook] = []
-        #: mirroring stage (proxy.mirror); ``submit(gw, decision, body, endpoint, request_id) -> bool``
+        #: mirroring stage (proxy.server.mirror); ``submit(gw, decision, body, endpoint, request_id) -> bool``
         #: returns whether a shadow copy was sent (then the primary collects its output text to compare)
         self.mirror: Any = None
         self.background: set[asyncio.Task[Any]] = set()

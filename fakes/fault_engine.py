@@ -27,7 +27,7 @@ method, path and headers), ``DELETE /_fake/requests``, ``GET /_fake/stats`` (``a
 ``cancelled`` = the client went away first, ``failed`` = a fault ended it, ``rejected`` = answered with an
 error status, ``requests``) and ``DELETE /_fake/stats`` (zero the counters but ``active``).
 
-    python -m tests.fakes.fault_engine --port 8081 --tokens 64 --cadence-ms 20 --ttft-ms 50
+    python -m fakes.fault_engine --port 8081 --tokens 64 --cadence-ms 20 --ttft-ms 50
     server = await serve(FaultEngineConfig(port=0))           # in a running loop
     with run_in_thread(FaultEngineConfig()) as url: ...       # from synchronous code
 """
@@ -1213,7 +1213,7 @@ def run_in_thread(config: FaultEngineConfig | None = None) -> Iterator[str]:
 
 
 def _parse_args(argv: list[str] | None) -> FaultEngineConfig:
-    p = argparse.ArgumentParser(prog="python -m tests.fakes.fault_engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fakes.fault_engine", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model", default="fault-engine", help="the name every response reports")
