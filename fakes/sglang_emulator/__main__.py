@@ -1,0 +1,3 @@
+from fakes.sglang_emulator.cli import main
+
+main()
