@@ -1,6 +1,6 @@
 """Fault injection: what the client sees and what is recorded when the engine misbehaves.
 
-The engine is fakes/fault_engine.py (a llama.cpp look-alike with exact control over bytes, timing and
+The engine is fakes/fault_engine/ (a llama.cpp look-alike with exact control over bytes, timing and
 abrupt closes); the proxy runs under a real uvicorn server on a real socket.
 """
 

@@ -1,0 +1,3 @@
+from fakes.fault_engine.cli import main
+
+main()
