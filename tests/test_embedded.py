@@ -1,4 +1,4 @@
-"""proxy/embedded.py against the real thing: generated GGUFs loaded by a real llama-server."""
+"""proxy/embedded/ against the real thing: generated GGUFs loaded by a real llama-server."""
 
 from __future__ import annotations
 

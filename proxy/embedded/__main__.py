@@ -1,0 +1,5 @@
+import sys
+
+from proxy.embedded.cli import main
+
+sys.exit(main())
