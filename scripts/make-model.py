@@ -2,6 +2,8 @@
 """Write a random-weight GGUF with a real tokenizer; prints its path. See ``python3 -m proxy.embedded model -h``.
 
 Examples: ``scripts/make-model.py`` (tiny qwen2 model in the cache), ``scripts/make-model.py /data --shape 7b``.
+A Mistral-7B-shaped llama model with Mistral's tokenizer: ``scripts/make-model.py /data --shape mistral7b
+--vocab llama-spm --vocab-file mistral-vocab.gguf`` (from ``convert_hf_to_gguf.py --vocab-only``).
 Needs the ``gguf`` and ``numpy`` packages.
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -19,10 +20,12 @@ from proxy.embedded import (
     EmbeddedError,
     LlamaServer,
     build_llama_server,
+    default_model_path,
     make_model,
     model_params,
     read_gguf_metadata,
     start_default_engines,
+    vocab_path,
 )
 from tests.helpers import REPO, LlamaServerFactory
 
@@ -121,6 +124,85 @@ def test_7b_shape_parameters() -> None:
     assert (p.n_layer, p.n_embd, p.n_ff, p.n_head, p.n_head_kv, p.dtype) == (28, 3584, 18944, 28, 4, "f16")
 
 
+def test_mistral7b_shape_is_the_llama_architecture_with_grouped_kv_heads() -> None:
+    p = model_params(shape="mistral7b", vocab="llama-spm")
+    assert (p.n_layer, p.n_embd, p.n_ff, p.n_head, p.n_head_kv) == (32, 4096, 14336, 32, 8)
+    assert p.arch == "llama"
+    assert default_model_path(p).name.startswith("enginemeter-llama-spm-mistral7b-")
+
+
+def test_model_keys_without_a_vocab_file_did_not_change() -> None:
+    # cached models and their sidecars written before vocab_file existed stay valid
+    assert model_params().key() == "bb9e70fc0adb"
+    assert model_params(vocab="llama-spm").key() == "d5072ac4674b"
+    assert "vocab_sha256" not in model_params().record()
+
+
+def write_vocab(path: Path, tokens: list[str], chat_template: str | None = None) -> Path:
+    """A vocab-only GGUF like ``convert_hf_to_gguf.py --vocab-only`` writes for a SentencePiece tokenizer."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))  # unknown, control (<s>, </s>), normal
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
+def test_a_vocab_file_gives_its_tokenizer_to_the_model(tmp_path: Path) -> None:
+    tokens = ["<unk>", "<s>", "</s>", *(f"\u2581w{i}" for i in range(61))]
+    vocab = write_vocab(tmp_path / "v.gguf", tokens)
+    path = make_model(tmp_path / "m.gguf", vocab="llama-spm", vocab_file=vocab)
+    meta = read_gguf_metadata(path)
+    assert meta["general.architecture"][1] == "llama"
+    assert meta["tokenizer.ggml.tokens"][1] == tokens
+    assert meta["tokenizer.ggml.token_type"][1][:4] == [2, 3, 3, 1]
+    assert meta["tokenizer.ggml.bos_token_id"][1] == 1
+    assert meta["llama.vocab_size"][1] == len(tokens)
+    assert "[INST]" in meta["tokenizer.chat_template"][1]  # none in the vocab: the Llama-2 template
+    params = json.loads(meta["enginemeter.model_params"][1])
+    assert params["vocab_sha256"] == hashlib.sha256(vocab.read_bytes()).hexdigest()
+
+    # another vocab file: the same path is rewritten, its template kept; the cache name differs from the source's
+    other = write_vocab(tmp_path / "w.gguf", [*tokens, "\u2581extra"], chat_template="{{ messages[0]['content'] }}")
+    assert make_model(path, vocab="llama-spm", vocab_file=other) == path
+    meta = read_gguf_metadata(path)
+    assert len(meta["tokenizer.ggml.tokens"][1]) == len(tokens) + 1
+    assert meta["tokenizer.chat_template"][1] == "{{ messages[0]['content'] }}"
+    named = make_model(tmp_path, vocab="llama-spm", vocab_file=other)
+    assert named.name != default_model_path(model_params(vocab="llama-spm")).name
+
+    # the CLI takes it too
+    argv = [sys.executable, "-m", "proxy.embedded", "model", str(tmp_path / "cli.gguf"), "--vocab", "llama-spm"]
+    r = subprocess.run([*argv, "--vocab-file", str(vocab)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert read_gguf_metadata(Path(r.stdout.strip()))["tokenizer.ggml.tokens"][1] == tokens
+
+
+def test_a_vocab_file_must_exist_and_hold_a_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(EmbeddedError, match="does not exist"):
+        make_model(tmp_path / "m.gguf", vocab_file=tmp_path / "missing.gguf")
+    import gguf
+
+    writer = gguf.GGUFWriter(tmp_path / "bare.gguf", "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with pytest.raises(EmbeddedError, match=r"not a vocab: it has no tokenizer\.ggml\.model"):
+        make_model(tmp_path / "m.gguf", vocab_file=tmp_path / "bare.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 # ------------------------------------------------------------------------------------ in llama-server
 
 
@@ -137,6 +219,18 @@ def test_generated_model_loads_and_greedy_gives_exactly_the_tokens_asked(
     assert out["choices"][0]["finish_reason"] == "length"
     assert out["choices"][0]["message"]["content"]
     assert out["timings"]["predicted_n"] == 32
+
+
+def test_a_model_from_an_explicit_vocab_file_loads_and_decodes(
+    llama_server_factory: LlamaServerFactory, tmp_path: Path
+) -> None:
+    vocab = vocab_path("llama-spm")  # a vocab-only GGUF, as convert_hf_to_gguf.py --vocab-only writes one
+    model = make_model(tmp_path / "m.gguf", vocab="llama-spm", vocab_file=vocab, n_layer=1)
+    engine = llama_server_factory(model=model)
+    assert httpx.get(f"{engine.url}/v1/models").json()["data"][0]["meta"]["n_vocab"] == 32000
+    out = chat(engine.url, max_tokens=16)
+    assert out["usage"]["completion_tokens"] == 16
+    assert out["choices"][0]["finish_reason"] == "length"
 
 
 def test_greedy_is_not_cut_short_over_a_long_generation(llama_server: LlamaServer) -> None:

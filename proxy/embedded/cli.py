@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("path", type=Path, nargs="?", default=None, help="file or directory (default: the cache)")
     m.add_argument("--vocab", choices=VOCABS, default="qwen2")
     m.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    m.add_argument(
+        "--vocab-file", type=Path, default=None, help="copy tokenizer.* from this GGUF (--vocab still picks the arch)"
+    )
     m.add_argument("--dtype", choices=("f16", "f32"), default="f16")
     m.add_argument("--seed", type=int, default=0)
     for dim, default in SHAPES["tiny"].items():
@@ -61,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "seed",
                 "dtype",
                 "shape",
+                "vocab_file",
             )
             print(make_model(args.path, cache_dir=args.cache_dir, **{k: getattr(args, k) for k in names}))
     except (EmbeddedError, ValueError) as exc:

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
 DType = Literal["f16", "f32"]
 
-# Model shapes by name. "7b" is Qwen2-7B's geometry (~15 GB in F16 with the qwen2 vocabulary).
+# Model shapes by name. "7b" is Qwen2-7B's geometry (~15 GB in F16 with the qwen2 vocabulary); "mistral7b" is
+# Mistral-7B's (~14.5 GB in F16 with a 32k vocabulary; use it with vocab "llama-spm" for the llama architecture).
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_ff": 128, "n_head": 4, "n_head_kv": 2},
     "7b": {"n_layer": 28, "n_embd": 3584, "n_ff": 18944, "n_head": 28, "n_head_kv": 4},
+    "mistral7b": {"n_layer": 32, "n_embd": 4096, "n_ff": 14336, "n_head": 32, "n_head_kv": 8},
 }
 
 # A Llama-2 style template for the llama-spm vocabulary (its vocab file has none), so chat endpoints work.
@@ -40,7 +42,7 @@ LLAMA2_CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelParams:
-    """Everything that determines a generated model's bytes (the vocab file aside)."""
+    """Everything that determines a generated model's bytes (the vocab file of the llama.cpp source aside)."""
 
     vocab: str
     n_layer: int
@@ -51,13 +53,20 @@ class ModelParams:
     n_ctx_train: int
     seed: int
     dtype: str
+    vocab_sha256: str | None = None  # an explicit vocab file's digest; None: ggml-vocab-<vocab>.gguf of the source
 
     @property
     def arch(self) -> str:
         return "qwen2" if self.vocab == "qwen2" else "llama"
 
+    def record(self) -> str:
+        """The parameters as JSON (sidecar, GGUF metadata, key); ``vocab_sha256`` only when set, so models
+        generated before it existed keep their names and bytes."""
+        fields = {k: v for k, v in asdict(self).items() if not (k == "vocab_sha256" and v is None)}
+        return json.dumps(fields, sort_keys=True)
+
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(self.record().encode()).hexdigest()[:12]
 
 
 def model_params(
@@ -72,6 +81,7 @@ def model_params(
     seed: int = 0,
     dtype: DType = "f16",
     shape: str | None = None,
+    vocab_sha256: str | None = None,
 ) -> ModelParams:
     """Validate and fold ``shape`` (a key of :data:`SHAPES`, overriding the dimensions) into one record."""
     dims = {"n_layer": n_layer, "n_embd": n_embd, "n_ff": n_ff, "n_head": n_head, "n_head_kv": n_head_kv}
@@ -85,7 +95,7 @@ def model_params(
         raise ValueError(f"dtype must be f16 or f32, not {dtype!r}")
     if dims["n_embd"] % dims["n_head"] or dims["n_head"] % dims["n_head_kv"]:
         raise ValueError(f"n_embd must divide by n_head and n_head by n_head_kv: {dims}")
-    return ModelParams(vocab=vocab, n_ctx_train=n_ctx_train, seed=seed, dtype=dtype, **dims)
+    return ModelParams(vocab=vocab, n_ctx_train=n_ctx_train, seed=seed, dtype=dtype, vocab_sha256=vocab_sha256, **dims)
 
 
 def default_model_path(params: ModelParams, *, cache_dir: Path | None = None) -> Path:
@@ -107,6 +117,7 @@ def make_model(
     seed: int = 0,
     dtype: DType = "f16",
     shape: str | None = None,
+    vocab_file: Path | None = None,
     cache_dir: Path | None = None,
     log: TextIO | None = None,
 ) -> Path:
@@ -115,6 +126,10 @@ def make_model(
     ``path``: the file to write; an existing directory gets a parameter-keyed file name inside it; ``None``
     means :func:`default_model_path` in the cache. A file whose ``.json`` sidecar records the same parameters
     is reused as is. Architecture ``qwen2`` (q/k/v biases) for the qwen2 vocabulary, ``llama`` for llama-spm.
+    ``vocab_file``: copy the ``tokenizer.*`` keys from this GGUF instead of the source's vocab file (e.g. a
+    ``--vocab-only`` conversion of Mistral's or Llama's SentencePiece tokenizer); ``vocab`` still picks the
+    architecture, and the file's digest joins the parameters. Without a ``tokenizer.chat_template`` in the
+    vocab, a Llama-2 ``[INST]`` template is added.
     The same parameters give the same bytes on any machine: weights come from PCG64's raw 64-bit stream,
     which NumPy keeps fixed across versions. Norm weights and biases are F32; matrices are ``dtype``.
     With the tiny default (2 layers x 64) the file is 45 MB (qwen2, mostly vocabulary) or 9 MB (llama-spm)
@@ -122,9 +137,12 @@ def make_model(
     at a time), loads with ``-ngl 99`` in 4.4 s and decodes greedily at 150-175 tok/s there.
     See the module docstring for generation length.
     """
+    if vocab_file is not None and not Path(vocab_file).is_file():
+        raise EmbeddedError(f"vocab file {vocab_file} does not exist")
     params = model_params(
         vocab=vocab, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
         n_ctx_train=n_ctx_train, seed=seed, dtype=dtype, shape=shape,
+        vocab_sha256=None if vocab_file is None else _sha256(Path(vocab_file)),
     )  # fmt: skip
     log = log or sys.stderr
     if path is None:
@@ -132,7 +150,7 @@ def make_model(
     elif path.is_dir():
         path = path / default_model_path(params).name
     sidecar = path.with_name(path.name + ".json")
-    record = json.dumps(asdict(params), sort_keys=True)
+    record = params.record()
     if path.is_file() and sidecar.is_file() and sidecar.read_text() == record:
         return path
     try:
@@ -144,7 +162,8 @@ def make_model(
     t0 = time.monotonic()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        _write_gguf(tmp, params, vocab_path(vocab, cache_dir=cache_dir, log=log))
+        vocab_src = Path(vocab_file) if vocab_file is not None else vocab_path(vocab, cache_dir=cache_dir, log=log)
+        _write_gguf(tmp, params, vocab_src)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -152,6 +171,14 @@ def make_model(
     size_mb = path.stat().st_size / 1e6
     print(f"embedded: wrote {path} ({size_mb:.0f} MB) in {time.monotonic() - t0:.1f} s", file=log, flush=True)
     return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class _Random:
@@ -209,13 +236,18 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
     import numpy as np
 
     meta = read_gguf_metadata(vocab_file)
+    missing = [
+        k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type") if k not in meta
+    ]
+    if missing:
+        raise EmbeddedError(f"{vocab_file} is not a vocab: it has no {', '.join(missing)}")
     writer = gguf.GGUFWriter(path, p.arch)
     arch = p.arch
     head_dim = p.n_embd // p.n_head
     n_kv = p.n_head_kv * head_dim
 
     writer.add_name(f"enginemeter-{p.vocab}-random")
-    writer.add_string("enginemeter.model_params", json.dumps(asdict(p), sort_keys=True))
+    writer.add_string("enginemeter.model_params", p.record())
     writer.add_uint32(gguf.Keys.General.FILE_TYPE, 1 if p.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
     writer.add_uint32(f"{arch}.context_length", p.n_ctx_train)
     writer.add_uint32(f"{arch}.embedding_length", p.n_embd)
