@@ -69,13 +69,14 @@ class Timed:
     text: str
 
 
-def timed_stream(url: str, *, max_tokens: int = 64, path: str = "/v1/chat/completions") -> Timed:
-    """One streaming request: client-side time to the first content event and to the end of the stream."""
+def timed_stream(p: ProxyUnderTest, *, max_tokens: int = 64, path: str = "/v1/chat/completions") -> Timed:
+    """One streaming request on the proxy's kept-alive client: client-side time to the first content event and
+    to the end of the stream."""
     body: dict[str, Any] = {"model": "m", "messages": MSGS, "stream": True, "max_tokens": max_tokens}
     t0 = time.perf_counter()
     ttft: float | None = None
     parts: list[str] = []
-    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+    with p.client.stream("POST", path, json=body, timeout=30) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -120,11 +121,11 @@ def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
                 timeout=6.0,
             )
         )
-        timed_stream(p.url)  # warm the connections on both sides of the proxy (mirrored too)
+        timed_stream(p)  # warm the connections on both sides of the proxy (mirrored too)
         assert admin(p, enabled=False)["enabled"] is False
-        off = [timed_stream(p.url) for _ in range(n)]
+        off = [timed_stream(p) for _ in range(n)]
         assert admin(p, enabled=True)["enabled"] is True
-        on = [timed_stream(p.url) for _ in range(n)]
+        on = [timed_stream(p) for _ in range(n)]
 
         # the copies really went out, and the primary still finished first every time
         for s in ("slow", "refused", "hang"):
@@ -170,7 +171,7 @@ def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFact
         )
         t0 = time.perf_counter()
         for _ in range(3):
-            timed_stream(p.url)
+            timed_stream(p)
         assert time.perf_counter() - t0 < 2.5, "requests waited for the hanging shadow"
         assert p.value("enginemeter_mirror_requests_total", engine="h", result="sent") == 1
         assert p.value("enginemeter_mirror_requests_total", engine="h", result="dropped_full") == 2
@@ -180,7 +181,7 @@ def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFact
         (r,) = p.of("shadow")
         assert r.outcome == "timeout"
         assert 2.5 < (r.timing.e2e_s or 0) < 6
-        timed_stream(p.url)
+        timed_stream(p)
         assert p.value("enginemeter_mirror_requests_total", engine="h", result="sent") == 2
         state = httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()
         assert state["dropped"]["dropped_full"] == 2
@@ -242,19 +243,19 @@ def test_admin_switches_mirroring_at_run_time(proxy_factory: ProxyFactory) -> No
         assert state["enabled"] is True
         assert state["routes"] == [{"route": 0, "models": ["*"], "shadows": ["s"], "sample_rate": 1.0}]
 
-        timed_stream(p.url, max_tokens=2)
+        timed_stream(p, max_tokens=2)
         assert sent() == 1
         admin(p, enabled=False)
-        timed_stream(p.url, max_tokens=2)
+        timed_stream(p, max_tokens=2)
         assert sent() == 1
         assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_disabled") == 1
         state = admin(p, enabled=True, sample_rate=0.0)
         assert state["routes"][0]["sample_rate"] == 0.0
-        timed_stream(p.url, max_tokens=2)
+        timed_stream(p, max_tokens=2)
         assert sent() == 1
         assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled") == 1
         admin(p, sample_rate=1.0, route=0)
-        timed_stream(p.url, max_tokens=2)
+        timed_stream(p, max_tokens=2)
         assert sent() == 2
 
         health = httpx.get(f"{p.url}/health").json()
@@ -291,7 +292,7 @@ def test_sampling_mirrors_about_the_configured_fraction(proxy_factory: ProxyFact
         p = proxy_factory(s)
         n = 100
         for _ in range(n):
-            r = httpx.post(f"{p.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
+            r = p.client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
             assert r.status_code == 200
         sent = p.value("enginemeter_mirror_requests_total", engine="s", result="sent")
         sampled_out = p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled")
@@ -479,6 +480,6 @@ def test_quick_flags_mirror_every_request(proxy_factory: ProxyFactory) -> None:
     ):
         p = proxy_factory(load(primary=primary, shadow=shadow, env={}))
         for _ in range(5):
-            timed_stream(p.url, max_tokens=2)
+            timed_stream(p, max_tokens=2)
         assert p.value("enginemeter_mirror_requests_total", engine="shadow", result="sent") == 5
         wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="primary", shadow="shadow") == 5)

@@ -74,7 +74,7 @@ def env() -> Iterator[Env]:
 
 def chat(env: Env, model: str, *, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
     payload = {"model": model, "messages": MSGS, "max_tokens": 3, **body}
-    return httpx.post(f"{env.url}/v1/chat/completions", json=payload, headers=headers or {}, timeout=20)
+    return env.proxy.client.post("/v1/chat/completions", json=payload, headers=headers or {}, timeout=20)
 
 
 # ------------------------------------------------------------------------------------------------- split
