@@ -8,10 +8,9 @@ front, the second engine mirrored as shadow — and says where to look.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.settings import Settings, SettingsError, load
@@ -42,11 +41,9 @@ def _serve(args: argparse.Namespace) -> int:
         _stop(embedded)
         return 2
     _banner(settings, embedded)
-    app = build_app(settings)
-    if embedded:
-        # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
-        # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
-        app.state.gateway.lifespan_hooks.append(lambda: _stopping(embedded))
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
+    # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
+    app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
     finally:
@@ -58,14 +55,6 @@ def _env_configured() -> bool:
     import os
 
     return bool(os.environ.get("ENGINEMETER_PRIMARY") or os.environ.get("ENGINEMETER_CONFIG"))
-
-
-@contextlib.asynccontextmanager
-async def _stopping(engines: Sequence[object]) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        _stop(engines)
 
 
 def _stop(engines: Sequence[object]) -> None:

@@ -281,30 +281,30 @@ def fake_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy import server
-    from proxy.server import gpu
+    from proxy.server import nvml
     from proxy.settings import load
 
     class FakeReader:
-        def devices(self) -> list[gpu.DeviceReading]:
+        def devices(self) -> list[nvml.DeviceReading]:
             self.doc = _fake_doc(a.fake)
             return [
-                gpu.DeviceReading(
+                nvml.DeviceReading(
                     d["index"], d["name"], d["uuid"], d["total"], d["used"], d["free"], d.get("reserved"), 0.0
                 )
                 for d in self.doc["devices"]
             ]
 
-        def processes(self, index: int) -> list[gpu.ProcReading]:
-            return [gpu.ProcReading(p["pid"], p["used"]) for p in self.doc["devices"][index]["processes"]]
+        def processes(self, index: int) -> list[nvml.ProcReading]:
+            return [nvml.ProcReading(p["pid"], p["used"]) for p in self.doc["devices"][index]["processes"]]
 
         def close(self) -> None:
             pass
 
-    # install() resolves its default opener at call time: the real proxy, every extension, a recorded NVML
-    gpu.PynvmlReader = FakeReader  # type: ignore[assignment,misc]
+    # the real proxy with every stage, its NVML reader replaced at the seam
     settings = load(a.config)
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(server.build_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    app = server.build_app(settings, nvml=FakeReader)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     return 0
 
 

@@ -25,18 +25,31 @@ event with non-empty text. Greedy output is the same on ``-np 1`` and ``-np 2`` 
 Building: if a collected test uses any of these fixtures and no binary is cached, llama-server is built
 once in ``pytest_collection_finish`` — before any test starts, so per-test timeouts don't cut it short
 (about 8 minutes on 2 cores). Its log goes to ``<cache>/build-<version>-<flavour>.log``.
+
+Tiers: every test that uses one of these fixtures (directly or through another fixture) is marked ``engine``
+here; ``pytest -m "not engine"`` (``scripts/check``) runs the rest and never builds llama-server.
+
+The proxy under test: ``proxy_factory(settings, nvml=None)`` (function scope) serves ``build_app(settings)``
+on a real uvicorn socket until the test ends and returns a :class:`tests.helpers.ProxyUnderTest` (url,
+registry, gateway, Results); module-scoped set-ups call :func:`tests.helpers.start_proxy` with their own stack.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from proxy.embedded import LlamaServer, build_llama_server, cache_root, make_model, server_dir
-from tests.helpers import LlamaServerFactory
+from proxy.settings import Settings
+from tests import helpers
+from tests.helpers import LlamaServerFactory, ProxyFactory, ProxyUnderTest
+
+if TYPE_CHECKING:
+    from proxy.server.gpu import Opener
 
 TINY_ALIAS = "tiny"
 ENGINE_FIXTURES = frozenset(
@@ -44,8 +57,19 @@ ENGINE_FIXTURES = frozenset(
 )
 
 
+def uses_engine(item: pytest.Item) -> bool:
+    return bool(ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if uses_engine(item):
+            item.add_marker(pytest.mark.engine)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not any(ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())) for item in session.items):
+    if not any(uses_engine(item) for item in session.items):
         return
     import os
 
@@ -118,3 +142,13 @@ def llama_server_factory(llama_server_bin: Path, tiny_model: Path, tmp_path: Pat
     yield factory
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def proxy_factory() -> Iterator[ProxyFactory]:
+    with ExitStack() as stack:
+
+        def start(settings: Settings, *, nvml: Opener | None = None) -> ProxyUnderTest:
+            return helpers.start_proxy(stack, settings, nvml=nvml)
+
+        yield start

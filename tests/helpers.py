@@ -7,6 +7,8 @@
   (uvicorn's own ``tests/utils.py:run_server`` pattern), yielding its base URL.
 - :class:`ProcessServer`: a ``python -m MODULE ...`` subprocess serving HTTP, ready once a URL answers.
 - :class:`LlamaServerFactory`: the type of the ``llama_server_factory`` fixture (tests/conftest.py).
+- :func:`start_proxy` / :class:`ProxyUnderTest`: the proxy under test, fully wired (``build_app``) on a real
+  socket; :class:`ProxyFactory` is the type of the ``proxy_factory`` fixture that starts one per call.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar
 
+import httpx
 from prometheus_client import CollectorRegistry
 
 from proxy.embedded import free_port as free_port  # re-exported: tests import it from here
@@ -35,6 +38,8 @@ from proxy.settings import Settings
 
 if TYPE_CHECKING:
     from proxy.embedded import LlamaServer
+    from proxy.server.app import Gateway
+    from proxy.server.gpu import Opener
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
@@ -241,10 +246,13 @@ class ProcessServer:
 
 @dataclass
 class ProxyUnderTest:
-    """The real proxy (``proxy.server.build_app``) on a real uvicorn socket, with its registry and Results."""
+    """The real proxy (``proxy.server.build_app``) on a real uvicorn socket: its gateway, registry and Results."""
 
     url: str
     registry: CollectorRegistry
+    gateway: Gateway
+    #: a kept-alive client with ``base_url=url`` (each bare ``httpx.post`` builds a TLS context: ~50 ms)
+    client: httpx.Client
     results: list[Result] = field(default_factory=list)
 
     def value(self, name: str, **labels: str) -> float:
@@ -264,14 +272,29 @@ class ProxyUnderTest:
         wait_until(lambda: len(self.results) >= n, timeout=timeout)
         return self.results
 
+    def of(self, role: str, engine: str | None = None) -> list[Result]:
+        """The Results so far of ``role`` (and ``engine``)."""
+        return [r for r in list(self.results) if r.role == role and (engine is None or r.engine == engine)]
 
-def start_proxy(stack: contextlib.ExitStack, settings: Settings) -> ProxyUnderTest:
-    """Serve the fully wired app for ``settings`` until ``stack`` closes; every Result lands in ``.results``."""
+
+class ProxyFactory(Protocol):
+    """The ``proxy_factory`` fixture (tests/conftest.py): ``proxy_factory(settings, nvml=None)``."""
+
+    def __call__(self, settings: Settings, *, nvml: Opener | None = None) -> ProxyUnderTest: ...
+
+
+def start_proxy(stack: contextlib.ExitStack, settings: Settings, *, nvml: Opener | None = None) -> ProxyUnderTest:
+    """Serve ``build_app(settings)`` until ``stack`` closes; every Result lands in ``.results``.
+
+    ``nvml`` opens the GPU sampler's NVML reader (recorded readings); default: the real one.
+    """
     from proxy.server import build_app
 
     registry = CollectorRegistry()
-    app = build_app(settings, registry=registry)
-    p = ProxyUnderTest(url="", registry=registry)
-    app.state.gateway.result_hooks.append(p.results.append)
-    p.url = stack.enter_context(run_uvicorn_app(app))
+    app = build_app(settings, registry=registry, nvml=nvml)
+    gateway: Gateway = app.state.gateway
+    url = stack.enter_context(run_uvicorn_app(app))
+    client = stack.enter_context(httpx.Client(base_url=url, timeout=30))
+    p = ProxyUnderTest(url=url, registry=registry, gateway=gateway, client=client)
+    gateway.attempts.observers.append(p.results.append)
     return p

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,8 @@ from proxy.bench import runner, suite
 from proxy.bench.logreport import load_log
 from proxy.bench.report import load_bench, read_jsonl, write_report
 from proxy.cli import main
-from proxy.server import build_app
 from proxy.settings import load
-from tests.helpers import free_port, run_uvicorn_app, wait_until
+from tests.helpers import ProxyFactory, free_port, run_uvicorn_app, wait_until
 
 Factory = Callable[..., Any]
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,13 +173,12 @@ def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: 
 
 
 @pytest.fixture
-def proxy_url(np1_np2: tuple[str, str], tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def proxy_url(np1_np2: tuple[str, str], tmp_path: Path, proxy_factory: ProxyFactory) -> tuple[str, Path]:
     a, b = np1_np2
     s = load(None, primary=a, shadow=b, shadow_rate=1.0)
     log = tmp_path / "comparisons.jsonl"
     s = dataclasses.replace(s, mirror=dataclasses.replace(s.mirror, log_path=str(log)))
-    with run_uvicorn_app(build_app(s)) as url:
-        yield url, log
+    return proxy_factory(s).url, log
 
 
 def test_bench_through_proxy_pins_each_engine(proxy_url: tuple[str, Path], tmp_path: Path) -> None:

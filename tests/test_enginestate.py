@@ -18,11 +18,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy.embedded import LlamaServer
 from proxy.server import enginestate
-from proxy.server.app import create_app
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.upstream import Engine, make_client
 from proxy.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
-from tests.helpers import LlamaServerFactory, free_port, run_uvicorn_app, wait_until
+from tests.helpers import LlamaServerFactory, ProxyFactory, free_port, wait_until
 
 
 def settings(
@@ -56,23 +55,15 @@ class Running:
 
 
 @pytest.fixture
-def proxy_with_state() -> Iterator[Callable[[Settings], Running]]:
-    stack: list[Any] = []
-
+def proxy_with_state(proxy_factory: ProxyFactory) -> Callable[[Settings], Running]:
     def start(s: Settings) -> Running:
-        reg = CollectorRegistry()
-        pollers: list[EngineStatePoller] = []
-        app = create_app(s, registry=reg, extensions=[lambda gw: pollers.append(enginestate.install(gw))])
-        cm = run_uvicorn_app(app)
-        url = cm.__enter__()
-        stack.append(cm)
-        r = Running(reg, pollers[0], url)
+        p = proxy_factory(s)
+        assert p.gateway.engine_state is not None
+        r = Running(p.registry, p.gateway.engine_state, p.url)
         r.wait_polls(1)
         return r
 
-    yield start
-    for cm in reversed(stack):
-        cm.__exit__(None, None, None)
+    return start
 
 
 @pytest.fixture
@@ -361,10 +352,13 @@ def test_engine_never_reached_has_up_zero_and_nothing_else(proxy_with_state: Cal
     assert h["engine_state"]["engines"]["gone"]["up"] is False
 
 
-def test_server_wires_the_collectors() -> None:
-    from proxy import server
-    from proxy.server import gpu
+def test_build_app_wires_every_stage_and_create_app_none() -> None:
+    from proxy.server import build_app
+    from proxy.server.app import Gateway, create_app
 
-    exts = server.extensions()
-    assert gpu.install in exts
-    assert enginestate.install in exts
+    s = settings({"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}, shadows=("b",))
+    full: Gateway = build_app(s).state.gateway
+    assert full.mirror is not None and full.gpu is not None and full.engine_state is not None
+    assert full.mirror.on_result in full.attempts.observers
+    bare: Gateway = create_app(s).state.gateway
+    assert (bare.mirror, bare.gpu, bare.engine_state) == (None, None, None)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.server.result import Result
 from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
-from tests.helpers import ProxyUnderTest, start_proxy, wait_until
+from tests.helpers import ProxyFactory, ProxyUnderTest, wait_until
 
 ALIAS = "team-model"
 MSGS = [{"role": "user", "content": "hello there"}]
@@ -46,7 +46,7 @@ class Setup:
 
 
 @pytest.fixture
-def setup() -> Iterator[Callable[..., Setup]]:
+def setup(proxy_factory: ProxyFactory) -> Iterator[Callable[..., Setup]]:
     with ExitStack() as stack:
 
         def start(knobs: Knobs, read_timeout: float = 30.0) -> Setup:
@@ -57,7 +57,7 @@ def setup() -> Iterator[Callable[..., Setup]]:
                 routes=(RouteSettings(models=(ALIAS,), primary="fake"),),
                 models=(ModelAlias(alias=ALIAS, engines={"fake": "served-name"}),),
             )
-            return Setup(engine_url, start_proxy(stack, settings))
+            return Setup(engine_url, proxy_factory(settings))
 
         yield start
 

@@ -21,9 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
-from proxy.server import gpu
-from proxy.server.app import create_app
-from proxy.server.gpu import DeviceReading, GpuMonitor, NvmlUnavailable, ProcReading
+from proxy.server import attribution, build_app, nvml
+from proxy.server.gpu import GpuMonitor
+from proxy.server.nvml import DeviceReading, NvmlUnavailable, ProcReading
 from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings
 from tests.helpers import wait_until
 
@@ -279,12 +279,12 @@ def test_port_lookup_finds_ipv4_and_ipv6_listeners_and_ignores_connections() -> 
     port = v4.getsockname()[1]
     client = socket.create_connection(("127.0.0.1", port))  # an ESTABLISHED socket on the same port
     try:
-        assert gpu.pids_holding(gpu.listening_inodes(port)) == {os.getpid()}
-        assert len(gpu.listening_inodes(port)) == 1
+        assert attribution.pids_holding(attribution.listening_inodes(port)) == {os.getpid()}
+        assert len(attribution.listening_inodes(port)) == 1
     finally:
         client.close()
         v4.close()
-    assert gpu.listening_inodes(port) == set()
+    assert attribution.listening_inodes(port) == set()
     if not socket.has_ipv6:
         return
     try:
@@ -295,7 +295,7 @@ def test_port_lookup_finds_ipv4_and_ipv6_listeners_and_ignores_connections() -> 
     with v6:
         v6.listen()
         port6 = v6.getsockname()[1]
-        assert gpu.pids_holding(gpu.listening_inodes(port6)) == {os.getpid()}
+        assert attribution.pids_holding(attribution.listening_inodes(port6)) == {os.getpid()}
 
 
 def test_nothing_listening_and_remote_hosts_are_explained() -> None:
@@ -319,27 +319,27 @@ def test_nothing_listening_and_remote_hosts_are_explained() -> None:
 
 
 def test_is_local_host() -> None:
-    assert gpu.is_local_host("127.0.0.1")
-    assert gpu.is_local_host("localhost")
-    assert gpu.is_local_host("::1") or not socket.has_ipv6
-    assert gpu.is_local_host("0.0.0.0")
-    assert not gpu.is_local_host("10.255.0.1")  # TEST-NET-ish private address no interface here has
-    assert not gpu.is_local_host("no-such-host.invalid")
+    assert attribution.is_local_host("127.0.0.1")
+    assert attribution.is_local_host("localhost")
+    assert attribution.is_local_host("::1") or not socket.has_ipv6
+    assert attribution.is_local_host("0.0.0.0")
+    assert not attribution.is_local_host("10.255.0.1")  # TEST-NET-ish private address no interface here has
+    assert not attribution.is_local_host("no-such-host.invalid")
 
 
 def test_parent_pid_handles_odd_process_names(tmp_path: Path) -> None:
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "stat").write_text("42 (my (odd) name) S 7 42 42 0 -1\n")
-    assert gpu.parent_pid(42, tmp_path) == 7
-    assert gpu.parent_pid(43, tmp_path) is None
-    assert gpu.parent_pid(os.getpid()) == os.getppid()
+    assert attribution.parent_pid(42, tmp_path) == 7
+    assert attribution.parent_pid(43, tmp_path) is None
+    assert attribution.parent_pid(os.getpid()) == os.getppid()
 
 
 # --------------------------------------------------------------------------------------------- no NVML, threads
 
 
 def test_no_nvml_means_absent_metrics_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    def opener() -> gpu.NvmlReader:
+    def opener() -> nvml.NvmlReader:
         raise NvmlUnavailable("NVML init failed: NVML Shared Library Not Found")
 
     reg = CollectorRegistry()
@@ -364,7 +364,7 @@ def test_disabled_by_configuration() -> None:
 def test_real_pynvml_opens_or_says_why() -> None:
     """On a machine without an NVIDIA driver the real reader refuses with a reason; with one, it reads."""
     try:
-        reader = gpu.PynvmlReader()
+        reader = nvml.PynvmlReader()
     except NvmlUnavailable as exc:
         why = str(exc)
         assert "NVML" in why
@@ -421,13 +421,11 @@ def test_installed_in_the_app_feeds_metrics_and_health(child: subprocess.Popen[b
         routes=(RouteSettings(primary="llama"),),
         collectors=CollectorSettings(gpu=True, gpu_interval=0.02, engine_interval=60),
     )
-    reg = CollectorRegistry()
-    mons: list[GpuMonitor] = []
-    app = create_app(
-        settings, registry=reg, extensions=[lambda gw: mons.append(gpu.install(gw, opener=lambda: reader))]
-    )
+    app = build_app(settings, registry=CollectorRegistry(), nvml=lambda: reader)
+    mon = app.state.gateway.gpu
+    assert isinstance(mon, GpuMonitor)
     with TestClient(app) as client:
-        wait_until(lambda: mons[0].status.samples >= 1)
+        wait_until(lambda: mon.status.samples >= 1)
         text = client.get("/metrics").text
         assert 'enginemeter_engine_gpu_memory_used_bytes{engine="llama",gpu="0"} 1.5e+10' in text
         h = client.get("/health").json()
@@ -435,4 +433,4 @@ def test_installed_in_the_app_feeds_metrics_and_health(child: subprocess.Popen[b
         assert h["gpu"]["engines"]["llama"]["gpu_pids"] == [child.pid]
     # lifespan exit stopped the thread and closed NVML
     assert reader.closed
-    assert mons[0]._thread is None
+    assert mon._thread is None

@@ -11,9 +11,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.server import build_app
 from proxy.settings import load
-from tests.helpers import run_uvicorn_app, wait_until
+from tests.helpers import ProxyFactory, wait_until
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
@@ -53,7 +52,7 @@ def exported(text: str) -> set[str]:
     }
 
 
-def test_every_documented_metric_is_exported_and_vice_versa() -> None:
+def test_every_documented_metric_is_exported_and_vice_versa(proxy_factory: ProxyFactory) -> None:
     docs = documented()
     assert len(docs) > 20
     # the primary runs into max_tokens (finish "length"), the shadow stops early ("stop"): every mismatch fires
@@ -63,24 +62,22 @@ def test_every_documented_metric_is_exported_and_vice_versa() -> None:
         run_in_thread(FaultEngineConfig(model="s", knobs=Knobs(tokens=5, cadence_ms=2))) as shadow,
     ):
         settings = load(primary=primary, shadow=shadow, env={})
-        with run_uvicorn_app(build_app(settings)) as url:
-            body = {"model": "p", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-            for stream in (True, False):
-                r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream, "mirostat": 1, "x": 1})
-                assert r.status_code == 200
-            # llama.cpp puts usage on the last text event of /v1/completions: stripping it re-serializes
-            r = httpx.post(
-                f"{url}/v1/completions", json={"model": "p", "prompt": "hi", "max_tokens": 8, "stream": True}
-            )
+        url = proxy_factory(settings).url
+        body = {"model": "p", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+        for stream in (True, False):
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream, "mirostat": 1, "x": 1})
             assert r.status_code == 200
-            httpx.post(f"{url}/v1/chat/completions", content=b"{bad")  # a rejected request
+        # llama.cpp puts usage on the last text event of /v1/completions: stripping it re-serializes
+        r = httpx.post(f"{url}/v1/completions", json={"model": "p", "prompt": "hi", "max_tokens": 8, "stream": True})
+        assert r.status_code == 200
+        httpx.post(f"{url}/v1/chat/completions", content=b"{bad")  # a rejected request
 
-            def have_pairs() -> bool:
-                text = httpx.get(f"{url}/metrics").text
-                return "enginemeter_compared_pairs_total{" in text
-
-            wait_until(have_pairs, timeout=15)
+        def have_pairs() -> bool:
             text = httpx.get(f"{url}/metrics").text
+            return "enginemeter_compared_pairs_total{" in text
+
+        wait_until(have_pairs, timeout=15)
+        text = httpx.get(f"{url}/metrics").text
     names = exported(text)
     gpu_ok = nvml_works()
     missing = sorted(n for n, sec in docs.items() if n not in names and (gpu_ok or "gpu" not in sec))

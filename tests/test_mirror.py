@@ -15,49 +15,31 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client import CollectorRegistry
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from fakes.sglang_emulator import EmulatorConfig
 from fakes.sglang_emulator import run_in_thread as run_emulator
 from proxy.embedded import LlamaServer
-from proxy.server.result import Result
 from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
-from tests import helpers
-from tests.helpers import LlamaServerFactory, ProcessServer, ProxyUnderTest, free_port, wait_until
+from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, ProxyUnderTest, free_port, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 ADMIN = {"authorization": "Bearer admin-secret"}
 
 
-class Proxy(ProxyUnderTest):
-    def of(self, role: str, engine: str | None = None) -> list[Result]:
-        return [r for r in list(self.results) if r.role == role and (engine is None or r.engine == engine)]
-
-    def admin(self, **body: Any) -> dict[str, Any]:
-        r = httpx.post(f"{self.url}/admin/mirror", json=body, headers=ADMIN, timeout=10)
-        assert r.status_code == 200, r.text
-        doc: dict[str, Any] = r.json()
-        return doc
-
-
-@pytest.fixture
-def start_proxy() -> Iterator[Callable[[Settings], Proxy]]:
-    with ExitStack() as stack:
-
-        def start(settings: Settings) -> Proxy:
-            p = helpers.start_proxy(stack, settings)
-            return Proxy(url=p.url, registry=p.registry, results=p.results)
-
-        yield start
+def admin(p: ProxyUnderTest, **body: Any) -> dict[str, Any]:
+    r = httpx.post(f"{p.url}/admin/mirror", json=body, headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+    doc: dict[str, Any] = r.json()
+    return doc
 
 
 @contextmanager
@@ -87,13 +69,14 @@ class Timed:
     text: str
 
 
-def timed_stream(url: str, *, max_tokens: int = 64, path: str = "/v1/chat/completions") -> Timed:
-    """One streaming request: client-side time to the first content event and to the end of the stream."""
+def timed_stream(p: ProxyUnderTest, *, max_tokens: int = 64, path: str = "/v1/chat/completions") -> Timed:
+    """One streaming request on the proxy's kept-alive client: client-side time to the first content event and
+    to the end of the stream."""
     body: dict[str, Any] = {"model": "m", "messages": MSGS, "stream": True, "max_tokens": max_tokens}
     t0 = time.perf_counter()
     ttft: float | None = None
     parts: list[str] = []
-    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+    with p.client.stream("POST", path, json=body, timeout=30) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -120,7 +103,7 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 
 
 def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
-    start_proxy: Callable[[Settings], Proxy],
+    proxy_factory: ProxyFactory,
 ) -> None:
     n = 6
     with ExitStack() as stack:
@@ -129,7 +112,7 @@ def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
         slow = stack.enter_context(fault_process("--tokens", "20", "--cadence-ms", "200", "--ttft-ms", "500"))
         hang = stack.enter_context(fault_process("--fault", "hang"))
         refused = f"http://127.0.0.1:{free_port()}"
-        p = start_proxy(
+        p = proxy_factory(
             mirrored(
                 engine("primary", primary, kind="llamacpp"),
                 engine("slow", slow, kind="llamacpp"),
@@ -138,11 +121,11 @@ def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
                 timeout=6.0,
             )
         )
-        timed_stream(p.url)  # warm the connections on both sides of the proxy (mirrored too)
-        assert p.admin(enabled=False)["enabled"] is False
-        off = [timed_stream(p.url) for _ in range(n)]
-        assert p.admin(enabled=True)["enabled"] is True
-        on = [timed_stream(p.url) for _ in range(n)]
+        timed_stream(p)  # warm the connections on both sides of the proxy (mirrored too)
+        assert admin(p, enabled=False)["enabled"] is False
+        off = [timed_stream(p) for _ in range(n)]
+        assert admin(p, enabled=True)["enabled"] is True
+        on = [timed_stream(p) for _ in range(n)]
 
         # the copies really went out, and the primary still finished first every time
         for s in ("slow", "refused", "hang"):
@@ -176,19 +159,19 @@ def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
         assert ratio_sum / (n + 1) > 3, "the 10x slower shadow should show a TPOT ratio well above 1"
 
 
-def test_a_full_shadow_drops_copies_instead_of_queueing(start_proxy: Callable[[Settings], Proxy]) -> None:
+def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFactory) -> None:
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=4))) as primary,
         run_in_thread(FaultEngineConfig(knobs=Knobs(hang=True))) as hang,
     ):
-        p = start_proxy(
+        p = proxy_factory(
             mirrored(
                 engine("p", primary, kind="llamacpp"), engine("h", hang, kind="llamacpp"), max_in_flight=1, timeout=3.0
             )
         )
         t0 = time.perf_counter()
         for _ in range(3):
-            timed_stream(p.url)
+            timed_stream(p)
         assert time.perf_counter() - t0 < 2.5, "requests waited for the hanging shadow"
         assert p.value("enginemeter_mirror_requests_total", engine="h", result="sent") == 1
         assert p.value("enginemeter_mirror_requests_total", engine="h", result="dropped_full") == 2
@@ -198,22 +181,20 @@ def test_a_full_shadow_drops_copies_instead_of_queueing(start_proxy: Callable[[S
         (r,) = p.of("shadow")
         assert r.outcome == "timeout"
         assert 2.5 < (r.timing.e2e_s or 0) < 6
-        timed_stream(p.url)
+        timed_stream(p)
         assert p.value("enginemeter_mirror_requests_total", engine="h", result="sent") == 2
         state = httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()
         assert state["dropped"]["dropped_full"] == 2
         assert state["in_flight"]["h"] == 1
 
 
-def test_the_client_hanging_up_does_not_cancel_the_shadow(
-    start_proxy: Callable[[Settings], Proxy], tmp_path: Path
-) -> None:
+def test_the_client_hanging_up_does_not_cancel_the_shadow(proxy_factory: ProxyFactory, tmp_path: Path) -> None:
     log = tmp_path / "pairs.jsonl"
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=40, cadence_ms=25))) as primary,
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=40, cadence_ms=10, ttft_ms=300))) as shadow,
     ):
-        p = start_proxy(
+        p = proxy_factory(
             mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp"), log_path=str(log))
         )
         body = {"model": "m", "messages": MSGS, "stream": True, "max_tokens": 40}
@@ -243,12 +224,12 @@ def test_the_client_hanging_up_does_not_cancel_the_shadow(
 # ------------------------------------------------------------------------------------------------- admin
 
 
-def test_admin_switches_mirroring_at_run_time(start_proxy: Callable[[Settings], Proxy]) -> None:
+def test_admin_switches_mirroring_at_run_time(proxy_factory: ProxyFactory) -> None:
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary,
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as shadow,
     ):
-        p = start_proxy(mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp")))
+        p = proxy_factory(mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp")))
 
         def sent() -> float:
             return p.value("enginemeter_mirror_requests_total", engine="s", result="sent")
@@ -262,19 +243,19 @@ def test_admin_switches_mirroring_at_run_time(start_proxy: Callable[[Settings], 
         assert state["enabled"] is True
         assert state["routes"] == [{"route": 0, "models": ["*"], "shadows": ["s"], "sample_rate": 1.0}]
 
-        timed_stream(p.url, max_tokens=2)
+        timed_stream(p, max_tokens=2)
         assert sent() == 1
-        p.admin(enabled=False)
-        timed_stream(p.url, max_tokens=2)
+        admin(p, enabled=False)
+        timed_stream(p, max_tokens=2)
         assert sent() == 1
         assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_disabled") == 1
-        state = p.admin(enabled=True, sample_rate=0.0)
+        state = admin(p, enabled=True, sample_rate=0.0)
         assert state["routes"][0]["sample_rate"] == 0.0
-        timed_stream(p.url, max_tokens=2)
+        timed_stream(p, max_tokens=2)
         assert sent() == 1
         assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled") == 1
-        p.admin(sample_rate=1.0, route=0)
-        timed_stream(p.url, max_tokens=2)
+        admin(p, sample_rate=1.0, route=0)
+        timed_stream(p, max_tokens=2)
         assert sent() == 2
 
         health = httpx.get(f"{p.url}/health").json()
@@ -292,26 +273,26 @@ def test_admin_switches_mirroring_at_run_time(start_proxy: Callable[[Settings], 
         assert httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()["routes"][0]["sample_rate"] == 1.0
 
 
-def test_admin_endpoints_are_off_without_an_admin_key(start_proxy: Callable[[Settings], Proxy]) -> None:
+def test_admin_endpoints_are_off_without_an_admin_key(proxy_factory: ProxyFactory) -> None:
     with run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary:
-        p = start_proxy(replace(mirrored(engine("p", primary, kind="llamacpp")), admin_key=None))
+        p = proxy_factory(replace(mirrored(engine("p", primary, kind="llamacpp")), admin_key=None))
         for method in ("GET", "POST"):
             r = httpx.request(method, f"{p.url}/admin/mirror", json={"enabled": False}, headers=ADMIN)
             assert r.status_code == 404
             assert r.json()["error"]["enginemeter"] is True
 
 
-def test_sampling_mirrors_about_the_configured_fraction(start_proxy: Callable[[Settings], Proxy]) -> None:
+def test_sampling_mirrors_about_the_configured_fraction(proxy_factory: ProxyFactory) -> None:
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=1))) as primary,
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=1))) as shadow,
     ):
         s = mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp"))
         s = replace(s, routes=(replace(s.routes[0], sample_rate=0.3),))
-        p = start_proxy(s)
+        p = proxy_factory(s)
         n = 100
         for _ in range(n):
-            r = httpx.post(f"{p.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
+            r = p.client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
             assert r.status_code == 200
         sent = p.value("enginemeter_mirror_requests_total", engine="s", result="sent")
         sampled_out = p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_sampled")
@@ -349,12 +330,12 @@ def greedy_requests(url: str, model: str = "tiny") -> list[str]:
 
 
 def test_same_model_with_different_slots_greedy_outputs_match(
-    start_proxy: Callable[[Settings], Proxy], llama_server_factory: LlamaServerFactory, tmp_path: Path
+    proxy_factory: ProxyFactory, llama_server_factory: LlamaServerFactory, tmp_path: Path
 ) -> None:
     a = llama_server_factory(np=1)
     b = llama_server_factory(np=2)
     log = tmp_path / "pairs.jsonl"
-    p = start_proxy(mirrored(engine("np1", a.url), engine("np2", b.url), log_path=str(log), record_text=True))
+    p = proxy_factory(mirrored(engine("np1", a.url), engine("np2", b.url), log_path=str(log), record_text=True))
     texts = greedy_requests(p.url)
     assert all(texts)
     wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="np1", shadow="np2") == 4, timeout=30)
@@ -385,7 +366,7 @@ def test_same_model_with_different_slots_greedy_outputs_match(
 
 
 def test_different_tokenizers_count_a_prompt_token_mismatch(
-    start_proxy: Callable[[Settings], Proxy],
+    proxy_factory: ProxyFactory,
     llama_server_factory: LlamaServerFactory,
     tiny_model: Path,
     tiny_model_spm: Path,
@@ -394,7 +375,7 @@ def test_different_tokenizers_count_a_prompt_token_mismatch(
     qwen = llama_server_factory(model=tiny_model)
     spm = llama_server_factory(model=tiny_model_spm)
     log = tmp_path / "pairs.jsonl"
-    p = start_proxy(mirrored(engine("qwen", qwen.url), engine("spm", spm.url), log_path=str(log)))
+    p = proxy_factory(mirrored(engine("qwen", qwen.url), engine("spm", spm.url), log_path=str(log)))
     greedy_requests(p.url)
     labels = {"primary": "qwen", "shadow": "spm"}
     wait_until(lambda: p.value("enginemeter_compared_pairs_total", **labels) == 4, timeout=30)
@@ -408,9 +389,9 @@ def test_different_tokenizers_count_a_prompt_token_mismatch(
         assert "prompt" not in rec and "text" not in rec["primary"]  # record_text is off by default
 
 
-def test_sglang_emulator_as_shadow(start_proxy: Callable[[Settings], Proxy], llama_server: LlamaServer) -> None:
+def test_sglang_emulator_as_shadow(proxy_factory: ProxyFactory, llama_server: LlamaServer) -> None:
     with run_emulator(EmulatorConfig(backend=llama_server.url, served_model_name="tiny-sglang")) as sglang:
-        p = start_proxy(mirrored(engine("llama", llama_server.url), engine("sglang", sglang)))
+        p = proxy_factory(mirrored(engine("llama", llama_server.url), engine("sglang", sglang)))
         greedy_requests(p.url)
         labels = {"primary": "llama", "shadow": "sglang"}
         wait_until(lambda: p.value("enginemeter_compared_pairs_total", **labels) == 4, timeout=30)
@@ -432,7 +413,7 @@ def test_sglang_emulator_as_shadow(start_proxy: Callable[[Settings], Proxy], lla
 # ------------------------------------------------------------------------------------------------ pairing
 
 
-def test_the_pair_takes_the_primary_that_served_after_a_fallback(start_proxy: Callable[[Settings], Proxy]) -> None:
+def test_the_pair_takes_the_primary_that_served_after_a_fallback(proxy_factory: ProxyFactory) -> None:
     with (
         run_in_thread(FaultEngineConfig(model="a", knobs=Knobs(tokens=3))) as a,
         run_in_thread(FaultEngineConfig(model="s", knobs=Knobs(tokens=3))) as s,
@@ -444,7 +425,7 @@ def test_the_pair_takes_the_primary_that_served_after_a_fallback(start_proxy: Ca
             engines=(*settings.engines, engine("a", a, kind="llamacpp")),
             routes=(replace(settings.routes[0], fallback=("a",)),),
         )
-        p = start_proxy(settings)
+        p = proxy_factory(settings)
         r = httpx.post(f"{p.url}/v1/chat/completions", json={"model": "m", "messages": MSGS, "max_tokens": 3})
         assert r.status_code == 200 and r.headers["x-enginemeter-engine"] == "a"
         wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="a", shadow="s") == 1, timeout=10)
@@ -453,22 +434,27 @@ def test_the_pair_takes_the_primary_that_served_after_a_fallback(start_proxy: Ca
 
 
 def test_a_lost_half_expires_as_unpaired() -> None:
-    from proxy.server.app import Gateway
-    from proxy.server.mirror import PAIR_GRACE_S, install_mirror
+    from proxy.server.app import make_engines
+    from proxy.server.attempt import Attempts
+    from proxy.server.metrics import Metrics
+    from proxy.server.mirror import PAIR_GRACE_S, Mirror
+    from proxy.server.routing import Router
 
     async def main() -> None:
         refused = f"http://127.0.0.1:{free_port()}"
+        settings = mirrored(engine("p", refused, kind="llamacpp"), engine("s", refused, kind="llamacpp"))
         registry = CollectorRegistry()
-        gw = Gateway(
-            mirrored(engine("p", refused, kind="llamacpp"), engine("s", refused, kind="llamacpp")), registry=registry
-        )
-        m = install_mirror(gw)
+        metrics = Metrics(registry)
+        engines = make_engines(settings)
+        attempts = Attempts(settings, engines, metrics)
+        m = Mirror(settings, engines, attempts, metrics)
+        attempts.observers.append(m.on_result)
         shadow_done = asyncio.Event()
-        gw.result_hooks.append(lambda r: shadow_done.set() if r.role == "shadow" else None)
+        attempts.observers.append(lambda r: shadow_done.set() if r.role == "shadow" else None)
         async with m.lifespan():
-            decision = gw.router.decide("m", {}, None)
+            decision = Router(settings).decide("m", {}, None)
             # the primary is never run here: its half is lost
-            assert m.submit(gw, decision, {"model": "m", "messages": MSGS}, "chat", "r1")
+            assert m.submit(decision, {"model": "m", "messages": MSGS}, "chat", "r1")
             await asyncio.wait_for(shadow_done.wait(), timeout=10)
             assert m.state()["pending_pairs"] == 1
             m.sweep(time.monotonic() + m.timeout + PAIR_GRACE_S - 5)
@@ -480,20 +466,20 @@ def test_a_lost_half_expires_as_unpaired() -> None:
                 registry.get_sample_value("enginemeter_mirror_requests_total", {"engine": "s", "result": "unpaired"})
                 == 1
             )
-        await asyncio.gather(*(e.client.aclose() for e in gw.engines.values()))
+        await asyncio.gather(*(e.aclose() for e in engines.values()))
 
     asyncio.run(main())
 
 
-def test_quick_flags_mirror_every_request(start_proxy: Callable[[Settings], Proxy]) -> None:
+def test_quick_flags_mirror_every_request(proxy_factory: ProxyFactory) -> None:
     from proxy.settings import load
 
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary,
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as shadow,
     ):
-        p = start_proxy(load(primary=primary, shadow=shadow, env={}))
+        p = proxy_factory(load(primary=primary, shadow=shadow, env={}))
         for _ in range(5):
-            timed_stream(p.url, max_tokens=2)
+            timed_stream(p, max_tokens=2)
         assert p.value("enginemeter_mirror_requests_total", engine="shadow", result="sent") == 5
         wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="primary", shadow="shadow") == 5)

@@ -2,7 +2,7 @@
 
 The stack: two real llama-server engines; the primary serves the qwen2-vocab tiny model, the shadow backend the
 llama-SPM-vocab one behind the SGLang emulator (so every pair disagrees on token counts and greedy text);
-``proxy.server.build_app`` under real uvicorn with a mirror route; Debian's ``prometheus`` scraping the proxy
+``proxy.server.build_app`` under real uvicorn (``tests.helpers.start_proxy``) with a mirror route; Debian's ``prometheus`` scraping the proxy
 and both engines' own ``/metrics`` with ``deploy/prometheus/prometheus.yml`` (targets and intervals swapped) and
 the repository's rule files. Two identical waves of traffic, each waited for in Prometheus, so every counter
 and histogram has an increase inside the query window.
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
 
-from proxy.server import build_app, gpu
-from proxy.server.app import create_app
-from proxy.server.gpu import DeviceReading, ProcReading
+from proxy.server.nvml import DeviceReading, ProcReading
 from proxy.settings import load
-from tests.helpers import free_port, run_uvicorn_app, wait_until
+from tests.helpers import free_port, start_proxy, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -255,9 +253,9 @@ def test_every_dashboard_and_rule_query_returns_data(
     }
     (tmp_path / "enginemeter.yaml").write_text(yaml.safe_dump(config))
     settings = load(config=str(tmp_path / "enginemeter.yaml"), env={})
-    app = build_app(settings, registry=CollectorRegistry())
     start = time.time() - 5
-    with run_uvicorn_app(app) as proxy:
+    with ExitStack() as stack:
+        proxy = start_proxy(stack, settings).url
         health = httpx.get(f"{proxy}/health", timeout=10).json()
         no_nvml = health.get("gpu", {}).get("enabled") is False
         targets = {"enginemeter": proxy[len("http://") :], "llamacpp": primary.url[len("http://") :],
@@ -341,7 +339,7 @@ class ReplayedNvml:
 def test_gpu_queries_return_data_from_replayed_nvml(prometheus_bin: str, tmp_path: Path) -> None:
     """The GPU allow-list above only excuses *absence*: here NVML readings exist and those queries must answer.
 
-    NVML is replaced at the reader seam (``gpu.install(opener=)``); exposition, scrape and PromQL are real.
+    NVML is replaced at the reader seam (``start_proxy(nvml=)``); exposition, scrape and PromQL are real.
     """
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
@@ -353,9 +351,9 @@ def test_gpu_queries_return_data_from_replayed_nvml(prometheus_bin: str, tmp_pat
         (tmp_path / "enginemeter.yaml").write_text(yaml.safe_dump(config))
         settings = load(config=str(tmp_path / "enginemeter.yaml"), env={})
         reader = ReplayedNvml(engine.pid)
-        app = create_app(settings, registry=CollectorRegistry(), extensions=[lambda gw: gpu.install(gw, opener=lambda: reader)])  # fmt: skip
         start = time.time() - 5
-        with run_uvicorn_app(app) as proxy:
+        with ExitStack() as stack:
+            proxy = start_proxy(stack, settings, nvml=lambda: reader).url
             assert httpx.get(f"{proxy}/health", timeout=10).json()["gpu"]["enabled"] is True
             addr = proxy[len("http://") :]
             # nothing listens on the engine ports: those jobs are down, which is fine for GPU queries

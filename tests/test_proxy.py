@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -20,8 +18,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.embedded import LlamaServer
 from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts, load
+from tests.helpers import ProxyFactory, wait_until
 from tests.helpers import ProxyUnderTest as Proxy
-from tests.helpers import start_proxy, wait_until
 
 ALIAS = "team-model"
 MSGS: list[ChatCompletionMessageParam] = [
@@ -39,15 +37,8 @@ def settings_for(engine_url: str, **kw: Any) -> Settings:
 
 
 @pytest.fixture
-def proxy_for() -> Iterator[Callable[[Settings], Proxy]]:
-    with ExitStack() as stack:
-        yield lambda settings: start_proxy(stack, settings)
-
-
-@pytest.fixture
-def proxy(llama_server: LlamaServer, proxy_for: Any) -> Proxy:
-    p: Proxy = proxy_for(settings_for(llama_server.url))
-    return p
+def proxy(llama_server: LlamaServer, proxy_factory: ProxyFactory) -> Proxy:
+    return proxy_factory(settings_for(llama_server.url))
 
 
 def sdk(p: Proxy) -> openai.OpenAI:
@@ -166,9 +157,9 @@ def test_chunks_are_forwarded_one_by_one(proxy: Proxy) -> None:
     assert arrivals[-1] - arrivals[0] > 0
 
 
-def test_client_disconnect_frees_the_engine_slot(llama_server_factory: Any, proxy_for: Any) -> None:
+def test_client_disconnect_frees_the_engine_slot(llama_server_factory: Any, proxy_factory: ProxyFactory) -> None:
     engine: LlamaServer = llama_server_factory(np=1, extra_args=["-c", "8192"])
-    p: Proxy = proxy_for(settings_for(engine.url))
+    p = proxy_factory(settings_for(engine.url))
 
     def busy() -> bool:
         return any(s.get("is_processing") for s in httpx.get(f"{engine.url}/slots").json())
@@ -195,9 +186,9 @@ def test_client_disconnect_frees_the_engine_slot(llama_server_factory: Any, prox
 # ------------------------------------------------------------------------------------------ errors
 
 
-def test_engine_4xx_passes_through(llama_server_factory: Any, proxy_for: Any) -> None:
+def test_engine_4xx_passes_through(llama_server_factory: Any, proxy_factory: ProxyFactory) -> None:
     engine: LlamaServer = llama_server_factory(np=1, extra_args=["-c", "256"])
-    p: Proxy = proxy_for(settings_for(engine.url))
+    p = proxy_factory(settings_for(engine.url))
     long = [{"role": "user", "content": "word " * 2000}]
     for stream in (False, True):
         r = httpx.post(
@@ -210,10 +201,10 @@ def test_engine_4xx_passes_through(llama_server_factory: Any, proxy_for: Any) ->
     assert [x.outcome for x in p.wait_results(2)] == ["engine_error", "engine_error"]
 
 
-def test_engine_down_is_a_marked_502(proxy_for: Any) -> None:
+def test_engine_down_is_a_marked_502(proxy_factory: ProxyFactory) -> None:
     from tests.helpers import free_port
 
-    p: Proxy = proxy_for(settings_for(f"http://127.0.0.1:{free_port()}"))
+    p = proxy_factory(settings_for(f"http://127.0.0.1:{free_port()}"))
     r = httpx.post(f"{p.url}/v1/chat/completions", json={"model": ALIAS, "messages": MSGS, "stream": True})
     assert r.status_code == 502
     assert r.json()["error"]["enginemeter"] is True
@@ -240,8 +231,8 @@ def test_bad_client_input_gets_a_clear_error(proxy: Proxy, body: bytes, status: 
     assert proxy.results == []  # nothing reached an engine
 
 
-def test_oversized_body_is_413(llama_server: LlamaServer, proxy_for: Any) -> None:
-    p: Proxy = proxy_for(settings_for(llama_server.url, max_body_bytes=1000))
+def test_oversized_body_is_413(llama_server: LlamaServer, proxy_factory: ProxyFactory) -> None:
+    p = proxy_factory(settings_for(llama_server.url, max_body_bytes=1000))
     big = {"model": ALIAS, "messages": [{"role": "user", "content": "x" * 5000}]}
     r = httpx.post(f"{p.url}/v1/chat/completions", json=big)
     assert r.status_code == 413
@@ -251,16 +242,16 @@ def test_oversized_body_is_413(llama_server: LlamaServer, proxy_for: Any) -> Non
     assert r.status_code == 413
 
 
-def test_client_keys(llama_server: LlamaServer, proxy_for: Any) -> None:
-    p: Proxy = proxy_for(settings_for(llama_server.url, api_keys=frozenset({"k1"})))
+def test_client_keys(llama_server: LlamaServer, proxy_factory: ProxyFactory) -> None:
+    p = proxy_factory(settings_for(llama_server.url, api_keys=frozenset({"k1"})))
     body = {"model": ALIAS, "messages": MSGS, "max_tokens": 2}
     assert httpx.post(f"{p.url}/v1/chat/completions", json=body).status_code == 401
     ok = httpx.post(f"{p.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer k1"})
     assert ok.status_code == 200
 
 
-def test_models_health_and_quick_form(llama_server: LlamaServer, proxy_for: Any) -> None:
-    p: Proxy = proxy_for(load(primary=llama_server.url, env={}))
+def test_models_health_and_quick_form(llama_server: LlamaServer, proxy_factory: ProxyFactory) -> None:
+    p = proxy_factory(load(primary=llama_server.url, env={}))
     health = httpx.get(f"{p.url}/health").json()
     assert health["status"] == "ok"
     (eng,) = health["engines"]

@@ -15,31 +15,34 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.server import build_app
 from proxy.server.result import Result
 from proxy.settings import EngineSettings, RouteSettings, Settings, Timeouts
-from tests.helpers import free_port, run_uvicorn_app, wait_until
+from tests.helpers import ProxyUnderTest, free_port, start_proxy, wait_until
 
 MSGS = [{"role": "user", "content": "route me somewhere"}]
 
 
 @dataclass
 class Env:
-    url: str
+    proxy: ProxyUnderTest
     engines: dict[str, str]
-    registry: CollectorRegistry
-    results: list[Result]
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    @property
+    def results(self) -> list[Result]:
+        return self.proxy.results
 
     def served(self, name: str) -> int:
         r = httpx.get(f"{self.engines[name]}/_fake/stats", timeout=5)
         return int(r.json()["requests"])
 
     def value(self, name: str, **labels: str) -> float:
-        v = self.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v
+        return self.proxy.value(name, **labels)
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +68,13 @@ def env() -> Iterator[Env]:
                 RouteSettings(models=("late",), primary="flaky", fallback=("a",)),
             ),
         )
-        registry = CollectorRegistry()
-        app = build_app(settings, registry=registry)
-        results: list[Result] = []
-        app.state.gateway.result_hooks.append(results.append)
-        url = stack.enter_context(run_uvicorn_app(app))
-        yield Env(url=url, engines=engines, registry=registry, results=results)
+        # module scope: one proxy for every test here
+        yield Env(proxy=start_proxy(stack, settings), engines=engines)
 
 
 def chat(env: Env, model: str, *, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
     payload = {"model": model, "messages": MSGS, "max_tokens": 3, **body}
-    return httpx.post(f"{env.url}/v1/chat/completions", json=payload, headers=headers or {}, timeout=20)
+    return env.proxy.client.post("/v1/chat/completions", json=payload, headers=headers or {}, timeout=20)
 
 
 # ------------------------------------------------------------------------------------------------- split

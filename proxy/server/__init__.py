@@ -1,32 +1,60 @@
-"""Composition root: the app with every extension wired in. ``enginemeter serve`` and tests use this."""
+"""Composition root: every stage of the proxy server built in one place, each a typed field of the ``Gateway``.
+
+``enginemeter serve`` and the tests use ``build_app``. ``proxy.server.app.create_app`` is the bare gateway
+(relay, routing, metrics) without the mirror and the collectors.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
-import httpx
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
-from proxy.server import enginestate, gpu
-from proxy.server.admin import install_admin
-from proxy.server.app import Gateway, create_app
-from proxy.server.mirror import install_mirror
+from proxy.server.app import Gateway, asgi_app, make_engines
+from proxy.server.attempt import Attempts
+from proxy.server.enginestate import EngineStatePoller
+from proxy.server.gpu import GpuMonitor, Opener
+from proxy.server.metrics import Metrics
+from proxy.server.mirror import Mirror
+from proxy.server.nvml import PynvmlReader
+from proxy.server.routing import Router
 from proxy.settings import Settings
-
-
-def extensions() -> list[Callable[[Gateway], Any]]:
-    """Optional stages (mirroring, collectors), each installed by a function taking the Gateway."""
-    exts: list[Callable[[Gateway], Any]] = [install_mirror, install_admin]
-    exts += [gpu.install, enginestate.install]
-    return exts
 
 
 def build_app(
     settings: Settings,
     *,
-    transport: httpx.AsyncBaseTransport | None = None,
     registry: CollectorRegistry | None = None,
+    nvml: Opener | None = None,
+    on_shutdown: Sequence[Callable[[], None]] = (),
 ) -> Starlette:
-    return create_app(settings, transport=transport, registry=registry, extensions=extensions())
+    """The proxy for ``settings``: relay, routing, mirror + comparison, GPU and engine-state collectors.
+
+    ``registry``: where every metric goes (default a fresh one); ``nvml``: opens the NVML reader (tests replay
+    recorded readings); ``on_shutdown``: called once the app has shut down.
+    """
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry)
+    engines = make_engines(settings)
+    attempts = Attempts(settings, engines, metrics)
+    mirror = Mirror(settings, engines, attempts, metrics)
+    attempts.observers.append(mirror.on_result)
+    c = settings.collectors
+    gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
+    registry.register(gpu)
+    engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
+    registry.register(engine_state)
+    gw = Gateway(
+        settings=settings,
+        registry=registry,
+        metrics=metrics,
+        router=Router(settings),
+        engines=engines,
+        attempts=attempts,
+        mirror=mirror,
+        gpu=gpu,
+        engine_state=engine_state,
+        on_shutdown=on_shutdown,
+    )
+    return asgi_app(gw)

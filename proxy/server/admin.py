@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,26 +21,17 @@ from starlette.routing import Route
 
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.server.mirror import Mirror
-
-if TYPE_CHECKING:
-    from proxy.server.app import Gateway
+from proxy.server.relay import error_response
 
 MAX_ADMIN_BODY = 64 * 1024
 
 
-def _authorize(gw: Gateway, request: Request) -> None:
-    key = gw.settings.admin_key
+def _authorize(key: str | None, request: Request) -> None:
     if not key:
         raise NotFound(f"Not Found: {request.method} {request.url.path} (no admin_key configured)")
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
         raise Unauthorized("missing or invalid admin key")
-
-
-def _mirror(gw: Gateway) -> Mirror:
-    if not isinstance(gw.mirror, Mirror):
-        raise NotFound("mirroring is not installed")
-    return gw.mirror
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -65,21 +56,22 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return doc
 
 
-def install_admin(gw: Gateway) -> None:
+def admin_routes(admin_key: str | None, mirror: Mirror | None) -> list[Route]:
     async def mirror_state(request: Request) -> Response:
         try:
-            _authorize(gw, request)
-            m = _mirror(gw)
+            _authorize(admin_key, request)
+            if mirror is None:
+                raise NotFound("mirroring is not installed")
             if request.method == "POST":
                 doc = _parse(await request.body())
                 rate = doc.get("sample_rate")
-                m.set(
+                mirror.set(
                     enabled=doc.get("enabled"),
                     sample_rate=float(rate) if rate is not None else None,
                     route=doc.get("route"),
                 )
         except ProxyError as exc:
-            return gw.error_response(exc, "")
-        return JSONResponse(m.state())
+            return error_response(exc, "")
+        return JSONResponse(mirror.state())
 
-    gw.extra_routes.append(Route("/admin/mirror", mirror_state, methods=["GET", "POST"]))
+    return [Route("/admin/mirror", mirror_state, methods=["GET", "POST"])]

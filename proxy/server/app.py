@@ -2,6 +2,9 @@
 
 receive -> authenticate -> read body (bounded) -> parse -> route -> [mirror copy] -> normalize
         -> open upstream (fallback while nothing was sent) -> relay stream / body -> one Result each
+
+The stages are the ``Gateway``'s typed fields; ``proxy.server.build_app`` (the composition root) builds them.
+None of them imports this module: each gets the narrow things it needs (engines, metrics, ``Attempts``).
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,125 +29,42 @@ from starlette.routing import Route
 
 from proxy import __version__
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, UpstreamError
-from proxy.normalize import Endpoint, normalize_request, param_label
-from proxy.server.metrics import Metrics, observe
-from proxy.server.relay import Attempt, RelayResponse
-from proxy.server.result import Result
+from proxy.normalize import Endpoint
+from proxy.server.admin import admin_routes
+from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
+from proxy.server.enginestate import EngineStatePoller
+from proxy.server.gpu import GpuMonitor
+from proxy.server.metrics import Metrics
+from proxy.server.mirror import Mirror
+from proxy.server.relay import RelayResponse, error_response
 from proxy.server.routing import Decision, Router
-from proxy.server.upstream import Engine, make_client, make_streams, probe_all
+from proxy.server.upstream import Engine, make_client, probe_all
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
 
 log = logging.getLogger("enginemeter")
 
-ResultHook = Callable[[Result], None]
+
+def make_engines(settings: Settings) -> dict[str, Engine]:
+    return {e.name: Engine(settings=e, client=make_client(e)) for e in settings.engines}
 
 
+@dataclass
 class Gateway:
-    """Everything a request needs, built once per app: engines, router, metrics, hooks."""
+    """Everything a request needs, each collaborator a typed field; built once per app (``build_app``)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self.settings = settings
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = Metrics(self.registry)
-        self.router = Router(settings)
-        self.engines: dict[str, Engine] = {}
-        for e in settings.engines:
-            client = make_client(e, transport=transport)
-            streams = make_streams(e, client, transport=transport)
-            self.engines[e.name] = Engine(settings=e, client=client, stream_client=streams)
-        self.aliases = {m.alias: m for m in settings.models}
-        #: called with every Result (metrics first); the mirror/comparison and tests hook in here
-        self.result_hooks: list[ResultHook] = []
-        #: mirroring stage (proxy.server.mirror); ``submit(gw, decision, body, endpoint, request_id) -> bool``
-        #: returns whether a shadow copy was sent (then the primary collects its output text to compare)
-        self.mirror: Any = None
-        self.background: set[asyncio.Task[Any]] = set()
-        #: extra sections for /health (GPU collectors, mirror state), each returns a dict merged in
-        self.health_extras: list[Callable[[], dict[str, Any]]] = []
-        #: extra routes contributed by extensions (admin endpoints)
-        self.extra_routes: list[Route] = []
-        #: async context managers held open for the app's lifetime, entered after engine probing
-        #: (background collectors start on enter and stop on exit)
-        self.lifespan_hooks: list[Callable[[], AbstractAsyncContextManager[Any]]] = []
-
-    # ---------------------------------------------------------------------------------- helpers
-
-    def model_label(self, model: str | None) -> str:
-        """Bounded metric label: a configured alias or an engine's served name, else ``other``."""
-        if model is None:
-            return "other"
-        if model in self.aliases:
-            return model
-        if any(e.model == model for e in self.engines.values()):
-            return model
-        return "other"
-
-    def served_model(self, alias: str | None, engine: Engine) -> str | None:
-        a = self.aliases.get(alias or "")
-        if a is not None and engine.name in a.engines:
-            return a.engines[engine.name]
-        return engine.model or alias
-
-    def record(self, result: Result) -> None:
-        """Every attempt's one Result: the attempt leaves the in-flight gauge, metrics, then hooks."""
-        self.metrics.in_flight.labels(result.engine, result.role).dec()
-        observe(self.metrics, result)
-        for hook in self.result_hooks:
-            try:
-                hook(result)
-            except Exception:
-                log.exception("result hook failed")
-
-    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        """A background task we keep a reference to (a bare create_task can be garbage-collected)."""
-        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
-
-    def new_attempt(
-        self,
-        *,
-        request_id: str,
-        endpoint: Endpoint,
-        engine: Engine,
-        role: str,
-        body: dict[str, Any],
-        timer: StreamTimer,
-        collect_text: bool = False,
-    ) -> Attempt:
-        client_model = body.get("model") if isinstance(body.get("model"), str) else None
-        norm = normalize_request(
-            body,
-            endpoint=endpoint,
-            kind=engine.effective_kind,
-            served_model=self.served_model(client_model, engine),
-            defaults=self.settings.sampling_defaults,
-        )
-        for ch in norm.changes:
-            self.metrics.params.labels(engine.name, param_label(ch.param), ch.action).inc()
-        attempt = Attempt(
-            request_id=request_id,
-            endpoint=endpoint,
-            engine=engine,
-            role=role,
-            model_label=self.model_label(client_model),
-            client_model=client_model,
-            norm=norm,
-            timer=timer,
-            on_result=self.record,
-            collect_text=collect_text,
-        )
-        # in flight from here until its one Result (Gateway.record), whichever path ends it
-        self.metrics.in_flight.labels(engine.name, role).inc()
-        return attempt
+    settings: Settings
+    registry: CollectorRegistry
+    metrics: Metrics
+    router: Router
+    engines: dict[str, Engine]
+    attempts: Attempts
+    #: the mirroring stage; None: no shadow copies, /admin/mirror answers 404
+    mirror: Mirror | None = None
+    gpu: GpuMonitor | None = None
+    engine_state: EngineStatePoller | None = None
+    #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
+    on_shutdown: Sequence[Callable[[], None]] = ()
 
     # ----------------------------------------------------------------------------- the request
 
@@ -212,10 +132,10 @@ class Gateway:
             return Response(status_code=499)
         except ProxyError as exc:
             self.rejected(endpoint, body, "rejected")
-            return self.error_response(exc, request_id)
+            return error_response(exc, request_id)
         mirrored = False
         if self.mirror is not None and decision.shadows:
-            mirrored = bool(self.mirror.submit(self, decision, body, endpoint, request_id))
+            mirrored = self.mirror.submit(decision, body, endpoint, request_id)
         return await self.serve(request_id, endpoint, decision, body, timer, collect_text=mirrored)
 
     async def serve(
@@ -227,74 +147,56 @@ class Gateway:
         timer: StreamTimer,
         collect_text: bool = False,
     ) -> Response:
-        last_exc: ProxyError | None = None
+        """The primary: the first engine whose attempt is not a ``Failed`` (nor a 5xx with engines left) answers."""
+        last_exc: UpstreamError | None = None
         for i, name in enumerate(decision.engines):
-            engine = self.engines[name]
             if i > 0:
                 timer = StreamTimer(timer.t_received_ns)
-            attempt = self.new_attempt(
+            attempt = self.attempts.new(
                 request_id=request_id,
                 endpoint=endpoint,
-                engine=engine,
+                engine=self.engines[name],
                 role="primary",
                 body=body,
                 timer=timer,
                 collect_text=collect_text,
             )
-            more = i + 1 < len(decision.engines)
             try:
-                try:
-                    await attempt.open()
-                except UpstreamError as exc:
-                    attempt.finish(exc.outcome, exc.message)
-                    last_exc = exc
-                    continue
-                headers = {"x-enginemeter-engine": name, "x-enginemeter-request-id": request_id}
-                if attempt.failed_status:
-                    err = await attempt.error_response_body()
-                    attempt.finish()
-                    if more and attempt.status >= 500:
-                        continue
-                    return Response(err, status_code=attempt.status, headers=headers, media_type="application/json")
-                if attempt.norm.stream:
-                    return RelayResponse(attempt, headers)  # type: ignore[return-value]
-                try:
-                    data = await attempt.read_body()
-                except UpstreamError as exc:
-                    attempt.finish(exc.outcome, exc.message)
-                    last_exc = exc
-                    continue
-                attempt.finish()
-                return Response(data, status_code=attempt.status, headers=headers, media_type="application/json")
+                out = await run_attempt(attempt)
             except BaseException:
                 attempt.finish("client_disconnect")
                 raise
+            headers = {"x-enginemeter-engine": name, "x-enginemeter-request-id": request_id}
+            if isinstance(out, Streaming):
+                return RelayResponse(attempt, headers)  # type: ignore[return-value]
+            if isinstance(out, Failed):
+                last_exc = out.error
+                continue
+            if out.engine_error and out.status >= 500 and i + 1 < len(decision.engines):
+                continue
+            return Response(out.body, status_code=out.status, headers=headers, media_type="application/json")
         assert last_exc is not None
-        return self.error_response(last_exc, request_id, engine=decision.engines[-1])
+        return error_response(last_exc, request_id, engine=decision.engines[-1])
 
     def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: str) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""
         stream = "true" if body is not None and body.get("stream") is True else "false"
         model = body.get("model") if body is not None else None
-        label = self.model_label(model if isinstance(model, str) else None)
+        label = self.attempts.model_label(model if isinstance(model, str) else None)
         self.metrics.requests.labels("none", label, "primary", stream, endpoint, outcome).inc()
 
-    @staticmethod
-    def error_response(exc: ProxyError, request_id: str, engine: str | None = None) -> Response:
-        headers = {"x-enginemeter-request-id": request_id}
-        if engine:
-            headers["x-enginemeter-engine"] = engine
-        return Response(exc.to_bytes(), status_code=exc.status, headers=headers, media_type="application/json")
+
+def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
+    """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry)
+    engines = make_engines(settings)
+    attempts = Attempts(settings, engines, metrics)
+    return asgi_app(Gateway(settings, registry, metrics, Router(settings), engines, attempts))
 
 
-def create_app(
-    settings: Settings,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
-    registry: CollectorRegistry | None = None,
-    extensions: list[Callable[[Gateway], Any]] | None = None,
-) -> Starlette:
-    gw = Gateway(settings, transport=transport, registry=registry)
+def asgi_app(gw: Gateway) -> Starlette:
+    """Routes and lifespan around ``gw``."""
 
     async def chat(request: Request) -> Response:
         return await gw.generate(request, "chat")
@@ -306,8 +208,8 @@ def create_app(
         try:
             gw.authenticate(request)
         except ProxyError as exc:
-            return gw.error_response(exc, "")
-        names = list(gw.aliases) or sorted({e.model for e in gw.engines.values() if e.model})
+            return error_response(exc, "")
+        names = list(gw.attempts.aliases) or sorted({e.model for e in gw.engines.values() if e.model})
         now = int(time.time())
         return JSONResponse(
             {
@@ -323,8 +225,12 @@ def create_app(
             "version": __version__,
             "engines": checks,
         }
-        for provider in gw.health_extras:
-            status.update(provider())
+        if gw.mirror is not None:
+            status["mirror"] = gw.mirror.state()
+        if gw.gpu is not None:
+            status.update(gw.gpu.health())
+        if gw.engine_state is not None:
+            status.update(gw.engine_state.health())
         return JSONResponse(status)
 
     async def metrics(request: Request) -> Response:
@@ -333,38 +239,42 @@ def create_app(
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @asynccontextmanager
-    async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
-        await probe_all(list(gw.engines.values()))
-        gw.metrics.prime(gw.engines, [*gw.aliases, *(e.model for e in gw.engines.values() if e.model)])
-        for e in gw.engines.values():
-            log.info("engine %s: %s kind=%s model=%s up=%s", e.name, e.settings.url, e.kind, e.model, e.up)
-        async with AsyncExitStack() as hooks:
-            for hook in gw.lifespan_hooks:
-                await hooks.enter_async_context(hook())
-            yield
-        for t in list(gw.background):
-            t.cancel()
-        await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
-
-    routes = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
-    for ext in extensions or []:
-        ext(gw)
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            await probe_all(list(gw.engines.values()))
+            gw.metrics.prime(gw.engines, [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)])
+            for e in gw.engines.values():
+                log.info("engine %s: %s kind=%s model=%s up=%s", e.name, e.settings.url, e.kind, e.model, e.up)
+            async with AsyncExitStack() as stages:
+                # entered in this order, left in the reverse: the mirror's copies end before the collectors stop
+                if gw.mirror is not None:
+                    await stages.enter_async_context(gw.mirror.lifespan())
+                if gw.gpu is not None:
+                    await stages.enter_async_context(gw.gpu.running())
+                if gw.engine_state is not None:
+                    await stages.enter_async_context(gw.engine_state.running())
+                yield
+            await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
+        finally:
+            for stop in gw.on_shutdown:
+                stop()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         err = ProxyError(f"{exc.detail}: {request.method} {request.url.path}")
         err.status = exc.status_code
         err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return gw.error_response(err, "")
+        return error_response(err, "")
 
     app = Starlette(
-        routes=[*routes, *gw.extra_routes],
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            *admin_routes(gw.settings.admin_key, gw.mirror),
+        ],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )

@@ -28,16 +28,13 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from proxy.server.upstream import Engine
 from proxy.settings import Settings
-
-if TYPE_CHECKING:
-    from proxy.server.app import Gateway
 
 log = logging.getLogger("enginemeter.enginestate")
 
@@ -385,20 +382,12 @@ class EngineStatePoller:
         }
 
     @contextlib.asynccontextmanager
-    async def running(self, gw: Gateway) -> AsyncIterator[None]:
-        task = gw.spawn(self.run())
+    async def running(self) -> AsyncIterator[None]:
+        """Held for the app's lifetime: polls at ``interval`` until exit."""
+        task = asyncio.ensure_future(self.run())
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-def install(gw: Gateway) -> EngineStatePoller:
-    """Extension installer: poll engine state during the lifespan; export it on the gateway's registry."""
-    poller = EngineStatePoller(gw.settings, gw.engines, interval=gw.settings.collectors.engine_interval)
-    gw.registry.register(poller)
-    gw.health_extras.append(poller.health)
-    gw.lifespan_hooks.append(lambda: poller.running(gw))
-    return poller

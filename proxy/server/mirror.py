@@ -3,15 +3,16 @@
 Guarantees (each one is tested in tests/test_mirror.py):
 
 - **The primary never waits.** ``submit()`` is synchronous and O(shadows): it draws the sample, checks the
-  bounds and spawns one referenced task per shadow copy (``Gateway.spawn``). Nothing on the primary's path
+  bounds and spawns one referenced task per shadow copy (held in ``Mirror._tasks``). Nothing on the primary's path
   awaits the shadow; the shadow's failures are recorded as its Result's outcome, never raised.
-- **Own pool.** Every shadow engine gets its own clients (``make_client``, ``make_streams``; pool size
+- **Own pool.** Every shadow engine gets its own stream client (``AiohttpStreams``; pool size
   ``mirror.max_in_flight``), so a slow or hanging shadow cannot hold connections the primary needs, even when
   the same engine is a primary on another route.
 - **Bounded.** At most ``mirror.max_in_flight`` copies per shadow engine are in flight; when full the copy is
   dropped (``enginemeter_mirror_requests_total{result="dropped_full"}``), never queued.
-- **Timed the same way.** The copy is an ``Attempt`` from ``Gateway.new_attempt`` (normalized for the shadow's
-  kind) with ``role="shadow"``; its stream is consumed to the end and its one Result feeds the same metrics.
+- **Timed the same way.** The copy is an ``Attempt`` from ``Attempts.new`` (normalized for the shadow's
+  kind) with ``role="shadow"``, run by the primary's ``run_attempt`` and drained to the end (``drain``); its one
+  Result feeds the same metrics.
 - **Bounded in time, independent of the client.** Each copy has ``mirror.timeout`` seconds in all (outcome
   ``timeout`` after that); it lives in its own task, so the client hanging up does not cancel it.
 - **Only generation endpoints** (chat, completions) are mirrored.
@@ -21,7 +22,7 @@ Guarantees (each one is tested in tests/test_mirror.py):
 ``dropped_sampled``, ``dropped_full``, ``dropped_endpoint``, ``failed`` (the copy could not even be built —
 a bug, logged), ``unpaired`` (the pair never completed within its expiry: a half was lost).
 
-Pairing: Results arrive through ``Gateway.result_hooks`` and are matched by request id in a bounded table.
+Pairing: Results arrive through ``on_result`` (an ``Attempts`` observer, wired by ``build_app``) and are matched by request id in a bounded table.
 The primary half is the *last* primary Result of the request: a primary that failed before any token on an
 engine with fallbacks after it is held as tentative, since the next engine may still serve. A pair is
 compared as soon as the final primary and a shadow are both in; entries expire ``mirror.timeout + 60 s``
@@ -38,21 +39,19 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import httpx
-
-from proxy.errors import BadRequest, UpstreamError
+from proxy.errors import BadRequest
 from proxy.normalize import Endpoint
+from proxy.server.attempt import Attempts, drain
 from proxy.server.compare import ComparisonLog, compare, observe_comparison, to_record
+from proxy.server.metrics import Metrics
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
 from proxy.server.routing import Decision
-from proxy.server.upstream import Engine, StreamClient, make_client, make_streams
+from proxy.server.upstream import AiohttpStreams, Engine, StreamClient
+from proxy.settings import Settings
 from proxy.timing import StreamTimer
-
-if TYPE_CHECKING:
-    from proxy.server.app import Gateway
 
 log = logging.getLogger("enginemeter.mirror")
 
@@ -93,11 +92,14 @@ def _primary_is_final(r: Result, engines: tuple[str, ...]) -> bool:
 
 
 class Mirror:
-    def __init__(self, gw: Gateway, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        s = gw.settings.mirror
-        self.gw = gw
+    def __init__(self, settings: Settings, engines: Mapping[str, Engine], attempts: Attempts, metrics: Metrics) -> None:
+        s = settings.mirror
+        self.settings = settings
+        self.engines = engines
+        self.attempts = attempts
+        self.metrics = metrics
         self.enabled = s.enabled
-        self.rates: list[float] = [r.sample_rate for r in gw.settings.routes]
+        self.rates: list[float] = [r.sample_rate for r in settings.routes]
         self.max_in_flight = s.max_in_flight
         self.timeout = s.timeout
         self.record_text = s.record_text
@@ -105,8 +107,7 @@ class Mirror:
         self.counts: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self.compared = 0
         self.log: ComparisonLog | None = None
-        self._transport = transport
-        self._clients: dict[str, tuple[httpx.AsyncClient, StreamClient]] = {}
+        self._streams: dict[str, StreamClient] = {}
         self._pending: dict[str, _Pending] = {}
         self._rng = random.Random()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -130,7 +131,7 @@ class Mirror:
         log.info("mirroring: enabled=%s rates=%s", self.enabled, self.rates)
 
     def state(self) -> dict[str, Any]:
-        routes = self.gw.settings.routes
+        routes = self.settings.routes
         return {
             "enabled": self.enabled,
             "max_in_flight": self.max_in_flight,
@@ -155,11 +156,9 @@ class Mirror:
 
     def _count(self, engine: str, result: str, n: int = 1) -> None:
         self.counts[result] += n
-        self.gw.metrics.mirror.labels(engine, result).inc(n)
+        self.metrics.mirror.labels(engine, result).inc(n)
 
-    def submit(
-        self, gw: Gateway, decision: Decision, body: Mapping[str, Any], endpoint: Endpoint, request_id: str
-    ) -> bool:
+    def submit(self, decision: Decision, body: Mapping[str, Any], endpoint: Endpoint, request_id: str) -> bool:
         """Called on the primary's path before its attempt; never awaits, never raises. True = copies sent."""
         try:
             return self._submit(decision, body, endpoint, request_id)
@@ -205,26 +204,22 @@ class Mirror:
         for name in sent:
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
             self._count(name, "sent")
-            # the copy's clock starts now, when it is made, as the primary's started on receipt
-            task = self.gw.spawn(self._shadow(name, dict(body), endpoint, request_id, StreamTimer()))
+            # the copy's clock starts now, when it is made, as the primary's started on receipt; the task is
+            # referenced until done (a bare create_task can be garbage-collected)
+            task = asyncio.ensure_future(self._shadow(name, dict(body), endpoint, request_id, StreamTimer()))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
 
-    def _client(self, engine: Engine) -> tuple[httpx.AsyncClient, StreamClient]:
-        pair = self._clients.get(engine.name)
-        if pair is None:
-            client = make_client(engine.settings, transport=self._transport, max_connections=self.max_in_flight)
-            streams = make_streams(
-                engine.settings, client, transport=self._transport, max_connections=self.max_in_flight
-            )
-            pair = self._clients[engine.name] = (client, streams)
-        return pair
+    def _pool(self, engine: Engine) -> StreamClient:
+        streams = self._streams.get(engine.name)
+        if streams is None:
+            streams = self._streams[engine.name] = AiohttpStreams(engine.settings, self.max_in_flight)
+        return streams
 
     async def _shadow(
         self, name: str, body: dict[str, Any], endpoint: Endpoint, request_id: str, timer: StreamTimer
     ) -> None:
-        gw = self.gw
         attempt: Attempt | None = None
         task = asyncio.current_task()
         expired = False
@@ -240,13 +235,9 @@ class Mirror:
 
         handle = asyncio.get_running_loop().call_later(self.timeout, expire)
         try:
-            base = gw.engines[name]
-            # a view of the engine with the mirror's own client: what probing learned, not its pool
-            client, streams = self._client(base)
-            engine = Engine(
-                settings=base.settings, client=client, stream_client=streams, kind=base.kind, model=base.model
-            )
-            attempt = gw.new_attempt(
+            engine = self.engines[name]
+            # what probing learned about the engine, through the mirror's own pool
+            attempt = self.attempts.new(
                 request_id=request_id,
                 endpoint=endpoint,
                 engine=engine,
@@ -254,8 +245,9 @@ class Mirror:
                 body=body,
                 timer=timer,
                 collect_text=True,
+                streams=self._pool(engine),
             )
-            await self._drive(attempt)
+            await drain(attempt)
         except asyncio.CancelledError:
             if not expired:
                 if attempt is not None and attempt.outcome is None:
@@ -275,29 +267,6 @@ class Mirror:
             if attempt is not None:
                 attempt.finish()  # idempotent: a copy cut off while opening still yields its one Result
             self.in_flight[name] -= 1
-
-    @staticmethod
-    async def _drive(attempt: Attempt) -> None:
-        """Run one copy to its end like the primary's path does, discarding the bytes."""
-        try:
-            await attempt.open()
-        except UpstreamError as exc:
-            attempt.finish(exc.outcome, exc.message)
-            return
-        if attempt.failed_status:
-            await attempt.error_response_body()
-            attempt.finish()
-            return
-        if attempt.norm.stream:
-            async for _ in attempt.iter_relay():
-                pass
-            return
-        try:
-            await attempt.read_body()
-        except UpstreamError as exc:
-            attempt.finish(exc.outcome, exc.message)
-            return
-        attempt.finish()
 
     # ------------------------------------------------------------------------------------- pairing
 
@@ -343,7 +312,7 @@ class Mirror:
     def _emit(self, e: _Pending, primary: Result, shadow: Result) -> None:
         c = compare(primary, shadow)
         self.compared += 1
-        observe_comparison(self.gw.metrics, c)
+        observe_comparison(self.metrics, c)
         if self.log is not None:
             text = self.record_text
             self.log.write(
@@ -378,10 +347,10 @@ class Mirror:
     async def lifespan(self) -> AsyncIterator[None]:
         """Held for the app's lifetime: opens the log, sweeps expired pairs; on exit ends the copies still
         in flight (outcome ``client_disconnect``), then closes the mirror's pools and flushes the log."""
-        s = self.gw.settings.mirror
+        s = self.settings.mirror
         if s.log_path:
             self.log = ComparisonLog(s.log_path, max_bytes=s.log_max_bytes, backups=s.log_backups)
-        sweeper = self.gw.spawn(self._sweep_forever())
+        sweeper = asyncio.ensure_future(self._sweep_forever())
         try:
             yield
         finally:
@@ -390,8 +359,8 @@ class Mirror:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(sweeper, *tasks, return_exceptions=True)
-            clients, self._clients = list(self._clients.values()), {}
-            await asyncio.gather(*(c.aclose() for pair in clients for c in pair), return_exceptions=True)
+            pools, self._streams = list(self._streams.values()), {}
+            await asyncio.gather(*(p.aclose() for p in pools), return_exceptions=True)
             if self.log is not None:
                 await asyncio.to_thread(self.log.close)
 
@@ -399,13 +368,3 @@ class Mirror:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)  # a periodic timer, not a synchronisation
             self.sweep()
-
-
-def install_mirror(gw: Gateway, *, transport: httpx.AsyncBaseTransport | None = None) -> Mirror:
-    """Install the mirroring stage: ``gw.mirror``, the pairing hook, and the /health section."""
-    m = Mirror(gw, transport=transport)
-    gw.mirror = m
-    gw.result_hooks.append(m.on_result)
-    gw.health_extras.append(lambda: {"mirror": m.state()})
-    gw.lifespan_hooks.append(m.lifespan)
-    return m

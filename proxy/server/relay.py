@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
     TRANSPORT_ERRORS,
+    ProxyError,
     UpstreamBroken,
     UpstreamError,
     error_body,
@@ -42,7 +44,7 @@ from proxy.errors import (
 )
 from proxy.normalize import Endpoint, Normalized
 from proxy.server.result import Result
-from proxy.server.upstream import Engine, UpstreamResponse
+from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
 from proxy.sse import Event, SSEFramer, encode_data
 from proxy.stream import error_message, finish_reason_of, has_token, loads, text_of
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
@@ -58,6 +60,8 @@ class Attempt:
     request_id: str
     endpoint: Endpoint
     engine: Engine
+    #: the pool the request goes through: the engine's own, or the mirror's for a shadow copy
+    streams: StreamClient
     role: str
     model_label: str
     #: the model name the client sent; written back into every response chunk (None: leave as is)
@@ -104,14 +108,14 @@ class Attempt:
         self.timer.sent()
         try:
             try:
-                self.response = await e.streams.post(path, content, headers)
+                self.response = await self.streams.post(path, content, headers)
             except TRANSPORT_ERRORS as exc:
                 if not is_stale_connection(exc):
                     raise
                 # a kept-alive connection the engine closed at the same moment: nothing came back, so the
                 # engine did not answer this request; one retry on a fresh connection is safe
                 self.retried = True
-                self.response = await e.streams.post(path, content, headers)
+                self.response = await self.streams.post(path, content, headers)
         except TRANSPORT_ERRORS as exc:
             raise from_transport_error(exc, e.name) from exc
         self.timer.headers()
@@ -397,3 +401,11 @@ class RelayResponse:
                     await self.body.aclose()
                     await self.attempt.close()
             tg.cancel_scope.cancel()
+
+
+def error_response(exc: ProxyError, request_id: str, engine: str | None = None) -> Response:
+    """The proxy's own error (OpenAI-style envelope marked ``"enginemeter": true``) as a JSON response."""
+    headers = {"x-enginemeter-request-id": request_id}
+    if engine:
+        headers["x-enginemeter-engine"] = engine
+    return Response(exc.to_bytes(), status_code=exc.status, headers=headers, media_type="application/json")

@@ -4,8 +4,8 @@ checks. Transport errors are mapped to ``proxy.errors`` in one place (``errors.f
 
 The relay's stream client is aiohttp (``AiohttpStreams``): its C (llhttp) response parser and one buffer per
 connection cost a fraction of httpx/httpcore's pure-Python read path (h11 events, anyio cancel scopes and five
-async-iterator layers per chunk; docs/performance.md). Where a test injects an ``httpx`` transport, the relay
-uses that client instead (``HttpxStreams``), so ``httpx.MockTransport`` still fakes every upstream call.
+async-iterator layers per chunk; docs/performance.md). Tests fake engines as real servers on 127.0.0.1
+(``fakes/``); the httpx client takes a ``transport`` (``httpx.MockTransport``) for probe and poll tests.
 
 Probing (only when the config leaves ``kind`` / ``model`` out), first answer wins:
 ``GET /props`` -> llamacpp, ``GET /server_info`` or ``/get_server_info`` -> sglang, ``GET /version`` -> vllm,
@@ -44,15 +44,14 @@ HEALTH_PATH: dict[EngineKind, str] = {
 }
 
 
-def make_client(
-    e: EngineSettings,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
-    max_connections: int | None = None,
-) -> httpx.AsyncClient:
+def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The engine's httpx client for probes, health and state polls (``transport``: a test's MockTransport).
+
+    Generation requests never go through it (``AiohttpStreams``), so a handful of connections is all it holds.
+    """
     t = e.timeouts
     headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
-    limit = max_connections or e.max_connections
+    limit = e.max_connections
     return httpx.AsyncClient(
         base_url=e.url,
         timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
@@ -60,66 +59,14 @@ def make_client(
             max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=KEEPALIVE_EXPIRY_S
         ),
         headers=headers,
-        transport=transport if transport is not None else ShardedTransport(limit),
+        transport=transport,
         # the proxy forwards bytes as they are; never let httpx decode or re-encode them
         trust_env=False,
     )
 
 
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """Several small connection pools behind one transport; a request goes to the pool with the fewest in flight.
-
-    Why: httpcore 1.0's pool re-examines every connection on each request start and end, and for each idle one
-    it probes the socket (anyio builds an attribute dict with a ``getpeername`` call) and counts the whole
-    pool again: O(n^2) per call. One pool of 256 connections cost seconds of CPU per burst of new streams
-    (perf/overhead.py: +5.4 s TTFT p50 at 256 streams; docs/performance.md). Pools of <= 8 keep n small.
-    Least-loaded choice keeps the shards even, so the total stays ``max_connections`` (rounded up).
-    """
-
-    def __init__(self, max_connections: int, per_shard: int = 8, keepalive_expiry: float = KEEPALIVE_EXPIRY_S) -> None:
-        n = max(1, -(-max_connections // per_shard))
-        size = -(-max_connections // n)
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size, keepalive_expiry=keepalive_expiry)
-        # one TLS context for all shards: building one costs ~70 ms, per shard that was seconds at start-up
-        ssl_context = httpx.create_ssl_context()
-        self._shards = [httpx.AsyncHTTPTransport(limits=limits, verify=ssl_context) for _ in range(n)]
-        self._in_flight = [0] * n
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        i = self._in_flight.index(min(self._in_flight))
-        self._in_flight[i] += 1
-        try:
-            response = await self._shards[i].handle_async_request(request)
-        except BaseException:
-            self._in_flight[i] -= 1
-            raise
-        response.stream = _Released(response.stream, self._in_flight, i)
-        return response
-
-    async def aclose(self) -> None:
-        for shard in self._shards:
-            await shard.aclose()
-
-
-class _Released(httpx.AsyncByteStream):
-    """The response body stream; its close hands the shard's in-flight slot back (once)."""
-
-    def __init__(self, stream: httpx.AsyncByteStream | httpx.SyncByteStream, counts: list[int], i: int) -> None:
-        assert isinstance(stream, httpx.AsyncByteStream)
-        self._stream, self._counts, self._i, self._open = stream, counts, i, True
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._stream.__aiter__()  # no generator of our own: one less hop per chunk
-
-    async def aclose(self) -> None:
-        if self._open:
-            self._open = False
-            self._counts[self._i] -= 1
-        await self._stream.aclose()
-
-
 class UpstreamResponse(Protocol):
-    """What the relay needs of a response; ``httpx.Response`` is one as it is."""
+    """What the relay needs of a response (``_AiohttpResponse``; ``httpx.Response`` is one as it is)."""
 
     @property
     def status_code(self) -> int: ...
@@ -137,20 +84,6 @@ class StreamClient(Protocol):
     async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...
-
-
-class HttpxStreams:
-    """Generation requests through the engine's httpx client (used where a test injects a transport)."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-
-    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        req = self.client.build_request("POST", path, content=content, headers=headers)
-        return await self.client.send(req, stream=True)
-
-    async def aclose(self) -> None:
-        pass  # the client belongs to the Engine, which closes it
 
 
 class AiohttpStreams:
@@ -220,19 +153,6 @@ class _AiohttpResponse:
             r.close()  # cut off mid-body (client gone, error): close, so the engine frees its slot at once
 
 
-def make_streams(
-    e: EngineSettings,
-    client: httpx.AsyncClient,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
-    max_connections: int | None = None,
-) -> StreamClient:
-    """The relay's client for ``e``: aiohttp, or ``client`` itself when a test injected an httpx transport."""
-    if transport is not None:
-        return HttpxStreams(client)
-    return AiohttpStreams(e, max_connections or e.max_connections)
-
-
 @dataclass
 class Engine:
     """An engine at run time: its settings, its client, and what probing learned."""
@@ -244,7 +164,7 @@ class Engine:
     up: bool | None = None
     last_error: str | None = None
     info: dict[str, object] = field(default_factory=dict)
-    #: the relay's client (``make_streams``); None: generation requests go through ``client``
+    #: the relay's client for generation requests; made on first use (``AiohttpStreams``)
     stream_client: StreamClient | None = None
 
     @property
@@ -254,7 +174,7 @@ class Engine:
     @property
     def streams(self) -> StreamClient:
         if self.stream_client is None:
-            self.stream_client = HttpxStreams(self.client)
+            self.stream_client = AiohttpStreams(self.settings, self.settings.max_connections)
         return self.stream_client
 
     async def aclose(self) -> None:

@@ -1,0 +1,169 @@
+"""One attempt on one engine, for the primary and the shadow alike: made by ``Attempts.new``, run by
+``run_attempt``, ended by exactly one ``Result`` (``Attempts.record``).
+
+``run_attempt`` is the one place that writes the sequence open -> status -> stream or body:
+
+- ``Failed``: the engine could not be reached, or its body broke off before it was whole. Result emitted; the
+  primary may fall back to its next engine (nothing reached the client).
+- ``Answered``: an engine error body (normalized, its status kept) or a whole non-stream body. Result emitted.
+- ``Streaming``: the stream is open and its first event is in; ``Attempt.iter_relay()`` relays it and emits the
+  Result at its end (``Attempt.close()`` if it never starts).
+
+The primary turns the outcome into a Response (``Gateway.serve``); the shadow drains it (``drain``).
+In flight (``enginemeter_requests_in_flight``) from ``Attempts.new`` until the attempt's one Result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import UpstreamError
+from proxy.normalize import Endpoint, normalize_request, param_label
+from proxy.server.metrics import Metrics, observe
+from proxy.server.relay import Attempt
+from proxy.server.result import Result
+from proxy.server.upstream import Engine, StreamClient
+from proxy.settings import Settings
+from proxy.timing import StreamTimer
+
+log = logging.getLogger("enginemeter")
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Nothing usable came back (transport error, broken body); the Result is emitted."""
+
+    error: UpstreamError
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A whole answer: the engine's error body (``engine_error``) or its non-stream body; the Result is emitted."""
+
+    status: int
+    body: bytes
+    engine_error: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Streaming:
+    """The stream is open; ``attempt.iter_relay()`` owns the rest and emits the Result."""
+
+    attempt: Attempt
+
+
+Outcome = Failed | Answered | Streaming
+
+
+async def run_attempt(attempt: Attempt) -> Outcome:
+    """Open the attempt and take it as far as the caller needs. Raises only what is not an upstream failure
+    (cancellation): the caller then ends the attempt (``finish``) with its own outcome."""
+    try:
+        await attempt.open()
+    except UpstreamError as exc:
+        attempt.finish(exc.outcome, exc.message)
+        return Failed(exc)
+    if attempt.failed_status:
+        body = await attempt.error_response_body()
+        attempt.finish()
+        return Answered(attempt.status, body, engine_error=True)
+    if attempt.norm.stream:
+        return Streaming(attempt)
+    try:
+        data = await attempt.read_body()
+    except UpstreamError as exc:
+        attempt.finish(exc.outcome, exc.message)
+        return Failed(exc)
+    attempt.finish()
+    return Answered(attempt.status, data, engine_error=False)
+
+
+async def drain(attempt: Attempt) -> None:
+    """Run an attempt to its end, discarding what the engine sends (a shadow copy)."""
+    if isinstance(await run_attempt(attempt), Streaming):
+        async for _ in attempt.iter_relay():
+            pass
+
+
+class Attempts:
+    """Makes attempts (normalized for their engine, counted in flight) and records their Results.
+
+    ``observers`` get every Result after the metrics (the mirror's pairing; tests): a failing observer is logged
+    and never touches the traffic.
+    """
+
+    def __init__(self, settings: Settings, engines: Mapping[str, Engine], metrics: Metrics) -> None:
+        self.settings = settings
+        self.engines = engines
+        self.metrics = metrics
+        self.aliases = {m.alias: m for m in settings.models}
+        self.observers: list[Callable[[Result], None]] = []
+
+    def model_label(self, model: str | None) -> str:
+        """Bounded metric label: a configured alias or an engine's served name, else ``other``."""
+        if model is None:
+            return "other"
+        if model in self.aliases:
+            return model
+        if any(e.model == model for e in self.engines.values()):
+            return model
+        return "other"
+
+    def served_model(self, alias: str | None, engine: Engine) -> str | None:
+        a = self.aliases.get(alias or "")
+        if a is not None and engine.name in a.engines:
+            return a.engines[engine.name]
+        return engine.model or alias
+
+    def record(self, result: Result) -> None:
+        """Every attempt's one Result: the attempt leaves the in-flight gauge, metrics, then observers."""
+        self.metrics.in_flight.labels(result.engine, result.role).dec()
+        observe(self.metrics, result)
+        for observer in self.observers:
+            try:
+                observer(result)
+            except Exception:
+                log.exception("result observer failed")
+
+    def new(
+        self,
+        *,
+        request_id: str,
+        endpoint: Endpoint,
+        engine: Engine,
+        role: str,
+        body: dict[str, Any],
+        timer: StreamTimer,
+        collect_text: bool = False,
+        streams: StreamClient | None = None,
+    ) -> Attempt:
+        """An attempt of ``body`` on ``engine``, sent through ``streams`` (default: the engine's own pool)."""
+        client_model = body.get("model") if isinstance(body.get("model"), str) else None
+        norm = normalize_request(
+            body,
+            endpoint=endpoint,
+            kind=engine.effective_kind,
+            served_model=self.served_model(client_model, engine),
+            defaults=self.settings.sampling_defaults,
+        )
+        for ch in norm.changes:
+            self.metrics.params.labels(engine.name, param_label(ch.param), ch.action).inc()
+        attempt = Attempt(
+            request_id=request_id,
+            endpoint=endpoint,
+            engine=engine,
+            streams=streams if streams is not None else engine.streams,
+            role=role,
+            model_label=self.model_label(client_model),
+            client_model=client_model,
+            norm=norm,
+            timer=timer,
+            on_result=self.record,
+            collect_text=collect_text,
+        )
+        # in flight from here until its one Result (record), whichever path ends it
+        self.metrics.in_flight.labels(engine.name, role).inc()
+        return attempt
