@@ -94,6 +94,7 @@ class EmulatorConfig:
     enable_metrics: bool = False
     enable_cache_report: bool = False
     stream_response_default_include_usage: bool = False
+    ready_endpoint: bool = True  # False: no /ready (404), as SGLang 0.5.17, whose readiness is /health
     host: str = "127.0.0.1"  # reported by /server_info; run_in_thread binds it
     port: int = 30000
     backend_wait_s: float = 60.0  # how long startup waits for the backend's /health
@@ -1129,7 +1130,6 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         Route("/tokenize", serving.tokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
@@ -1138,6 +1138,8 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         Route("/v1/models/{model:path}", model_card, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     ]
+    if config.ready_endpoint:
+        routes.append(Route("/ready", ready, methods=["GET"]))
     if config.enable_metrics:
         routes.append(Route("/metrics", metrics, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
@@ -1188,6 +1190,7 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--stream-response-default-include-usage", action="store_true")
+    p.add_argument("--no-ready", action="store_true", help="no /ready endpoint (404), as SGLang 0.5.17")
     a = p.parse_args(argv)
     return EmulatorConfig(
         backend=a.backend,
@@ -1199,6 +1202,7 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
         enable_metrics=a.enable_metrics,
         enable_cache_report=a.enable_cache_report,
         stream_response_default_include_usage=a.stream_response_default_include_usage,
+        ready_endpoint=not a.no_ready,
         host=a.host,
         port=a.port,
     )
