@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -494,3 +495,66 @@ def test_quant_key_keeps_formats_apart_and_unknown_unknown() -> None:
     assert quant_from_name("tiny-Q4_K_M.gguf") == "Q4_K_M"
     assert quant_from_name(None, "Qwen/Qwen2.5-7B-Instruct-AWQ") == "AWQ"
     assert quant_from_name("model.gguf", "Qwen/Qwen2.5-7B-Instruct") is None
+
+
+# ---- replay of captured engines (scripts/capture_engine.py -> tests/fixtures/engines/<engine>/) -----------
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "engines"
+
+
+def captured() -> list[Path]:
+    return sorted(p.parent for p in FIXTURES.glob("*/answers.jsonl"))
+
+
+def _answer(status: int, content: bytes, headers: dict[str, str]) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(status, content=content, headers=headers)
+
+
+def replay(folder: Path) -> tuple[FakeEngine, dict[str, Any]]:
+    table: dict[tuple[str, str], Answer] = {}
+    for line in (folder / "answers.jsonl").read_text().splitlines():
+        a = json.loads(line)
+        if a["status"] == 404:
+            continue  # FakeEngine's own 404
+        content, headers = a["body"].encode(), {"content-type": a["content_type"] or "text/plain"}
+        table[(a["method"], a["path"])] = _answer(a["status"], content, headers)
+    meta_path = folder / "meta.json"
+    return FakeEngine(table), json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+
+
+def check_replay(folder: Path) -> None:
+    fake, meta = replay(folder)
+    kind = fake.run(lambda c: engines.detect(c, 1.0))
+    assert kind is not None and kind == (meta.get("kind") or kind)
+    d = engines.dialect(kind)
+    h = fake.run(lambda c: d.health(c, 1.0))
+    assert h.up, h.error  # captured from a ready engine
+    f = fake.run(lambda c: d.poll(c, 1.0))
+    assert f.model and f.context_length, f
+    if kind in ("llamacpp", "sglang"):
+        assert f.slots, f
+    if meta.get("version") and kind in ("sglang", "vllm"):
+        assert f.build == meta["version"]
+    if kind != "openai":
+        n = fake.run(lambda c: d.count_prompt_tokens(c, meta.get("model"), MSGS))
+        assert n.tokens, n
+
+
+@pytest.mark.parametrize("folder", captured(), ids=lambda p: p.name)
+def test_replay_captured_engine(folder: Path) -> None:
+    check_replay(folder)
+
+
+def test_replay_reads_what_the_capture_script_writes(tmp_path: Path) -> None:
+    """The replay itself, on a folder written the way scripts/capture_engine.py writes one (SGLang 0.5.17)."""
+    lines = []
+    for (method, path), answer in sglang_0517().table.items():
+        r = answer if isinstance(answer, httpx.Response) else answer(httpx.Request(method, path))
+        lines.append({"method": method, "path": path, "status": r.status_code,
+                      "content_type": r.headers.get("content-type", ""), "body": r.text})  # fmt: skip
+    lines.append({"method": "GET", "path": "/ready", "status": 404, "content_type": "application/json", "body": "{}"})
+    tokens = {"tokens": [1] * 9, "count": 9, "max_model_len": 4096}
+    lines.append({"method": "POST", "path": "/v1/tokenize", "status": 200, "content_type": "application/json", "body": json.dumps(tokens)})  # fmt: skip
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "meta.json").write_text(json.dumps({"kind": "sglang", "version": "0.5.17", "model": "tiny"}))
+    check_replay(tmp_path)
