@@ -289,9 +289,9 @@ class Engine:
 
 
 async def detect_kind(client: httpx.AsyncClient, timeout: float) -> EngineKind | None:
-    """The engine's kind (``proxy.engines.detect``); None while it is loading."""
+    """The engine's kind (``proxy.engines.detect``); None while it is loading. Kept for callers of the old name."""
     return await engines.detect(client, timeout)
 
 
-async def probe_all(engines: list[Engine]) -> None:
-    await asyncio.gather(*(e.probe() for e in engines))
+async def probe_all(all_engines: list[Engine]) -> None:
+    await asyncio.gather(*(e.probe() for e in all_engines))
