@@ -24,6 +24,9 @@ import json
 import aiohttp
 import httpx
 
+from proxy import engines
+from proxy.settings import EngineKind
+
 
 class ProxyError(Exception):
     status = 500
@@ -122,17 +125,8 @@ def is_stale_connection(exc: BaseException) -> bool:
     )
 
 
-def normalize_engine_error(body: bytes, status: int) -> bytes:
-    """Engine error bodies pass through, except SGLang's flat shape, which is nested the OpenAI way.
-
-    ``{"object":"error","message":..}`` -> ``{"error":{"message":..}}``. Anything that is not JSON is wrapped.
-    """
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        text = body.decode(errors="replace")[:2000]
-        return json.dumps({"error": {"message": text, "type": "upstream_error", "code": status}}).encode()
-    if isinstance(doc, dict) and "error" not in doc and doc.get("object") == "error":
-        inner = {k: v for k, v in doc.items() if k != "object"}
-        return json.dumps({"error": inner}).encode()
-    return body
+def normalize_engine_error(body: bytes, status: int, kind: EngineKind | None = None) -> bytes:
+    """Engine error bodies pass through, except SGLang's flat shape, which is nested the OpenAI way (the
+    engine dialect's ``error_doc``): ``{"object":"error","message":..}`` -> ``{"error":{"message":..}}``.
+    Anything that is not JSON is wrapped."""
+    return engines.normalize_error(body, status, kind)

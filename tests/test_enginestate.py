@@ -16,10 +16,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy import engines
 from proxy.embedded import LlamaServer
 from proxy.server import enginestate
 from proxy.server.enginestate import EngineStatePoller
-from proxy.server.upstream import Engine, make_client
+from proxy.server.upstream import Engine
 from proxy.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import LlamaServerFactory, ProxyFactory, free_port, wait_until
 
@@ -67,21 +68,22 @@ def proxy_with_state(proxy_factory: ProxyFactory) -> Callable[[Settings], Runnin
 
 
 @pytest.fixture
-def sglang_emulator() -> Iterator[Callable[[str, str], str]]:
+def sglang_emulator() -> Iterator[Callable[..., str]]:
     """Start ``python -m fakes.sglang_emulator`` subprocesses in front of a backend; yields a starter."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(backend: str, served: str) -> str:
+    def start(backend: str, served: str, *extra: str) -> str:
         port = free_port()
         root = Path(__file__).resolve().parent.parent
         p = subprocess.Popen(
             [sys.executable, "-m", "fakes.sglang_emulator", "--port", str(port), "--backend", backend,
-             "--served-model-name", served],
+             "--served-model-name", served, *extra],
             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         procs.append(p)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: p.poll() is None and httpx.get(f"{url}/ready", timeout=1).status_code == 200, timeout=60)
+        ready = "/health" if "--no-ready" in extra else "/ready"
+        wait_until(lambda: p.poll() is None and httpx.get(f"{url}{ready}", timeout=5).status_code == 200, timeout=60)
         return url
 
     yield start
@@ -144,12 +146,44 @@ def test_busy_slots_follow_a_running_generation(
     wait_until(lambda: p.value(busy, engine="llama") == 0, timeout=20)
 
 
+def test_llamacpp_dialect_counts_tokens_as_generation_does_and_erases_slots(
+    llama_server_factory: LlamaServerFactory, tmp_path: Path
+) -> None:
+    """Prompt tokens counted without generating equal a generation's ``usage.prompt_tokens``; a slot erase
+    (``--slot-save-path``) empties the prompt cache, so the same prompt is processed again in full."""
+    srv = llama_server_factory(np=1, alias="tiny", extra_args=["--slot-save-path", str(tmp_path)])
+    plain = llama_server_factory(np=1, alias="tiny")
+    d = engines.dialect("llamacpp")
+    msgs = [{"role": "user", "content": "Tell me a story about a lighthouse keeper and a storm. " * 4}]
+
+    async def with_client(url: str, fn: Callable[[httpx.AsyncClient], Any]) -> Any:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            return await fn(c)
+
+    def chat() -> dict[str, Any]:
+        body = {"messages": msgs, "max_tokens": 1, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        return dict(r.json())
+
+    n = asyncio.run(with_client(srv.url, lambda c: d.count_prompt_tokens(c, "tiny", msgs)))
+    first = chat()
+    assert n.tokens == first["usage"]["prompt_tokens"] and n.tokens > 40
+    assert chat()["timings"]["cache_n"] > 0  # the same prompt again: served from the slot's cache
+    note = asyncio.run(with_client(srv.url, d.flush_cache))
+    assert note == "slot erase HTTP 200 (1 slots)"
+    assert chat()["timings"]["cache_n"] == 0
+    # without --slot-save-path the engine says it cannot, and the note says so
+    note = asyncio.run(with_client(plain.url, d.flush_cache))
+    assert note is not None and note.startswith("slot erase HTTP 501") and "--slot-save-path" in note
+
+
 # --------------------------------------------------------------------------------------------- SGLang
 
 
 def test_sglang_server_info_model_info_models(
     llama_server: LlamaServer,
-    sglang_emulator: Callable[[str, str], str],
+    sglang_emulator: Callable[..., str],
     proxy_with_state: Callable[[Settings], Running],
 ) -> None:
     url = sglang_emulator(llama_server.url, "Qwen/Tiny-Instruct")
@@ -165,6 +199,22 @@ def test_sglang_server_info_model_info_models(
     assert st.kind == "sglang"
     assert st.model == "Qwen/Tiny-Instruct"
     assert st.build  # SGLang version from /server_info
+
+
+def test_sglang_without_ready_is_up_by_its_health(
+    llama_server: LlamaServer,
+    sglang_emulator: Callable[..., str],
+    proxy_with_state: Callable[[Settings], Running],
+) -> None:
+    """SGLang 0.5.17 has no /ready (404): the proxy's /health asks its /health instead, and says up."""
+    url = sglang_emulator(llama_server.url, "Qwen/Tiny-Instruct", "--no-ready", "--max-running-requests", "7")
+    assert httpx.get(f"{url}/ready", timeout=10).status_code == 404
+    p = proxy_with_state(settings({"sglang": url}))
+    h = httpx.get(f"{p.url}/health", timeout=30).json()
+    (e,) = h["engines"]
+    assert (e["kind"], e["up"], e.get("error")) == ("sglang", True, None)
+    assert h["status"] == "ok"
+    assert p.value("enginemeter_engine_slots", engine="sglang") == 7
 
 
 def test_sglang_falls_back_to_deprecated_paths() -> None:
@@ -217,7 +267,7 @@ def test_no_drift_with_the_same_config_and_model_drift_by_name(
 
 def test_llamacpp_and_sglang_declared_equal_by_an_alias(
     llama_server: LlamaServer,
-    sglang_emulator: Callable[[str, str], str],
+    sglang_emulator: Callable[..., str],
     proxy_with_state: Callable[[Settings], Running],
 ) -> None:
     """The SGLang emulator serves the llama-server's own model under another name: same context and slots;
@@ -265,7 +315,8 @@ def poll_once(
     kind: str, handler: Callable[[httpx.Request], httpx.Response], poller: EngineStatePoller | None = None
 ) -> Any:
     es = EngineSettings(name="e", url="http://engine.test", kind=kind)  # type: ignore[arg-type]
-    engine = Engine(settings=es, client=make_client(es, transport=httpx.MockTransport(handler)), kind=es.kind)
+    client = httpx.AsyncClient(base_url=es.url, transport=httpx.MockTransport(handler))
+    engine = Engine(settings=es, client=client, kind=es.kind)
     poller = poller or EngineStatePoller(settings({"e": es.url}), {"e": engine}, interval=1)
     poller.engines = {"e": engine}
 

@@ -172,7 +172,6 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         Route("/tokenize", serving.tokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
@@ -181,6 +180,8 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         Route("/v1/models/{model:path}", model_card, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     ]
+    if config.ready_endpoint:
+        routes.append(Route("/ready", ready, methods=["GET"]))
     if config.enable_metrics:
         routes.append(Route("/metrics", metrics, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})

@@ -24,6 +24,7 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
+    p.add_argument("--no-ready", action="store_true", help="no /ready endpoint (404), as SGLang 0.5.17")
     p.add_argument("--stream-response-default-include-usage", action="store_true")
     a = p.parse_args(argv)
     return EmulatorConfig(
@@ -35,6 +36,7 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
         max_queued_requests=a.max_queued_requests,
         enable_metrics=a.enable_metrics,
         enable_cache_report=a.enable_cache_report,
+        ready_endpoint=not a.no_ready,
         stream_response_default_include_usage=a.stream_response_default_include_usage,
         host=a.host,
         port=a.port,

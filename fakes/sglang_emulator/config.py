@@ -25,6 +25,7 @@ class EmulatorConfig:
     enable_metrics: bool = False
     enable_cache_report: bool = False
     stream_response_default_include_usage: bool = False
+    ready_endpoint: bool = True  # False: no /ready (404), as SGLang 0.5.17, whose readiness is /health
     host: str = "127.0.0.1"  # reported by /server_info; run_in_thread binds it
     port: int = 30000
     backend_wait_s: float = 60.0  # how long startup waits for the backend's /health

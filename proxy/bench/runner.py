@@ -30,15 +30,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 import httpx
 
+from proxy import engines
 from proxy.bench import suite as suite_mod
 from proxy.bench.suite import Prompt
+from proxy.engines import quant_from_name
 from proxy.normalize import normalize_request
-from proxy.server.upstream import detect_kind
 from proxy.settings import EngineKind
 from proxy.sse import SSEFramer
 from proxy.stream import error_text, loads, read_event
@@ -47,9 +48,6 @@ from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
 CHAT_PATH = "/v1/chat/completions"
 _NEVER_SEEN = "Server disconnected without sending a response"
 PIN_HEADER = "x-enginemeter-engine"
-_QUANT = re.compile(
-    r"(?i)(?<![a-z0-9])(i?q[1-8](?:_[a-z0-9]+)*|f16|bf16|f32|fp16|fp8|fp32|int8|int4|awq|gptq|mxfp4|nvfp4)(?![a-z0-9])"
-)
 
 
 @dataclass
@@ -292,41 +290,27 @@ def build_body(
 
 
 async def probe(t: Target, timeout: float = 5.0) -> None:
+    """Kind, served model, slots, context length and quantization from the engine's dialect (``proxy.engines``);
+    a declared quantization wins, the model's file or served name is the last resort."""
     if not t.url:
         return
     async with httpx.AsyncClient(base_url=t.url, timeout=timeout, trust_env=False) as c:
-        try:
-            if t.kind is None:
-                t.kind = await detect_kind(c, timeout)
-            r = await c.get("/v1/models")
-            if t.model is None and r.status_code == 200:
-                data = r.json().get("data") or []
-                if data and isinstance(data[0], dict):
-                    t.model = str(data[0].get("id"))
-            where = ""
-            if t.kind == "llamacpp":
-                r = await c.get("/props")
-                if r.status_code == 200:
-                    props = r.json()
-                    t.slots = props.get("total_slots") if isinstance(props.get("total_slots"), int) else None
-                    where = str(props.get("model_path") or "")
-                    t.info["model_path"] = where
-                    t.info["n_ctx"] = (props.get("default_generation_settings") or {}).get("n_ctx")
-            elif t.kind == "sglang":
-                r = await c.get("/server_info")
-                if r.status_code == 200:
-                    info = r.json()
-                    q = info.get("quantization")
-                    if q and not t.quantization:
-                        t.quantization, t.quantization_source = str(q), "server_info"
-                    t.info["dtype"] = info.get("dtype")
-                    where = str(info.get("model_path") or "")
-            if not t.quantization:
-                m = _QUANT.search(Path(where).name if where else "") or _QUANT.search(t.model or "")
-                if m:
-                    t.quantization, t.quantization_source = m.group(1).upper(), "model name"
-        except (httpx.HTTPError, ValueError) as exc:
-            t.info["probe_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        p = await engines.probe(c, timeout, kind=t.kind, model=t.model, full=True)
+    t.kind, t.model = p.kind, p.model
+    if p.error:
+        t.info["probe_error"] = p.error
+    f = p.facts
+    if f is None:
+        return
+    t.slots = t.slots or f.slots
+    t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
+                                     ("build", f.build)) if v is not None})  # fmt: skip
+    if not t.quantization and f.quantization:
+        t.quantization, t.quantization_source = f.quantization, f"{t.kind} report"
+    if not t.quantization:
+        q = quant_from_name(PurePosixPath(f.model_path or "").name, t.model)
+        if q:
+            t.quantization, t.quantization_source = q, "model name"
 
 
 async def count_prompt_tokens(
@@ -335,45 +319,18 @@ async def count_prompt_tokens(
     """Prompt tokens as the engine would count them for a chat completion, without generating."""
     if not t.url:
         return None, "no engine URL"
-    msgs = [dict(m) for m in messages]
     async with httpx.AsyncClient(base_url=t.url, timeout=30, trust_env=False) as c:
-        try:
-            if t.kind == "llamacpp":
-                r = await c.post(f"{CHAT_PATH}/input_tokens", json={"model": model, "messages": msgs})
-                if r.status_code == 200 and isinstance(r.json().get("input_tokens"), int):
-                    return int(r.json()["input_tokens"]), "input_tokens"
-                r = await c.post("/apply-template", json={"messages": msgs})
-                r.raise_for_status()
-                prompt = r.json()["prompt"]
-                r = await c.post("/tokenize", json={"content": prompt, "add_special": True, "parse_special": True})
-                r.raise_for_status()
-                return len(r.json()["tokens"]), "apply-template+tokenize"
-            if t.kind == "sglang":
-                r = await c.post("/v1/tokenize", json={"model": model, "messages": msgs})
-                if r.status_code == 200:
-                    doc = r.json()
-                    n = doc.get("count", len(doc.get("tokens") or []))
-                    return int(n), "v1/tokenize"
-                return None, f"v1/tokenize HTTP {r.status_code}"
-            if t.kind == "vllm":
-                r = await c.post("/tokenize", json={"model": model, "messages": msgs, "add_generation_prompt": True})
-                if r.status_code == 200:
-                    return int(r.json()["count"]), "tokenize"
-                return None, f"tokenize HTTP {r.status_code}"
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            return None, f"{type(exc).__name__}: {exc}"[:120]
-    return None, f"no tokenizer endpoint for kind {t.kind}"
+        n = await engines.dialect(t.kind).count_prompt_tokens(c, model, messages)
+    return n.tokens, n.method
 
 
 async def flush_cache(t: Target) -> str | None:
-    if t.kind != "sglang" or not t.url:
+    """Empty the engine's prompt cache where its kind can (llama.cpp slot erase, SGLang ``/flush_cache``, vLLM
+    ``/reset_prefix_cache``); a note saying what happened."""
+    if not t.url:
         return None
     async with httpx.AsyncClient(base_url=t.url, timeout=30, trust_env=False) as c:
-        try:
-            r = await c.post("/flush_cache")
-            return f"flush_cache HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            return f"flush_cache failed: {type(exc).__name__}"
+        return await engines.dialect(t.kind).flush_cache(c)
 
 
 # ---- GPU memory -----------------------------------------------------------------------------------

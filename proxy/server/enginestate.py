@@ -1,21 +1,14 @@
 """Engine state: what each engine says about its own configuration and load, polled at an interval.
 
-Only cheap GETs with short timeouts, never a generation (SGLang's ``/health`` generates; we never call it):
-
-- llama.cpp: ``/props`` (per-slot ``n_ctx``, ``total_slots``, ``model_path``, ``build_info``), ``/slots``
-  (busy = ``is_processing`` count; 501 with ``--no-slots``, then busy is unknown), ``/v1/models`` (served id,
-  ``meta.ftype``).
-- SGLang: ``/server_info`` (falls back to ``/get_server_info``), ``/model_info`` (falls back to
-  ``/get_model_info``), ``/v1/models`` (``max_model_len``).
-- vLLM: ``/v1/models`` (``max_model_len``), ``/version``, and ``vllm:num_requests_running`` from ``/metrics``.
-- anything else: ``/v1/models``.
-
-A poll replaces the engine's ``EngineState`` whole; the Prometheus collector reads the latest states and never
-does I/O. When a poll fails, ``engine_up`` is 0 and busy slots become absent; the static facts of the last
-good poll (context length, slots, model) stay, so a drift signal does not flap while an engine restarts.
+Each kind's poll is its dialect's (``proxy.engines``; docs/engines.md lists what each reads): only cheap GETs
+with short timeouts, never a generation. A poll replaces the engine's ``EngineState`` whole; the Prometheus
+collector reads the latest states and never does I/O. When a poll fails, ``engine_up`` is 0 and busy slots
+become absent; the static facts of the last good poll (context length, slots, model) stay, so a drift signal
+does not flap while an engine restarts.
 
 Context length is the longest request one engine accepts: llama.cpp's per-slot ``n_ctx`` (``-c`` divided by
-``-np`` unless the KV cache is unified), SGLang's and vLLM's ``max_model_len``.
+``-np`` unless the KV cache is unified), SGLang's and vLLM's ``max_model_len``. Quantization names are compared
+by ``proxy.engines.quant_key`` (F16 = FP16 = float16 = half).
 """
 
 from __future__ import annotations
@@ -23,16 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
 
 import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from proxy import engines
+from proxy.engines import PollError, quant_key
 from proxy.server.upstream import Engine
 from proxy.settings import Settings
 
@@ -63,170 +57,7 @@ class EngineState:
     t_ok: float | None = None
 
 
-class PollError(Exception):
-    pass
-
-
-def _int(v: object) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str) and v.isdigit():
-        return int(v)
-    return None
-
-
-def _str(v: object) -> str | None:
-    return v if isinstance(v, str) and v else None
-
-
-async def _get_json(client: httpx.AsyncClient, path: str, timeout: float) -> Any:
-    """GET ``path`` -> parsed JSON. Raises PollError (status or body) or httpx.HTTPError (transport)."""
-    r = await client.get(path, timeout=timeout)
-    if r.status_code != 200:
-        raise PollError(f"HTTP {r.status_code} from {path}")
-    try:
-        return r.json()
-    except ValueError as exc:
-        raise PollError(f"{path} did not return JSON") from exc
-
-
-async def _first_json(client: httpx.AsyncClient, paths: Iterable[str], timeout: float) -> Any:
-    last: PollError | None = None
-    for p in paths:
-        try:
-            return await _get_json(client, p, timeout)
-        except PollError as exc:
-            last = exc
-    assert last is not None
-    raise last
-
-
-def _model_card(doc: Any) -> dict[str, Any]:
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if isinstance(data, list) and data and isinstance(data[0], dict):
-        return data[0]
-    return {}
-
-
-async def poll_llamacpp(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
-    props = await _get_json(client, "/props", timeout)
-    if not isinstance(props, dict):
-        raise PollError("/props is not an object")
-    dgs = props.get("default_generation_settings")
-    n_ctx = _int(dgs.get("n_ctx")) if isinstance(dgs, dict) else None
-    card: dict[str, Any] = {}
-    with contextlib.suppress(PollError, httpx.HTTPError):
-        card = _model_card(await _get_json(client, "/v1/models", timeout))
-    meta = card.get("meta") if isinstance(card.get("meta"), dict) else {}
-    busy = None
-    with contextlib.suppress(PollError, httpx.HTTPError):
-        slots = await _get_json(client, "/slots", timeout)
-        if isinstance(slots, list):
-            busy = sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing") is True)
-            if n_ctx is None and slots and isinstance(slots[0], dict):
-                n_ctx = _int(slots[0].get("n_ctx"))
-    assert isinstance(meta, dict)
-    return {
-        "model": _str(card.get("id")) or _str(props.get("model_alias")),
-        "model_path": _str(props.get("model_path")),
-        "context_length": n_ctx,
-        "slots": _int(props.get("total_slots")),
-        "busy_slots": busy,
-        "quantization": _str(props.get("model_ftype")) or _ftype(meta.get("ftype")),
-        "build": _str(props.get("build_info")),
-    }
-
-
-def _ftype(v: object) -> str | None:
-    # llama.cpp's /v1/models meta.ftype is the numeric llama_ftype; name the common ones
-    names = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-             12: "Q3_K_M", 15: "Q4_K_M", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}  # fmt: skip
-    if isinstance(v, str):
-        return v or None
-    i = _int(v)
-    return None if i is None else names.get(i, f"ftype{i}")
-
-
-async def poll_sglang(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
-    info = await _first_json(client, ("/server_info", "/get_server_info"), timeout)
-    if not isinstance(info, dict):
-        raise PollError("/server_info is not an object")
-    minfo: dict[str, Any] = {}
-    with contextlib.suppress(PollError, httpx.HTTPError):
-        m = await _first_json(client, ("/model_info", "/get_model_info"), timeout)
-        minfo = m if isinstance(m, dict) else {}
-    card: dict[str, Any] = {}
-    with contextlib.suppress(PollError, httpx.HTTPError):
-        card = _model_card(await _get_json(client, "/v1/models", timeout))
-    states = info.get("internal_states")
-    st0 = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-    served = info.get("served_model_name")
-    if isinstance(served, list):
-        served = served[0] if served else None
-    return {
-        "model": _str(card.get("id")) or _str(minfo.get("served_model_name")) or _str(served),
-        "model_path": _str(minfo.get("model_path")) or _str(info.get("model_path")),
-        "context_length": _int(card.get("max_model_len")) or _int(info.get("context_length")),
-        # the scheduler's resolved value when it reports one; the server argument otherwise
-        "slots": _int(st0.get("max_running_requests")) or _int(info.get("max_running_requests")),
-        "busy_slots": _int(st0.get("num_running_reqs")),
-        "quantization": _str(info.get("quantization")) or _dtype(info.get("dtype")),
-        "build": _str(info.get("version")),
-    }
-
-
-def _dtype(v: object) -> str | None:
-    s = _str(v)
-    return None if s is None or s == "auto" else s
-
-
-_VLLM_RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-
-
-async def poll_vllm(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
-    card = _model_card(await _get_json(client, "/v1/models", timeout))
-    build = None
-    with contextlib.suppress(PollError, httpx.HTTPError):
-        v = await _get_json(client, "/version", timeout)
-        build = _str(v.get("version")) if isinstance(v, dict) else None
-    busy = None
-    with contextlib.suppress(httpx.HTTPError):
-        r = await client.get("/metrics", timeout=timeout)
-        found = _VLLM_RUNNING.findall(r.text) if r.status_code == 200 else []
-        busy = round(sum(float(x) for x in found)) if found else None
-    return {
-        "model": _str(card.get("id")),
-        "model_path": _str(card.get("root")),
-        "context_length": _int(card.get("max_model_len")),
-        "busy_slots": busy,
-        "build": build,
-    }
-
-
-async def poll_openai(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
-    card = _model_card(await _get_json(client, "/v1/models", timeout))
-    return {"model": _str(card.get("id")), "context_length": _int(card.get("max_model_len"))}
-
-
-POLLERS = {"llamacpp": poll_llamacpp, "sglang": poll_sglang, "vllm": poll_vllm, "openai": poll_openai}
-
-
 # --------------------------------------------------------------------------------------------- drift
-
-
-_QUANT_ALIASES = {"float16": "f16", "half": "f16", "fp16": "f16", "bfloat16": "bf16", "float32": "f32",
-                  "fp32": "f32", "float": "f32", "mostly_f16": "f16", "mostly_bf16": "bf16"}  # fmt: skip
-
-
-def quant_key(q: str | None) -> str | None:
-    if q is None:
-        return None
-    k = q.strip().lower().replace(" - ", "_").replace(" ", "_")
-    return _QUANT_ALIASES.get(k, k)
 
 
 def route_label(models: Iterable[str]) -> str:
@@ -298,7 +129,7 @@ class EngineStatePoller:
             if engine.kind is None:
                 await engine.probe(self.timeout)
             kind = engine.effective_kind
-            got = await POLLERS[kind](engine.client, self.timeout)
+            facts = await engines.dialect(kind).poll(engine.client, self.timeout)
         except (PollError, httpx.HTTPError) as exc:
             err = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
             if prev.up or prev.t_poll is None:
@@ -306,9 +137,8 @@ class EngineStatePoller:
             return replace(prev, up=False, busy_slots=None, error=err, t_poll=now)
         if not prev.up and prev.t_poll is not None:
             log.info("engine %s state poll recovered", engine.name)
-        got.setdefault("model", None)
-        if got["model"] is None:
-            got["model"] = engine.model
+        got = asdict(facts)
+        got["model"] = facts.model or engine.model
         return EngineState(name=engine.name, up=True, kind=kind, t_poll=now, t_ok=now, **got)
 
     async def poll_all(self) -> None:

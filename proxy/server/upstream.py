@@ -7,12 +7,10 @@ connection cost a fraction of httpx/httpcore's pure-Python read path (h11 events
 async-iterator layers per chunk; docs/performance.md). Tests fake engines as real servers on 127.0.0.1
 (``fakes/``); the httpx client takes a ``transport`` (``httpx.MockTransport``) for probe and poll tests.
 
-Probing (only when the config leaves ``kind`` / ``model`` out), first answer wins:
-``GET /props`` -> llamacpp, ``GET /server_info`` or ``/get_server_info`` -> sglang, ``GET /version`` -> vllm,
-else openai. The served model name comes from ``GET /v1/models`` (``data[0].id``).
-
-Health never generates: llama.cpp ``/health``, SGLang ``/ready`` (its ``/health`` runs a 1-token generation),
-vLLM ``/health``, others ``/v1/models``.
+Probing (only when the config leaves ``kind`` / ``model`` out) and health checks are the engine dialects'
+(``proxy.engines``): detection in dialect order (llama.cpp ``/props``, SGLang ``/server_info``, vLLM
+``/version``, else openai), the served model from ``GET /v1/models``; health from each kind's cheap readiness
+path (SGLang: ``/ready``, or ``/health`` on versions without it).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import aiohttp
 import httpx
 from yarl import URL
 
+from proxy import engines
 from proxy.settings import EngineKind, EngineSettings
 
 log = logging.getLogger("enginemeter.upstream")
@@ -35,13 +34,6 @@ log = logging.getLogger("enginemeter.upstream")
 #: engines (SGLang, vLLM) close a kept-alive connection after 5 s idle, and reusing one that the engine is closing
 #: fails with "Server disconnected without sending a response"
 KEEPALIVE_EXPIRY_S = 4.0
-
-HEALTH_PATH: dict[EngineKind, str] = {
-    "llamacpp": "/health",
-    "sglang": "/ready",
-    "vllm": "/health",
-    "openai": "/v1/models",
-}
 
 
 def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -188,36 +180,24 @@ class Engine:
 
     async def probe(self, timeout: float = 3.0) -> None:
         """Fill in ``kind`` and ``model`` where the config left them out. Never raises."""
-        self.kind = self.settings.kind or self.kind
-        self.model = self.settings.model or self.model
-        try:
-            if self.kind is None:
-                self.kind = await detect_kind(self.client, timeout)
-            if self.model is None:
-                r = await self.client.get("/v1/models", timeout=timeout)
-                if r.status_code == 200:
-                    data = r.json().get("data") or []
-                    if data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
-                        self.model = data[0]["id"]
-            self.up = True
-            self.last_error = None
-        except (httpx.HTTPError, ValueError) as exc:
-            self.up = False
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            log.warning("probing engine %s at %s failed: %s", self.name, self.settings.url, self.last_error)
+        p = await engines.probe(
+            self.client, timeout, kind=self.settings.kind or self.kind, model=self.settings.model or self.model
+        )
+        self.kind, self.model = p.kind, p.model
+        if p.context_length is not None:
+            self.info["context_length"] = p.context_length
+        self.up = p.error is None
+        self.last_error = p.error
+        if p.error:
+            log.warning("probing engine %s at %s failed: %s", self.name, self.settings.url, p.error)
 
     async def check(self, timeout: float = 2.0) -> dict[str, object]:
-        """Cheap reachability check for /health."""
+        """Cheap reachability check for /health (the kind's readiness path; never a generation where the
+        engine has a cheaper signal)."""
         if self.kind is None or self.model is None:
             await self.probe(timeout)
-        path = HEALTH_PATH[self.effective_kind]
-        try:
-            r = await self.client.get(path, timeout=timeout)
-            self.up = r.status_code == 200
-            self.last_error = None if self.up else f"HTTP {r.status_code} from {path}"
-        except httpx.HTTPError as exc:
-            self.up = False
-            self.last_error = f"{type(exc).__name__}: {exc}"
+        h = await engines.dialect(self.kind).health(self.client, timeout)
+        self.up, self.last_error = h.up, h.error
         return {
             "name": self.name,
             "url": self.settings.url,
@@ -228,22 +208,10 @@ class Engine:
         }
 
 
-async def detect_kind(client: httpx.AsyncClient, timeout: float) -> EngineKind:
-    async def ok(path: str) -> bool:
-        try:
-            r = await client.get(path, timeout=timeout)
-        except httpx.HTTPError:
-            raise
-        return r.status_code == 200
-
-    if await ok("/props"):
-        return "llamacpp"
-    if await ok("/server_info") or await ok("/get_server_info"):
-        return "sglang"
-    if await ok("/version"):
-        return "vllm"
-    return "openai"
+async def detect_kind(client: httpx.AsyncClient, timeout: float) -> EngineKind | None:
+    """The engine's kind (``proxy.engines.detect``); None while it is loading. Kept for callers of the old name."""
+    return await engines.detect(client, timeout)
 
 
-async def probe_all(engines: list[Engine]) -> None:
-    await asyncio.gather(*(e.probe() for e in engines))
+async def probe_all(all_engines: list[Engine]) -> None:
+    await asyncio.gather(*(e.probe() for e in all_engines))

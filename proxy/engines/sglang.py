@@ -1,0 +1,153 @@
+"""SGLang (sources read: 0.5.23; run on the H200: 0.5.17; the emulator in ``fakes/sglang_emulator.py``).
+
+- detect: ``GET /server_info`` (older builds: ``/get_server_info``) answers a JSON object of server args (vLLM's
+  dev-mode ``/server_info`` answers ``{"vllm_config": ..}`` instead and is not SGLang).
+- health: ``GET /ready`` (cheap, 200/503) where it exists. SGLang 0.5.17 has no ``/ready`` (404; it came in a
+  later release): then ``GET /health``, which answers 503 while the server starts and warms up and otherwise
+  runs a 1-token generation, answering 200 at its first scheduler output (at least 1 s: it polls each second),
+  so it gets a longer timeout. A 404 from ``/ready`` never makes the engine "down".
+- state: ``/server_info`` — every resolved server argument at the top level (``max_running_requests``,
+  ``context_length``, ``quantization``, ``dtype``, ``model_path``, ``served_model_name``), ``version``,
+  and ``internal_states`` (one per DP rank: the scheduler's view of the same args, plus load: 0.5.x
+  ``num_running_reqs`` in our emulator, ``running_batch_size`` in newer releases); ``/model_info`` (older:
+  ``/get_model_info``); ``/v1/models`` (``max_model_len``). Slots: ``internal_states[0].max_running_requests``,
+  else the top-level server argument (4096 on the H200 with 0.5.17). Busy: from the internal states, else
+  ``sglang:num_running_reqs`` on ``/metrics`` (``--enable-metrics``). ``/version`` is 404 in 0.5.17.
+- tokens: ``POST /v1/tokenize`` with ``{"model","messages"}`` (0.5.17 and 0.5.23 accept ``messages``;
+  older builds only ``prompt``) -> ``{"tokens","count","max_model_len"}``.
+- cache: ``POST /flush_cache``: 200 flushed; 400 when requests are running or waiting (nothing done).
+- errors: flat ``{"object":"error","message","type","param","code"}`` on chat/completions (stream and
+  non-stream; a context overflow is HTTP 400 ``BadRequestError``) -> nested the OpenAI way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from proxy.engines.base import (
+    Dialect,
+    Facts,
+    Health,
+    Message,
+    PollError,
+    TokenCount,
+    as_dict,
+    as_int,
+    as_str,
+    first_json,
+    get_health,
+    get_json,
+    health_of,
+    model_card,
+    short,
+)
+
+#: SGLang's /health waits for a scheduler output, checking once a second (SGLANG_HEALTH_CHECK_TIMEOUT: 20 s)
+HEALTH_GENERATE_TIMEOUT_S = 5.0
+_RUNNING = re.compile(r"^sglang:num_running_reqs(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+def _dtype(v: object) -> str | None:
+    s = as_str(v)
+    return None if s is None or s == "auto" else s
+
+
+class SGLang(Dialect):
+    kind = "sglang"
+    health_path = "/ready"
+    detect_paths = ("/server_info", "/get_server_info")
+
+    def is_mine(self, path: str, r: httpx.Response) -> bool:
+        try:
+            doc = r.json()
+        except ValueError:
+            return False
+        return isinstance(doc, dict) and "vllm_config" not in doc
+
+    async def health(self, client: httpx.AsyncClient, timeout: float) -> Health:
+        got = await get_health(client, "/ready", timeout)
+        if isinstance(got, Health):
+            return got
+        if got.status_code != 404:
+            return health_of(got, "/ready")
+        # no /ready in this version: /health is its readiness (503 while starting and warming up)
+        got = await get_health(client, "/health", max(timeout, HEALTH_GENERATE_TIMEOUT_S))
+        return got if isinstance(got, Health) else health_of(got, "/health")
+
+    async def poll(self, client: httpx.AsyncClient, timeout: float) -> Facts:
+        info = await first_json(client, self.detect_paths, timeout)
+        if not isinstance(info, dict):
+            raise PollError("/server_info is not an object")
+        minfo: dict[str, Any] = {}
+        with contextlib.suppress(PollError, httpx.HTTPError):
+            minfo = as_dict(await first_json(client, ("/model_info", "/get_model_info"), timeout))
+        card: dict[str, Any] = {}
+        with contextlib.suppress(PollError, httpx.HTTPError):
+            card = model_card(await get_json(client, "/v1/models", timeout))
+        states = [s for s in info.get("internal_states") or () if isinstance(s, dict)]
+        served = info.get("served_model_name")
+        if isinstance(served, list):
+            served = served[0] if served else None
+        busy = self._busy(states)
+        if busy is None:
+            busy = await self._busy_from_metrics(client, timeout)
+        return Facts(
+            model=as_str(card.get("id")) or as_str(minfo.get("served_model_name")) or as_str(served),
+            model_path=as_str(minfo.get("model_path")) or as_str(info.get("model_path")),
+            context_length=as_int(card.get("max_model_len")) or as_int(info.get("context_length")),
+            slots=self._slots(info, states),
+            busy_slots=busy,
+            quantization=as_str(info.get("quantization")) or _dtype(info.get("dtype")),
+            build=as_str(info.get("version")),
+        )
+
+    @staticmethod
+    def _slots(info: dict[str, Any], states: list[dict[str, Any]]) -> int | None:
+        # the scheduler's resolved value first; the server argument (resolved at start-up) otherwise
+        for src in (*states[:1], info, as_dict(info.get("server_args"))):
+            n = as_int(src.get("max_running_requests"))
+            if n:
+                return n
+        return None
+
+    @staticmethod
+    def _busy(states: list[dict[str, Any]]) -> int | None:
+        counts = [as_int(s.get("num_running_reqs", s.get("running_batch_size"))) for s in states]
+        known = [n for n in counts if n is not None]
+        return sum(known) if known else None
+
+    @staticmethod
+    async def _busy_from_metrics(client: httpx.AsyncClient, timeout: float) -> int | None:
+        with contextlib.suppress(httpx.HTTPError):
+            r = await client.get("/metrics", timeout=timeout)
+            found = _RUNNING.findall(r.text) if r.status_code == 200 else []
+            return round(sum(float(x) for x in found)) if found else None
+        return None
+
+    async def count_prompt_tokens(
+        self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]
+    ) -> TokenCount:
+        try:
+            r = await client.post("/v1/tokenize", json={"model": model, "messages": [dict(m) for m in messages]})
+            if r.status_code != 200:
+                return TokenCount(None, f"v1/tokenize HTTP {r.status_code}")
+            doc = r.json()
+            n = as_int(doc.get("count"))
+            return TokenCount(n if n is not None else len(doc["tokens"]), "v1/tokenize")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return TokenCount(None, short(exc, 120))
+
+    async def flush_cache(self, client: httpx.AsyncClient) -> str | None:
+        try:
+            r = await client.post("/flush_cache", timeout=30)
+        except httpx.HTTPError as exc:
+            return f"flush_cache failed: {type(exc).__name__}"
+        return f"flush_cache HTTP {r.status_code}"
+
+
+DIALECT = SGLang()
