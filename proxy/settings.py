@@ -35,13 +35,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import yaml
 
-EngineKind = Literal["llamacpp", "sglang", "vllm", "openai"]
-ENGINE_KINDS: tuple[EngineKind, ...] = ("llamacpp", "sglang", "vllm", "openai")
+from proxy.types import ENGINE_KINDS, EngineKind
 
 #: llama-server's own hidden defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Using them as the
 #: proxy's defaults means putting enginemeter in front of llama.cpp changes nothing for existing clients,

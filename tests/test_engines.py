@@ -22,8 +22,9 @@ from proxy.engines import quant_from_name, quant_key
 from proxy.engines.sglang import HEALTH_GENERATE_TIMEOUT_S
 from proxy.errors import normalize_engine_error
 from proxy.server.upstream import Engine
-from proxy.settings import ENGINE_KINDS, EngineKind, EngineSettings
+from proxy.settings import EngineSettings
 from proxy.stream import read_event
+from proxy.types import ENGINE_KINDS, EngineKind
 
 T = TypeVar("T")
 Answer = httpx.Response | Callable[[httpx.Request], httpx.Response]

@@ -27,7 +27,7 @@ import httpx
 from proxy.engines import llamacpp, openai, sglang, vllm
 from proxy.engines.base import Dialect, Facts, Health, PollError, TokenCount, as_int, as_str, get_json, model_card
 from proxy.engines.quant import quant_from_name, quant_key
-from proxy.settings import EngineKind
+from proxy.types import EngineKind
 
 __all__ = [
     "DIALECTS",

@@ -29,7 +29,6 @@ from starlette.routing import Route
 
 from proxy import __version__
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, UpstreamError
-from proxy.normalize import Endpoint
 from proxy.server.admin import admin_routes
 from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
 from proxy.server.enginestate import EngineStatePoller
@@ -41,6 +40,7 @@ from proxy.server.routing import Decision, Router
 from proxy.server.upstream import Engine, make_client, probe_all
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
+from proxy.types import Endpoint, Outcome
 
 log = logging.getLogger("enginemeter")
 
@@ -178,7 +178,7 @@ class Gateway:
         assert last_exc is not None
         return error_response(last_exc, request_id, engine=decision.engines[-1])
 
-    def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: str) -> None:
+    def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: Outcome) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""
         stream = "true" if body is not None and body.get("stream") is True else "false"
         model = body.get("model") if body is not None else None

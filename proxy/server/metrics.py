@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from proxy import __version__
 from proxy.server.result import Result
+from proxy.types import OUTCOMES as _OUTCOMES
 
 PREFIX = "enginemeter"
 
@@ -39,16 +40,8 @@ TPS_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 200
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 DELTA_BUCKETS = (-256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256)
 
-#: closed set of request outcomes; every request ends in exactly one
-OUTCOMES = (
-    "ok",  # stream finished with [DONE] / a finish reason, or a 2xx non-stream body
-    "engine_error",  # the engine answered with an error status or an in-band error event
-    "client_disconnect",  # the client went away before the end; the upstream was cancelled
-    "connect_error",  # the engine refused the connection (502)
-    "timeout",  # the engine did not answer in time (504, or in-band after the first byte)
-    "upstream_broken",  # the engine's stream broke off or was malformed after the first byte
-    "rejected",  # the proxy refused the request (bad JSON, too large, unauthorized, unknown model)
-)
+#: closed set of request outcomes; every request ends in exactly one (documented in proxy/types.py)
+OUTCOMES = _OUTCOMES
 PARAM_ACTIONS = ("dropped", "defaulted", "renamed", "changed", "unknown")
 
 REQ = ("engine", "model", "role", "stream")
