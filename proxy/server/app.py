@@ -27,7 +27,7 @@ from starlette.routing import Route
 from proxy import __version__
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, UpstreamError
 from proxy.normalize import Endpoint, normalize_request, param_label
-from proxy.server.metrics import Metrics, observe
+from proxy.server.metrics import Metrics, configured_pairs, observe
 from proxy.server.relay import Attempt, RelayResponse
 from proxy.server.result import Result
 from proxy.server.routing import Decision, Router
@@ -52,7 +52,7 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = Metrics(self.registry)
+        self.metrics = Metrics(self.registry, settings.metrics)
         self.router = Router(settings)
         self.engines: dict[str, Engine] = {}
         for e in settings.engines:
@@ -335,7 +335,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
         await probe_all(list(gw.engines.values()))
-        gw.metrics.prime(gw.engines, [*gw.aliases, *(e.model for e in gw.engines.values() if e.model)])
+        gw.metrics.prime(
+            gw.engines,
+            [*gw.aliases, *(e.model for e in gw.engines.values() if e.model)],
+            configured_pairs(gw.settings.routes),
+        )
         for e in gw.engines.values():
             log.info("engine %s: %s kind=%s model=%s up=%s", e.name, e.settings.url, e.kind, e.model, e.up)
         async with AsyncExitStack() as hooks:
