@@ -142,7 +142,10 @@ def defined_metric_names() -> set[str]:
     """Every enginemeter_* family the proxy can export: the Metrics registry plus the collectors' families."""
     names = {m.name for m in Metrics(CollectorRegistry()).registry.collect()}
     for mod in ("gpu.py", "enginestate.py"):
-        names |= {f"enginemeter_{n}" for n in re.findall(r'f"\{PREFIX\}_(\w+)"', (ROOT / "proxy" / mod).read_text())}
+        names |= {
+            f"enginemeter_{n}"
+            for n in re.findall(r'f"\{PREFIX\}_(\w+)"', (ROOT / "proxy" / "server" / mod).read_text())
+        }
     return names
 
 

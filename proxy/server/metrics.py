@@ -126,9 +126,7 @@ class Metrics:
             b["e2e"],
             r,
         )
-        self.prompt_tokens_h = _h(
-            "request_prompt_tokens", "Prompt tokens per request (engine usage).", b["tokens"], r
-        )
+        self.prompt_tokens_h = _h("request_prompt_tokens", "Prompt tokens per request (engine usage).", b["tokens"], r)
         self.completion_tokens_h = _h("request_completion_tokens", "Completion tokens per request (engine usage).", b["tokens"], r)  # fmt: skip
         self.prefill_tps = _h("prefill_tokens_per_second", "(prompt tokens - cached prompt tokens) / upstream TTFT: the engine's prefill rate, queueing included.", b["prefill_tps"], r)  # fmt: skip
         self.finish = Counter(
@@ -172,9 +170,7 @@ class Metrics:
         self.build = Gauge(f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r)
         self.build.labels(__version__).set(1)
 
-    def prime(
-        self, engines: Iterable[str], models: Iterable[str], pairs: Iterable[tuple[str, str]] = ()
-    ) -> None:
+    def prime(self, engines: Iterable[str], models: Iterable[str], pairs: Iterable[tuple[str, str]] = ()) -> None:
         """Create the zero series users query, so dashboards and alerts see 0 rather than nothing.
 
         ``pairs``: the configured (primary, shadow) pairs (``configured_pairs``); their pair and mismatch counters
