@@ -170,7 +170,7 @@ def heatmap(title: str, description: str, hist: str, unit: str, sel: str = SEL) 
         "filterValues": {"le": 1e-9},  # hide empty cells
         "rowsFrame": {"layout": "auto"},
         "yAxis": {"axisPlacement": "left", "unit": unit, "reverse": False},
-        "cellValues": {"unit": "reqps"},
+        "cellValues": {"unit": "short"},  # observations per second in the bucket
         "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": True},
         "legend": {"show": True},
         "exemplars": {"color": "rgba(255,0,255,0.7)"},
