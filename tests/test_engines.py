@@ -196,6 +196,12 @@ def test_probe_fills_only_what_is_missing() -> None:
     assert "/version" not in fake.paths()  # no detection when the kind is configured
     full = sglang_0517().run(lambda c: engines.probe(c, 1.0, full=True))
     assert full.facts is not None and (full.kind, full.model, full.facts.slots) == ("sglang", "tiny", 4096)
+    # the state poll fails (a server_info it cannot read): the served model still comes from /v1/models
+    broken = sglang_0517()
+    broken.table[("GET", "/server_info")] = broken.table[("GET", "/get_server_info")] = httpx.Response(500)
+    p = broken.run(lambda c: engines.probe(c, 1.0, kind="sglang", full=True))
+    assert (p.model, p.context_length, p.facts) == ("tiny", 4096, None)
+    assert p.error == "HTTP 500 from /get_server_info"
 
 
 def test_probe_of_an_unreachable_engine_says_why() -> None:
