@@ -56,7 +56,7 @@ unpack() {  # unpack NAME: all of NAME's parts present -> /tmp/w/NAME
 case $phase in
 stage)
   n=0
-  for d in .carry/c*/; do
+  for d in .carry/c[0-9]*/; do
     [ -d "$d" ] || continue
     for f in "$d"*; do
       [ -f "$W/parts/$(basename "$f")" ] || { cp "$f" "$W/parts/" && n=$((n + 1)); }
@@ -76,6 +76,19 @@ stage)
 capture)
   deadline=$(( SECONDS + ${WAIT_S:-330} ))
   while [ ! -f "$S/all.started" ] && (( SECONDS < deadline )); do sleep 2; done
+  # and each live engine answering /health 200 (SGLang: only after its warm-up generation)
+  for pu in llama:8081 sglang:30000 vllm:8000; do
+    e=${pu%%:*} u=${pu#*:} code=none
+    while (( SECONDS < deadline )); do
+      { [ -f "$S/$e.pid" ] && kill -0 "$(cat "$S/$e.pid")" 2>/dev/null; } || { code=dead; break; }
+      code=$(python3 -c "import sys,urllib.request as u
+try: print(u.urlopen(sys.argv[1], timeout=5).status)
+except Exception as e: print(getattr(e, 'code', 'down'))" "http://127.0.0.1:$u/health")
+      [ "$code" = 200 ] && break
+      sleep 2
+    done
+    log "$e (port $u) /health $code"
+  done
   status
   PYTHONPATH=/tmp/em-site:$root python3 scripts/gpu/capture.py --out "$W/capture" 2>&1 | tee "$L/capture.log"
   PYTHONPATH=/tmp/em-site:$root python3 scripts/gpu/live.py --out "$W/live" 2>&1 | tee "$L/live.log"
@@ -85,7 +98,7 @@ capture)
   ;;
 bench)
   status
-  PYTHONPATH=/tmp/em-site:$root timeout -s INT "${BENCH_S:-340}" python3 scripts/gpu/bench.py --out "$W/bench" 2>&1 | tee "$L/bench.log"
+  PYTHONPATH=/tmp/em-site:$root timeout -s INT "${BENCH_S:-340}" python3 scripts/gpu/bench.py --out "$W/bench" ${BENCH_ARGS:-} 2>&1 | tee "$L/bench.log"
   status
   tar -czf "$OUT/bench.tar.gz" -C "$W" bench 2>/dev/null
   pack bench

@@ -82,6 +82,11 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(src))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
+    # transformers 5 drops ``legacy`` when saving; without it a reload uses Metaspace prepend_scheme "first"
+    # (no "▁" after a special token: "<s>[INST]" -> "[" instead of "▁["), unlike SentencePiece and llama.cpp.
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc["legacy"] = True
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1) + "\n")
     (out / "tokenizer.model").write_bytes((src / "tokenizer.model").read_bytes())
     for f in src.iterdir():
         f.unlink()
@@ -91,6 +96,7 @@ def main() -> int:
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
     # the template as a file too, for llama-server --chat-template-file if ever needed
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))  # as the engines will load it
     msgs = [{"role": "user", "content": "hi"}]
     ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
     if hasattr(ids, "keys"):
