@@ -198,7 +198,7 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
         x = raw_exchange(c, "POST", "/v1/chat/completions", chat(stream, over, 16))
         save(d / f"overflow_{'stream' if stream else 'nonstream'}.txt", text_record(x))
         summary[f"overflow_{'stream' if stream else 'nonstream'}"] = {"status": x["status"], "body": x["body"][:400].decode("utf-8", "replace")}
-    fits = [{"role": "user", "content": "hello " * 7600}]
+    fits = [{"role": "user", "content": "hello " * 3620}]  # ~7250 tokens: fits, but not with max_tokens 1000
     x = raw_exchange(c, "POST", "/v1/chat/completions", chat(False, fits, 1000))
     save(d / "overflow_max_tokens_nonstream.txt", text_record(x))
     summary["overflow_max_tokens"] = {"status": x["status"], "body": x["body"][:400].decode("utf-8", "replace")}

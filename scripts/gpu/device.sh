@@ -75,7 +75,7 @@ stage)
   ;;
 capture)
   deadline=$(( SECONDS + ${WAIT_S:-330} ))
-  while [ ! -f "$S/all.started" ] && (( SECONDS < deadline )); do sleep 2; done
+  while [ ! -f "$S/all.started" ] && [ ! -f "$S/llama.dead" ] && (( SECONDS < deadline )); do sleep 2; done
   # and each live engine answering /health 200 (SGLang: only after its warm-up generation)
   for pu in llama:8081 sglang:30000 vllm:8000; do
     e=${pu%%:*} u=${pu#*:} code=none

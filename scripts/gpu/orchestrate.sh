@@ -7,8 +7,8 @@
 #      memory free after its weights: nothing else may allocate meanwhile)
 #   4. vLLM (as soon as its tree is there and SGLang has its pool); wait until vLLM has its KV cache
 #   5. llama-server (built, GGUF written, the others settled)
-# State files in /tmp/w/state, logs in /tmp/w/logs. Knobs: GIB_PER_ENGINE (23: SGLang's and vLLM's share of
-# the GPU), LLAMA_CTX (65536: llama.cpp's shared KV pool, tokens), CTX (8192 per request on all three).
+# State files in /tmp/w/state, logs in /tmp/w/logs. Knobs: GIB_PER_ENGINE (23 on 80 GB, 27 above: SGLang's and
+# vLLM's share of the GPU), LLAMA_CTX (98304: llama.cpp's shared KV pool, tokens), CTX (8192 per request on all three).
 set -uo pipefail
 cd "${ROOT:-$(dirname "$0")/../..}"
 root=$PWD
@@ -17,8 +17,7 @@ S=$W/state
 L=$W/logs
 mkdir -p "$S" "$L"
 CTX=${CTX:-8192}
-GIB=${GIB_PER_ENGINE:-23}
-LLAMA_CTX=${LLAMA_CTX:-65536}
+LLAMA_CTX=${LLAMA_CTX:-98304}
 NP=${LLAMA_NP:-64}
 log() { printf '[orch %(%H:%M:%S)T] %s\n' -1 "$*"; }
 wait_for() { while :; do local ok=1; for f in "$@"; do [ -f "$S/$f" ] || ok=0; done; [ $ok = 1 ] && return 0; [ -f "$S/stop" ] && return 1; sleep 1; done; }
@@ -45,6 +44,9 @@ settle() {  # settle NAME PID LOG REGEX URL TIMEOUT
 
 log "start; $(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader)"
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+# H100 (80 GB): 23 GiB each for SGLang and vLLM (weights 13.5 + ~8 GiB KV), llama.cpp 13.5 + 12 GiB KV pool;
+# H200: 27 GiB each (about the same KV as llama.cpp's pool)
+if [ "$total_mib" -gt 100000 ]; then GIB=${GIB_PER_ENGINE:-27}; else GIB=${GIB_PER_ENGINE:-23}; fi
 FRAC=$(python3 -c "print(round($GIB * 1024 / $total_mib, 3))")
 log "SGLang --mem-fraction-static $FRAC, vLLM --gpu-memory-utilization $FRAC ($GIB GiB of $total_mib MiB each); llama.cpp -c $LLAMA_CTX -np $NP"
 echo "$FRAC" > "$S/frac"
