@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,13 @@ def test_committed_schema_and_reference_are_current() -> None:
         [sys.executable, "scripts/config_docs.py", "--check"], cwd=REPO, capture_output=True, text=True, check=False
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/routing.md", "docs/metrics.md"])
+def test_yaml_examples_in_the_docs_are_valid(tmp_path: Path, doc: str) -> None:
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / doc).read_text(), re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        cfg = tmp_path / f"{i}.yaml"
+        cfg.write_text(block)
+        parse_file(cfg, env={"ENGINEMETER_ADMIN": "x"})
