@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import io
 import ipaddress
 import json
 import logging
@@ -186,9 +187,11 @@ def _probe_kind(url: str) -> EngineKind | None:
             return await detect_kind(client, 2.0)
 
     try:
-        return asyncio.run(probe())
+        kind = asyncio.run(probe())
     except (httpx.HTTPError, OSError):
         return None
+    # "openai" only means nothing self-hosted answered (maybe still loading): leave it to the app's probing
+    return None if kind == "openai" else kind
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -208,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
                 log=args.log,
                 probe=_probe_kind,
             )
-            settings = _default_log(settings)
+            settings = settings if args.no_log else _default_log(settings)
             if clash := engine_at_listen_address(settings):
                 raise SettingsError(
                     f"listen address {settings.host}:{settings.port} is the address of engine {clash.name!r} "
@@ -242,7 +245,7 @@ def _start_embedded(args: argparse.Namespace, embedded: list[object]) -> tuple[S
         log = logging.getLogger("enginemeter")
         log.info("no engines configured: starting the embedded demo in %s", workdir)
         log.info("the first run builds llama-server from source (about 8 min on 2 cores; cached afterwards)")
-        embedded += emb.start_default_engines(workdir)
+        embedded += emb.start_default_engines(workdir, log=_LogLines(logging.getLogger("enginemeter.embedded")))
         named = [f"{e.name}={e.url}" for e in embedded]  # type: ignore[attr-defined]
         settings = load(
             None,
@@ -253,10 +256,26 @@ def _start_embedded(args: argparse.Namespace, embedded: list[object]) -> tuple[S
             log=args.log,
             env={},
         )
-        return _default_log(settings), sock
+        return (settings if args.no_log else _default_log(settings)), sock
     except BaseException:
         sock.close()
         raise
+
+
+class _LogLines(io.StringIO):
+    """A text stream whose lines go to a logger: the demo's build and engine output in the one log format."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._logger = logger
+        self._partial = ""
+
+    def write(self, s: str) -> int:
+        *lines, self._partial = (self._partial + s).split("\n")
+        for line in lines:
+            if line.strip():
+                self._logger.info("%s", line.removeprefix("embedded: "))
+        return len(s)
 
 
 def _default_log(s: Settings) -> Settings:
@@ -399,12 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shadow-rate", type=_rate, metavar="RATE", help="fraction of requests mirrored, within [0, 1] (default 1)"
     )
-    serve.add_argument(
+    logs = serve.add_mutually_exclusive_group()
+    logs.add_argument(
         "--log",
         metavar="PATH",
         help="comparison log (JSONL) for 'enginemeter report --log'; quick form default: "
         "$XDG_STATE_HOME/enginemeter/comparisons.jsonl (~/.local/state/...)",
     )
+    logs.add_argument("--no-log", action="store_true", help="quick form: mirror without writing the comparison log")
     serve.add_argument(
         "--listen", type=_listen_arg, metavar="HOST:PORT", help=f"bind address (default {DEFAULT_LISTEN})"
     )

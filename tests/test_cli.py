@@ -72,19 +72,23 @@ class Serving:
 
 
 @contextmanager
-def serving(tmp_path: Path, *args: str) -> Iterator[Serving]:
+def serving(tmp_path: Path, *args: str, watchdog_s: float = 120, **env: str) -> Iterator[Serving]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", *args], cwd=REPO, env=clean_env(tmp_path),
+        [sys.executable, "-m", "proxy.cli", "serve", *args], cwd=REPO, env=clean_env(tmp_path, **env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    watchdog = threading.Timer(120, proc.kill)  # a hung start fails the test instead of the session
+    watchdog = threading.Timer(watchdog_s, proc.kill)  # a hung start fails the test instead of the session
     watchdog.start()
     try:
         yield Serving(proc)
     finally:
         watchdog.cancel()
         if proc.poll() is None:
-            proc.kill()
+            proc.send_signal(signal.SIGINT)  # lets the demo stop its engines
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         proc.communicate(timeout=30)
 
 
@@ -263,3 +267,46 @@ def test_quick_form_names_engines_by_kind_and_logs_pairs_for_report(tmp_path: Pa
     report = cli(tmp_path, "report", "--log", str(log), "--out", str(tmp_path / "report"))
     assert report.returncode == 0, report.stderr
     assert "llamacpp-2 vs llamacpp-1" in report.stdout
+
+
+def test_no_log_mirrors_without_a_comparison_log(tmp_path: Path) -> None:
+    with (
+        run_in_thread(FaultEngineConfig()) as a,
+        run_in_thread(FaultEngineConfig()) as b,
+        serving(tmp_path, "--primary", f"a={a}", "--shadow", f"b={b}", "--no-log", "--listen", "127.0.0.1:0") as s,
+    ):
+        s.read_until("  route * -> a (shadow: b @ 1)")
+        s.read_until("  try: ")
+        assert not any("comparison log" in line for line in s.stdout)
+        assert s.stop()[0] == 0
+    assert not (tmp_path / "state").exists()
+
+
+def test_bare_serve_is_the_demo_and_ctrl_c_stops_its_engines(
+    tmp_path: Path, llama_server_bin: Path, tiny_model: Path
+) -> None:
+    """No --primary, no config: two real llama-server engines (np1, np2) behind the proxy, np2 mirrored."""
+    workdir = str(tmp_path / "w")
+    with serving(
+        tmp_path,
+        "--listen",
+        "127.0.0.1:0",
+        "--workdir",
+        workdir,
+        watchdog_s=180,
+        LLAMA_SERVER_BIN=str(llama_server_bin),
+    ) as s:
+        base = s.read_until("enginemeter listening on ").split()[-1]
+        engines = [s.read_until("  engine ").split()[1:] for _ in range(2)]
+        assert [name for name, _ in engines] == ["np1", "np2"]
+        assert s.read_until("  route ").split() == ["route", "*", "->", "np1", "(shadow:", "np2", "@", "1)"]
+        log = Path(s.read_until("  comparison log:").split(":", 1)[1].strip())
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        wait_until(lambda: log.exists() and log.read_text().count("\n") >= 1, timeout=60)
+        rc, err = s.stop()
+    assert rc == 0, err
+    assert all(LOG_LINE.match(ln) for ln in err.splitlines() if ln.strip()), err
+    for _, url in engines:  # the engines went with the proxy
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=5)
