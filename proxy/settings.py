@@ -131,7 +131,6 @@ class ModelAlias:
     """A client-facing model name and what each engine calls it."""
 
     alias: Name = Field(description="the model name clients send")
-    #: engine name -> that engine's served model name (missing: the engine's own/probed name)
     engines: Mapping[str, str] = Field(
         default_factory=dict, description="engine name → that engine's served model name (default: its probed name)"
     )
@@ -141,21 +140,18 @@ class ModelAlias:
 class RouteSettings:
     """Which engine serves which model aliases; see docs/routing.md."""
 
-    #: client model aliases this route serves; "*" matches any model
     models: tuple[str, ...] = Field(default=("*",), min_length=1, description='model aliases, or ["*"] for any')
     primary: Name = Field(description="the engine that answers the client (unless split or pinned)")
     shadows: tuple[str, ...] = Field(default=(), description="engines every request is mirrored to")
-    #: optional weighted split over engines: engine -> weight; empty = always the primary
     split: Mapping[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
         default_factory=dict, description="engine → weight; requests are spread by weight (empty: the primary)"
     )
-    #: header whose value makes the split sticky (falls back to the OpenAI `user` field)
     sticky_header: HeaderName = Field(
         default="x-session-id", description="header that keeps a session on one engine (else the `user` field)"
     )
-    #: engines a client may pin with the pin header (primary and split engines are always allowed)
-    pinnable: tuple[str, ...] = Field(default=(), description="other engines a client may pin with the pin header")
-    #: try the next engine when the chosen one fails before the first byte
+    pinnable: tuple[str, ...] = Field(
+        default=(), description="more engines a client may pin (primary, split, fallback: always)"
+    )
     fallback: tuple[str, ...] = Field(default=(), description="engines tried in turn when one fails before any byte")
     sample_rate: float = Field(default=1.0, ge=0, le=1, description="fraction of requests mirrored to the shadows")
 
@@ -191,8 +187,10 @@ class SamplingDefaults:
     top_k: int | None = Field(default=None, description="self-hosted engines; 0 or less = off (0 or -1 per engine)")
     top_p: float | None = Field(default=None, ge=0, le=1, description="every engine")
     min_p: float | None = Field(default=None, ge=0, le=1, description="self-hosted engines")
-    repeat_penalty: float | None = Field(default=None, description="llama.cpp only (over the last 64 tokens)")
-    repetition_penalty: float | None = Field(default=None, description="SGLang/vLLM only (over prompt + output)")
+    repeat_penalty: float | None = Field(default=None, description="llama.cpp's (last 64 tokens); never converted")
+    repetition_penalty: float | None = Field(
+        default=None, description="SGLang's/vLLM's (prompt + output); never converted"
+    )
     presence_penalty: float | None = Field(default=None, description="every engine")
     frequency_penalty: float | None = Field(default=None, description="every engine")
     seed: int | None = Field(default=None, description="every engine")
@@ -260,6 +258,8 @@ def json_schema() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Settings:
+    """Everything the server reads, built once by :func:`load` (tests build it directly)."""
+
     engines: tuple[EngineSettings, ...]
     routes: tuple[RouteSettings, ...]
     models: tuple[ModelAlias, ...] = ()
