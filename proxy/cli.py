@@ -388,6 +388,7 @@ def _check_config(args: argparse.Namespace) -> int:
         f"{len(s.routes)} route(s), {len(s.models)} model alias(es)"
         + (f", mirrored to {', '.join(shadows)}" if shadows else "")
         + f"; listens on {s.host}:{s.port}"
+        + ("" if s.engines else "; without engines, serve needs --primary")
     )
     return 0
 

@@ -573,6 +573,8 @@ def load(
         s = dataclasses.replace(s, **_host_port(listen, "--listen"))
     if log:
         s = dataclasses.replace(s, mirror=dataclasses.replace(s.mirror, log_path=log))
+    if not s.engines and config:
+        raise SettingsError(f"{config}: no engines configured: add an engines: list, or give --primary URL")
     if not s.engines:
         raise SettingsError("no engines configured: give --primary URL, or a config file with an engines: list")
     return s

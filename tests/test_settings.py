@@ -163,7 +163,8 @@ BAD = [
      "mirror, collectors"),
     ("engines: [{name: a, url: 'http://x:1'}\n", "bad.yaml:2: not valid YAML: expected ',' or ']', but got '<stream end>'"),
     ("- a\n", "bad.yaml:1: expected a mapping of settings at the top level, got a list"),
-    ("routes: []\n", "no engines configured: give --primary URL, or a config file with an engines: list"),
+    ("routes: []\n", "bad.yaml: no engines configured: add an engines: list, or give --primary URL"),
+    ("", "bad.yaml: no engines configured: add an engines: list, or give --primary URL"),
 ]  # fmt: skip
 
 
