@@ -63,9 +63,10 @@ def data_gate(
             errs = sorted({e for s in mine for e in s.errors})[:3]
             out.append(_reason("data", "inconclusive", f"{name}: {n_err} of {n_ok + n_err} requests failed"
                                + (f" ({'; '.join(errs)})" if errs else ""), "errors"))  # fmt: skip
+    judged_cells = [c for c in common if c.concurrency == 1] if r.live else common  # live: only c=1 is judged
     short = sorted(
         (c.label(), len(by[(base, c)]), len(by[(cand, c)]))
-        for c in common
+        for c in judged_cells
         if min(len(by[(base, c)]), len(by[(cand, c)])) < r.min_repeats
     )
     if short:

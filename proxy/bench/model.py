@@ -9,7 +9,7 @@ from typing import Literal
 Decision = Literal["stay", "switch", "inconclusive"]
 Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "noisy", "unresolved", "stay", "note"]
 #: the gates, in order
-STEPS: tuple[str, ...] = ("data", "parity", "memory", "decode", "throughput", "long-context")
+STEPS: tuple[str, ...] = ("parity", "data", "memory", "decode", "throughput", "long-context")
 #: outcomes that fail their gate
 FAILS: frozenset[str] = frozenset({"inconclusive", "noisy", "unresolved", "stay"})
 

@@ -35,7 +35,16 @@ import httpx
 
 from proxy.bench import suite as suite_mod
 from proxy.bench.client import RequestOutcome, Writer, send_one
-from proxy.bench.config import PIN_HEADER, BenchConfig, CellSpec, Target, build_body, effective_sampling, plan
+from proxy.bench.config import (
+    PIN_HEADER,
+    BenchConfig,
+    CellSpec,
+    Target,
+    build_body,
+    canonical_sampling,
+    effective_sampling,
+    plan,
+)
 from proxy.bench.engines import count_prompt_tokens, flush_cache, probe
 from proxy.bench.memory import MemoryProbe
 from proxy.bench.progress import Progress
@@ -112,7 +121,10 @@ async def preflight(
 
 def _engine_record(cfg: BenchConfig, t: Target, max_tokens_all: list[int]) -> dict[str, Any]:
     body = build_body(cfg, t, ({"role": "user", "content": "x"},), cfg.max_tokens, cold=False)
-    eff, dropped = effective_sampling(cfg, t)
+    eff, known = effective_sampling(cfg, t)
+    dropped: list[str] | None = known
+    if cfg.through and t.kind is None:  # the proxy maps it for a kind we do not know here
+        eff, dropped = canonical_sampling(body), None
     return {
         "name": t.name,
         "url": t.url,
@@ -125,7 +137,7 @@ def _engine_record(cfg: BenchConfig, t: Target, max_tokens_all: list[int]) -> di
         "aa_of": t.aa_of,
         "info": t.info,
         "sampling": eff,
-        "dropped": dropped if (t.kind or not cfg.through) else None,
+        "dropped": dropped,
         "body_example": {k: v for k, v in body.items() if k != "messages"},
         "max_tokens": max_tokens_all,
     }

@@ -66,7 +66,7 @@ def paired_bootstrap(
 
 
 def variation(per_repeat: Sequence[float]) -> float | None:
-    """Run-to-run variation: coefficient of variation (stdev / mean) of one figure over repeats."""
+    """Run-to-run variation: coefficient of variation (stdev / mean) of one figure's per-repeat values."""
     v = [x for x in per_repeat if x is not None]
     if len(v) < 2:
         return None

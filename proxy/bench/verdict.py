@@ -51,7 +51,7 @@ class Comparison:
     floor_source: str
     variation: Mapping[str, float | None]
     max_variation: float = 0.20
-    base_repeats: tuple[float, ...] = ()  # per-repeat means, for the tables
+    base_repeats: tuple[float, ...] = ()  # per-repeat medians
     cand_repeats: tuple[float, ...] = ()
 
     @property
@@ -224,7 +224,8 @@ def _groups(
     r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
     x: str, y: str, cell: Cell, metric: str, per_req: bool,
 ) -> tuple[list[list[tuple[float, float]]], dict[str, list[float]]]:  # fmt: skip
-    """Pairs per repeat, and each engine's per-repeat means (for the run-to-run variation)."""
+    """Pairs per repeat, and each engine's per-repeat medians (for the run-to-run variation: a median is not
+    moved by one starved request)."""
     reps_x = {s.repeat: s for s in by.get((x, cell), [])}
     reps_y = {s.repeat: s for s in by.get((y, cell), [])}
     groups: list[list[tuple[float, float]]] = []
@@ -241,8 +242,8 @@ def _groups(
             pairs = [(float(a), float(b))] if isinstance(a, int | float) and isinstance(b, int | float) else []
         if pairs:
             groups.append(pairs)
-            means[x].append(statistics.mean(p[0] for p in pairs))
-            means[y].append(statistics.mean(p[1] for p in pairs))
+            means[x].append(statistics.median(p[0] for p in pairs))
+            means[y].append(statistics.median(p[1] for p in pairs))
     return groups, means
 
 
