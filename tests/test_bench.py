@@ -669,3 +669,18 @@ def _v1_records() -> list[dict[str, Any]]:
                         "decode_tps": 1 / tpot, "ttft_s": 0.02, "completion_tokens": 16, "output_tps": 90})  # fmt: skip
     out.append({"type": "end", "interrupted": False, "duration_s": 1})
     return out
+
+
+def test_a_comparison_record_with_gpus_marks_contention(tmp_path: Path) -> None:
+    from proxy.server.compare import compare, to_record
+    from tests.test_compare import _result
+
+    c = compare(_result("primary", "llama"), _result("shadow", "sglang"))
+    shared = to_record(c, ts=1.0, gpus={"primary": [0], "shadow": [1, 0]})
+    assert shared["gpus"] == {"primary": [0], "shadow": [0, 1]} and shared["contended"] is True
+    alone = to_record(c, ts=2.0, gpus={"primary": [0], "shadow": [1]})
+    assert alone["contended"] is False and "gpus" not in to_record(c, ts=3.0)
+    log = tmp_path / "c.jsonl"
+    log.write_text(json.dumps(shared) + "\n" + json.dumps(alone) + "\n")
+    (why,) = load_log(log).results.extra_parity
+    assert why.check == "contention" and "1 mirrored pair(s)" in why.text and "(GPU 0)" in why.text
