@@ -360,6 +360,9 @@ def test_bench_through_proxy_pins_each_engine(proxy_url: tuple[str, Path], tmp_p
     assert served["primary"] >= 12 and served["shadow"] >= 6  # the A/A pass pins the baseline engine
     md = (out / "report.md").read_text()
     assert "through the proxy" in md
+    # the engines' facts come from the proxy's engine info: kind, quantization, context per slot
+    assert "quantization equal: primary F16 (proxy engine info) vs shadow F16 (proxy engine info)" in md
+    assert "context per slot equal: 2048 tokens" in md and "effective sampling equal" in md
     assert "Engine-reported `usage.prompt_tokens` of identical requests: 6 of 6 equal" in md
 
 

@@ -101,6 +101,28 @@ def setup_aa(cfg: BenchConfig) -> Target | None:
     return twin
 
 
+async def _engine_info_via_proxy(cfg: BenchConfig) -> None:
+    """Through the proxy: what it knows about each pinned engine (``/health`` ``engine_state``: kind,
+    quantization, context per slot, slots) fills what probing the engine directly did not."""
+    try:
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
+            doc = (await c.get(f"{cfg.through}/health")).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise PreflightError("proxy", cfg.through, f"{type(exc).__name__}: {exc}"[:200]) from None
+    states = ((doc.get("engine_state") or {}).get("engines") or {}) if isinstance(doc, dict) else {}
+    for t in cfg.engines:
+        st = states.get(t.pin or t.name)
+        if not isinstance(st, dict):
+            continue
+        if t.kind is None and st.get("kind") in ("llamacpp", "sglang", "vllm", "openai"):
+            t.kind = st["kind"]
+        if not t.quantization and isinstance(st.get("quantization"), str):
+            t.quantization, t.quantization_source = st["quantization"], "proxy engine info"
+        t.context_per_slot = t.context_per_slot or st.get("context_length")
+        t.slots = t.slots or st.get("slots")
+        t.model = t.model or st.get("model")
+
+
 async def preflight(
     cfg: BenchConfig, clients: Mapping[str, httpx.AsyncClient], headers: Mapping[str, dict[str, str]]
 ) -> None:
@@ -217,6 +239,8 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
     # would turn the next run's "cold" requests into cache hits
     run_id = secrets.token_hex(4)
     await asyncio.gather(*(probe(t) for t in cfg.engines))
+    if cfg.through:
+        await _engine_info_via_proxy(cfg)
     setup_aa(cfg)
     max_conc = max(cfg.concurrency)
     clients: dict[str, httpx.AsyncClient] = {}
