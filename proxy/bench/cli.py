@@ -138,7 +138,9 @@ def add_commands(sub: Any) -> None:
         metavar="stay,inconclusive",
         help=f"exit {EXIT_VERDICT} when a verdict is one of these",
     )
-    b.add_argument("--out", default="bench-out", help="output directory (results.jsonl, report.md/.html, PNGs)")
+    b.add_argument(
+        "--out", default="bench-out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json)"
+    )
     b.add_argument("--model", help="model name to send (default: each engine's /v1/models; required with --through)")
     b.add_argument("--seed", type=int, default=1234)
     b.add_argument("--max-tokens", type=int, help="base max_tokens (default 128)")
