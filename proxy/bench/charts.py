@@ -104,31 +104,46 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
         ax.legend(fontsize=7)
         save(fig, fname, title)
 
-    # latency vs throughput: one point per cell repeat of the load sweep; where the curve bends up is capacity
+    # latency vs throughput: one point per load level (median over repeats), joined in load order; where the
+    # curve bends upward the engine is out of capacity
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     drew = False
+    judged = caches[0] if caches else None
     for ni, n in enumerate(names):
+        levels: dict[float, list[Any]] = {}
+        for s in r.samples:
+            c = s.cell
+            if (
+                s.engine == n
+                and c.cache == judged
+                and c.max_tokens == base_mt
+                and c.prompt_len == base_pl
+                and s.output_tps
+            ):
+                levels.setdefault(c.rate if c.rate is not None else float(c.concurrency), []).append(s)
         for q, marker in (("ttft_p50_s", "o"), ("ttft_p99_s", "^")):
-            pts = sorted(
-                (s.output_tps, (s.percentiles.get(q) if s.percentiles else None) or (s.ttft_s if q == "ttft_p50_s" else None))
-                for s in r.samples
-                if s.engine == n and s.output_tps and s.cell.max_tokens == base_mt and s.cell.prompt_len == base_pl
-                and s.cell.cache == (caches[0] if caches else None)
-            )  # fmt: skip
-            xy = [
-                (float(x), float(y))
-                for x, y in pts
-                if isinstance(x, int | float) and isinstance(y, int | float) and y > 0
-            ]
+            xy: list[tuple[float, float, float]] = []
+            for load in sorted(levels):
+                raw: list[Any] = [
+                    (s.percentiles or {}).get(q) or (s.ttft_s if q == "ttft_p50_s" else None) for s in levels[load]
+                ]
+                yv = [float(y) for y in raw if isinstance(y, int | float) and y > 0]
+                if yv:
+                    xy.append(
+                        (statistics.median(float(s.output_tps) for s in levels[load]), statistics.median(yv), load)
+                    )
             if xy:
                 drew = True
                 ax.plot([p[0] for p in xy], [p[1] * 1000 for p in xy], marker=marker, color=f"C{ni}",
                         linestyle="-" if q == "ttft_p50_s" else ":", label=f"{n} TTFT {q[5:8]}")  # fmt: skip
+                if q == "ttft_p50_s":
+                    for x, y, load in xy:
+                        ax.annotate(f"{load:g}", (x, y * 1000), fontsize=6, xytext=(3, -8), textcoords="offset points")
     if drew:
         ax.set_yscale("log")
-        ax.set_xlabel("aggregate output tok/s (per cell repeat)")
+        ax.set_xlabel("aggregate output tok/s (median over repeats)")
         ax.set_ylabel("TTFT (ms, log)")
-        ax.set_title(f"Latency vs throughput ({caches[0]} cache, base cell across the load sweep)", fontsize=9)
+        ax.set_title(f"Latency vs throughput ({judged} cache; points labelled with their {load_key})", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
         save(fig, "latency_vs_throughput", "Latency vs throughput")
