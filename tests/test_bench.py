@@ -173,8 +173,12 @@ def test_context_per_slot_differs_stops_at_parity(llama_server_factory: Factory,
     a = llama_server_factory(np=1, ctx_size=4096)
     b = llama_server_factory(np=1, ctx_size=2048)
     rc = main(["bench", "--engine", f"a={a.url}", "--engine", f"b={b.url}", *SMALL, "--concurrency", "1",
-               "--prompt-lengths", "short", "--aa", "off", "--out", str(tmp_path), "--fail-on", "inconclusive"])  # fmt: skip
+               "--prompt-lengths", "short,4k", "--aa", "off", "--out", str(tmp_path), "--fail-on", "inconclusive"])  # fmt: skip
     assert rc == 3
+    # the 4k prompts do not fit the smaller context per slot: left out, said so, never sent
+    (note,) = [n for n in recs(tmp_path / "results.jsonl", "note") if "left out" in n["text"]]
+    assert "left out 2 prompt(s) longer than 2032 tokens" in note["text"] and "en-4k" in note["text"]
+    assert {r["prompt_len"] for r in recs(tmp_path / "results.jsonl", "sample")} == {"short"}
     (v,) = verdict(tmp_path)["verdicts"]
     assert v["decision"] == "inconclusive"
     assert v["stopped_at"] == {"gate": "parity", "check": "context"}

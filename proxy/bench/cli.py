@@ -23,7 +23,7 @@ QUICK = {
 DEFAULTS = {
     "concurrency": "1,2,4,8",
     "output_lengths": "32,128",
-    "prompt_lengths": "short,medium,long",
+    "prompt_lengths": "short,medium,long,4k,16k,32k",  # the token-sized ones where the context holds them
     "repeats": 3,
     "warmup": 2,
     "cache": "both",

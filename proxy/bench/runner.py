@@ -275,7 +275,12 @@ async def _measure(
     ctxs = [t.context_per_slot for t in real if t.context_per_slot]
     if ctxs:
         room = min(ctxs) - max((*cfg.output_lengths, cfg.max_tokens))
-        worst = {p.id: max((r["tokens"] or 0) for r in counted if r["prompt"] == p.id) for p in prompts}
+        # the largest count any engine gave; uncounted (no tokenizer endpoint): the class's size, with margin
+        worst = {
+            p.id: max([r["tokens"] for r in counted if r["prompt"] == p.id and r["tokens"]]
+                      or [int(suite_mod.TARGET_TOKENS.get(p.length, 0) * 1.2)])
+            for p in prompts
+        }  # fmt: skip
         too_long = [p for p in prompts if worst[p.id] > room]
         if too_long:
             prompts = [p for p in prompts if p not in too_long]
