@@ -622,7 +622,9 @@ def test_log_groups_by_observed_concurrency_and_flags_contention(tmp_path: Path)
     assert (v.stopped_at, v.stopped_check) == ("parity", "contention")
     assert "contended: 1 mirrored pair(s) of np1 and np4 ran on a shared GPU (GPU 0)" in v.summary
     # the proxy's GPU attribution says the same when records carry nothing
-    data = load_log(log, blocks=3, gpus={"np1": {0}, "np4": {0, 1}})
+    mem = {"np1": memory.MemReading(9 * 2**30, "proxy engine peak", (0,), 80 * 2**30),
+           "np4": memory.MemReading(30 * 2**30, "proxy engine peak", (0, 1), 160 * 2**30)}  # fmt: skip
+    data = load_log(log, blocks=3, memory=mem, memory_budget_bytes=20 * 2**30)
     assert any(
         x.check == "contention" and "per the proxy's GPU attribution" in x.text for x in data.results.extra_parity
     )

@@ -165,8 +165,9 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--baseline", help="the incumbent engine (default: the log's primary / the bench's baseline)")
     r.add_argument("--quantization", action="append", metavar="NAME=QUANT", help="declare an engine's quantization")
     r.add_argument("--blocks", type=int, default=5, help="log: consecutive blocks standing in for repeats")
-    r.add_argument("--proxy", metavar="URL", help="log: read engine info (quantization, context, slots) and GPU sharing "
-                   "from this running proxy's /health and /metrics")  # fmt: skip
+    r.add_argument("--proxy", metavar="URL", help="log: read engine info (quantization, context, slots), GPU memory "
+                   "and GPU sharing from this running proxy's /health and /metrics")  # fmt: skip
+    r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
     r.add_argument(
         "--fail-on", type=_fail_on, metavar="stay,inconclusive", help=f"exit {EXIT_VERDICT} on these verdicts"
     )
@@ -300,9 +301,9 @@ def _report(args: argparse.Namespace) -> int:
     quant = _pairs(args.quantization, "--quantization")
     try:
         if args.log:
-            info, gpus = engine_info_from_proxy(args.proxy) if args.proxy else ({}, {})
+            info, mem = engine_info_from_proxy(args.proxy) if args.proxy else ({}, {})
             data = load_log(expand(args.log), baseline=args.baseline, quantization=quant, blocks=args.blocks,
-                            engine_info=info, gpus=gpus)  # fmt: skip
+                            engine_info=info, memory=mem, memory_budget_bytes=_bytes(args.memory_budget))  # fmt: skip
         else:
             data = load_bench(Path(args.results), baseline=args.baseline, quantization=quant)
     except (ValueError, OSError, KeyError, httpx.HTTPError) as exc:

@@ -10,7 +10,8 @@
 - **Effective sampling per engine**: what ``proxy.normalize`` drops for each engine's kind (from the pair
   records' ``sampling``/``dropped`` where the proxy writes them, else derived from the kind).
 - **Quantization, context per slot, slots**: ``--quantization``, else the proxy's engine info (``/health``
-  ``engine_state`` via ``--proxy URL``).
+  ``engine_state`` via ``--proxy URL``); GPU memory per engine (its peak since the proxy started) from the
+  proxy's ``/metrics``, for the memory gate.
 - **Contention**: a pair is *contended* when its record says so (``contended``/``gpus``) or, via ``--proxy``,
   the proxy's per-engine GPU memory shows the primary and the shadow on one GPU. Contended speeds are not the
   engines' own (each slows the other): the parity gate stops there.
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.config import canonical_sampling
-from proxy.bench.memory import parse_metrics
+from proxy.bench.memory import PER_ENGINE, MemReading, parse_metrics, read_memory
 from proxy.bench.model import Cell, EngineInfo, Reason, Req, Results, Sample
 from proxy.bench.results import Data, read_jsonl
 from proxy.normalize import normalize_request
@@ -64,19 +65,26 @@ def effective_for_kind(kind: str | None) -> tuple[dict[str, Any], list[str] | No
     return canonical_sampling(norm.body), sorted({c.param for c in norm.changes if c.action == "dropped"})
 
 
-def engine_info_from_proxy(url: str, timeout: float = 5.0) -> tuple[dict[str, dict[str, Any]], dict[str, set[int]]]:
-    """(engine -> /health engine_state facts, engine -> GPUs it holds memory on) from a running proxy."""
+def engine_info_from_proxy(url: str, timeout: float = 5.0) -> tuple[dict[str, dict[str, Any]], dict[str, MemReading]]:
+    """(engine -> /health engine_state facts, engine -> its GPU memory peak since the proxy started, the GPUs it
+    holds memory on and their total) from a running proxy."""
     import httpx
 
     base = url.rstrip("/")
     health = httpx.get(f"{base}/health", timeout=timeout, trust_env=False).json()
     states = ((health.get("engine_state") or {}).get("engines") or {}) if isinstance(health, dict) else {}
-    gpus: dict[str, set[int]] = {}
     text = httpx.get(f"{base}/metrics", timeout=timeout, trust_env=False).text
+    peaks: dict[str, float] = {}
     for name, labels, v in parse_metrics(text):
-        if name == "enginemeter_engine_gpu_memory_used_bytes" and v > 0 and labels.get("gpu", "").isdigit():
-            gpus.setdefault(labels.get("engine", ""), set()).add(int(labels["gpu"]))
-    return states, gpus
+        if name == "enginemeter_engine_gpu_memory_peak_bytes":
+            peaks[labels.get("engine", "")] = peaks.get(labels.get("engine", ""), 0) + v
+    mem: dict[str, MemReading] = {}
+    for engine in set(states) | set(peaks):
+        now = read_memory(text, engine)
+        if now.source in PER_ENGINE:
+            peak = int(peaks.get(engine, now.used_bytes or 0))
+            mem[engine] = MemReading(max(peak, now.used_bytes or 0), "proxy engine peak", now.gpus, now.total_bytes)
+    return states, mem
 
 
 def _observed(recs: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -106,7 +114,8 @@ def load_log(
     min_repeats: int = 3,
     max_variation: float = 0.20,
     engine_info: Mapping[str, Mapping[str, Any]] | None = None,
-    gpus: Mapping[str, set[int]] | None = None,
+    memory: Mapping[str, MemReading] | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> Data:
     files = [paths] if isinstance(paths, Path) else list(paths)
     recs = [
@@ -135,6 +144,8 @@ def load_log(
     order.remove(bl)
     order.insert(0, bl)
     conc = dict(zip(map(id, recs), _observed(recs), strict=True))
+    mem = dict(memory or {})
+    gpus = {name: set(m.gpus) for name, m in mem.items() if m.gpus}
 
     def side_of(r: Mapping[str, Any], name: str) -> Mapping[str, Any]:
         s: Mapping[str, Any] = r["primary"] if r["primary"].get("engine") == name else r["shadow"]
@@ -164,6 +175,9 @@ def load_log(
                         tpot_s=_med([s.get("tpot_s") for s in ok]), decode_tps=_med([s.get("decode_tps") for s in ok]),
                         e2e_s=_med([s.get("e2e_s") for s in ok]), completion_tokens=_med([s.get("completion_tokens") for s in ok]),
                         prompt_tokens=_med([s.get("prompt_tokens") for s in ok]), errors=tuple(f"outcome {e}" for e in errs),
+                        gpu_mem_peak_bytes=mem[name].used_bytes if name in mem else None,
+                        gpu_mem_source=mem[name].source if name in mem else None,
+                        gpus=mem[name].gpus if name in mem else (), gpu_mem_total_bytes=mem[name].total_bytes if name in mem else None,
                     ))  # fmt: skip
                     for i, s in enumerate(sides):
                         reqs.append(Req(engine=name, cell=cell, repeat=b, index=i, ok=s.get("outcome") == "ok",
@@ -198,7 +212,7 @@ def load_log(
                             "own; mirror to a shadow on its own GPU", "contention"))  # fmt: skip
     results = Results(engines=tuple(infos), baseline=bl, samples=tuple(samples), prompt_tokens=pt,
                       min_repeats=min_repeats, max_variation=max_variation, requests=tuple(reqs), live=True,
-                      extra_parity=tuple(extra))  # fmt: skip
+                      extra_parity=tuple(extra), memory_budget_bytes=memory_budget_bytes)  # fmt: skip
     return Data(
         title="enginemeter report: mirrored traffic",
         results=results,
@@ -226,7 +240,7 @@ def load_log(
     )
 
 
-def _contention(r: Mapping[str, Any], gpus: Mapping[str, set[int]] | None) -> str | None:
+def _contention(r: Mapping[str, Any], gpus: Mapping[str, set[int]]) -> str | None:
     if r.get("contended") is True:
         g = r.get("gpus") or {}
         shared = sorted(set(g.get("primary") or ()) & set(g.get("shadow") or ()))
