@@ -168,6 +168,14 @@ def test_aa_bench_never_says_switch(llama_server_factory: Factory, tmp_path: Pat
     assert [x["candidate"] for x in v["verdicts"]] == ["b"] and v["decision"] != "switch"
     assert "A/A: a2 vs a" in v["verdicts"][0]["comparisons"][0]["noise_floor_source"]
 
+    # one engine under two names and nothing else: the second name is the candidate, the floor a second pass
+    out = tmp_path / "self"
+    assert main(["bench", "--engine", f"a={a.url}", "--engine", f"a2={a.url}", *SMALL, "--concurrency", "1",
+                 "--prompt-lengths", "short", "--out", str(out)]) == 0  # fmt: skip
+    (run,) = recs(out / "results.jsonl", "run")
+    assert [(e["name"], e["aa_of"]) for e in run["engines"]] == [("a", None), ("a2", None), ("a-aa", "a")]
+    assert verdict(out)["verdicts"][0]["candidate"] == "a2" and verdict(out)["decision"] != "switch"
+
 
 def test_context_per_slot_differs_stops_at_parity(llama_server_factory: Factory, tmp_path: Path) -> None:
     a = llama_server_factory(np=1, ctx_size=4096)

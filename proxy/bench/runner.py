@@ -84,11 +84,13 @@ def _new_prefix(old: str, run_id: str) -> str:
 
 
 def setup_aa(cfg: BenchConfig) -> Target | None:
-    """The A/A pass of the baseline: an engine listed again under another name (same URL), else — unless
-    ``aa == "off"`` — a second pass of the baseline itself."""
+    """The A/A pass of the baseline: an engine listed again under another name (same URL) beside a candidate,
+    else — unless ``aa == "off"`` — a second pass of the baseline itself. Two names for one engine and nothing
+    else is an A/A run: the second name is the candidate, judged against the second pass."""
     base = next(t for t in cfg.engines if t.name == cfg.baseline)
-    for t in cfg.engines:
-        if t is not base and t.url and t.url == base.url and not cfg.through:
+    others = [t for t in cfg.engines if t is not base]
+    for t in others if len(others) > 1 else ():  # with one other engine, that one is the candidate: A vs A
+        if t.url and t.url == base.url and not cfg.through:
             t.aa_of = base.name
             return t
     if cfg.aa == "off":
