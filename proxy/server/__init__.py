@@ -38,11 +38,11 @@ def build_app(
     metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
-    mirror = Mirror(settings, engines, attempts, metrics)
-    attempts.observers.append(mirror.on_result)
     c = settings.collectors
     gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
     registry.register(gpu)
+    mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of)
+    attempts.observers.append(mirror.on_result)
     engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
     registry.register(engine_state)
     gw = Gateway(

@@ -147,6 +147,10 @@ class Metrics:
             ("engine", "result"), registry=r,
         )  # fmt: skip
         self.pairs = Counter(f"{PREFIX}_compared_pairs", "Primary/shadow pairs compared.", ("primary", "shadow"), registry=r)  # fmt: skip
+        self.contended = Gauge(
+            f"{PREFIX}_pair_contended", "1 while the last compared pair's primary and shadow held memory on the same GPU (their speeds compete), else 0.",
+            ("primary", "shadow"), registry=r,
+        )  # fmt: skip
         self.token_mismatch = Counter(
             f"{PREFIX}_token_count_mismatches", "Pairs whose token counts differ (kind=prompt|completion).",
             ("primary", "shadow", "kind"), registry=r,
@@ -183,6 +187,7 @@ class Metrics:
                     self.finish.labels(e, m, "primary", reason)
         for p, s in pairs:
             self.pairs.labels(p, s)
+            self.contended.labels(p, s)
             for kind in ("prompt", "completion"):
                 self.token_mismatch.labels(p, s, kind)
             self.output_mismatch.labels(p, s)
