@@ -75,6 +75,8 @@ class EngineSettings:
     max_connections: int = 512
     pid: int | None = None
     pid_file: str | None = None
+    #: add a proxy-measured ``timings`` block to this engine's answers; None: the global ``add_timings``
+    add_timings: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,26 @@ class MirrorSettings:
     log_max_bytes: int = 50_000_000
     log_backups: int = 3
     record_text: bool = False
+
+
+@dataclass(frozen=True)
+class RequestLogSettings:
+    #: JSONL file, one line per attempt; None = off
+    path: str | None = None
+    max_bytes: int = 50_000_000
+    backups: int = 3
+    #: also log the client's prompt and each attempt's output text (privacy: off by default)
+    record_text: bool = False
+
+
+@dataclass(frozen=True)
+class TracingSettings:
+    enabled: bool = False
+    #: OTLP/HTTP traces endpoint
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    #: share of new traces kept (a client's sampled flag in ``traceparent`` wins)
+    sample_ratio: float = 1.0
+    service_name: str = "enginemeter"
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,10 @@ class Settings:
     mirror: MirrorSettings = field(default_factory=MirrorSettings)
     collectors: CollectorSettings = field(default_factory=CollectorSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    request_log: RequestLogSettings = field(default_factory=RequestLogSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
+    #: add a proxy-measured llama.cpp-shaped ``timings`` block for engines that send none (docs/requests.md)
+    add_timings: bool = False
     #: True when built from --primary/--shadow only: every client model name routes to the primary
     quick: bool = False
 
@@ -221,7 +247,7 @@ def _engine(raw: Mapping[str, Any], i: int) -> EngineSettings:
     where = f"engines[{i}]"
     _known(
         raw,
-        {"name", "url", "kind", "model", "api_key", "timeouts", "max_connections", "pid", "pid_file"},
+        {"name", "url", "kind", "model", "api_key", "timeouts", "max_connections", "pid", "pid_file", "add_timings"},
         where,
     )
     kind = raw.get("kind")
@@ -242,6 +268,7 @@ def _engine(raw: Mapping[str, Any], i: int) -> EngineSettings:
         max_connections=int(raw.get("max_connections", 512)),
         pid=int(raw["pid"]) if raw.get("pid") is not None else None,
         pid_file=raw.get("pid_file"),
+        add_timings=raw.get("add_timings"),
     )
 
 
@@ -325,6 +352,9 @@ def from_mapping(raw: Mapping[str, Any], *, base: Settings | None = None) -> Set
             "mirror",
             "collectors",
             "metrics",
+            "request_log",
+            "tracing",
+            "add_timings",
         },
         "config",
     )
@@ -341,6 +371,10 @@ def from_mapping(raw: Mapping[str, Any], *, base: Settings | None = None) -> Set
         )
     mirror = _mapping(raw.get("mirror"), "mirror")
     _known(mirror, {f for f in MirrorSettings.__dataclass_fields__}, "mirror")
+    rlog = _mapping(raw.get("request_log"), "request_log")
+    _known(rlog, {f for f in RequestLogSettings.__dataclass_fields__}, "request_log")
+    tracing = _mapping(raw.get("tracing"), "tracing")
+    _known(tracing, {f for f in TracingSettings.__dataclass_fields__}, "tracing")
     coll = _mapping(raw.get("collectors"), "collectors")
     _known(coll, {f for f in CollectorSettings.__dataclass_fields__}, "collectors")
     s = base or Settings(engines=(), routes=())
@@ -363,6 +397,9 @@ def from_mapping(raw: Mapping[str, Any], *, base: Settings | None = None) -> Set
         pin_header=str(raw.get("pin_header", s.pin_header)).lower(),
         mirror=replace(s.mirror, **mirror),
         collectors=replace(s.collectors, **coll),
+        request_log=replace(s.request_log, **rlog),
+        tracing=replace(s.tracing, **tracing),
+        add_timings=bool(raw.get("add_timings", s.add_timings)),
         metrics=_metrics(_mapping(raw["metrics"], "metrics")) if "metrics" in raw else s.metrics,
     )
 
