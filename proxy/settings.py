@@ -29,6 +29,9 @@ YAML shape (every key optional except ``engines`` when no ``--primary`` flag is 
     sampling_defaults: {temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05}
     metrics:
       buckets: {ttft: [0.1, 0.2, 0.5, 1, 2, 5]}   # histogram boundaries per family (docs/metrics.md#buckets)
+    request_log: {path: requests.jsonl, max_bytes: 50000000, backups: 3, record_text: false}
+    tracing: {enabled: false, endpoint: "http://127.0.0.1:4318/v1/traces", sample_ratio: 1.0}
+    add_timings: false               # proxy-measured `timings` where the engine sends none (engines[].add_timings)
 """
 
 from __future__ import annotations
