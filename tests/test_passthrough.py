@@ -178,6 +178,23 @@ def test_sse_stream_is_relayed_unbuffered(
     assert (res.endpoint, res.stream, res.outcome) == ("responses", True, "ok")
 
 
+def test_client_disconnect_cancels_the_upstream_stream(
+    proxy_factory: ProxyFactory, recorders: tuple[tuple[Recorder, str], tuple[Recorder, str]]
+) -> None:
+    (a, url_a), (_, url_b) = recorders
+    p = proxy_factory(two_routes(url_a, url_b))
+    try:
+        with p.client.stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "stream": True}) as r:
+            assert next(r.iter_lines()) == "event: response.created"
+        # the client hung up while the engine still holds its second event: recorded at once, not at the gate
+        (res,) = p.wait_results(1, timeout=5)
+        assert (res.endpoint, res.outcome) == ("responses", "client_disconnect")
+        assert not a.gate.is_set()
+        wait_until(lambda: p.value("enginemeter_in_flight_requests", engine="a", role="primary") == 0)
+    finally:
+        a.gate.set()
+
+
 def test_unreachable_engine_is_a_502(proxy_factory: ProxyFactory) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     p = proxy_factory(

@@ -95,6 +95,10 @@ def endpoint_of(path: str) -> PassthroughEndpoint:
     return _ENDPOINTS.get(p, "other")
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its request body was whole."""
+
+
 class Passthrough:
     """The ASGI app behind every pass-through route."""
 
@@ -131,7 +135,7 @@ class Passthrough:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise anyio.get_cancelled_exc_class()()
+                raise _ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -160,7 +164,7 @@ class Passthrough:
         except ProxyError as exc:
             await error_response(exc, request_id)(scope, receive, send)
             return
-        except anyio.get_cancelled_exc_class():
+        except _ClientGone:
             return  # the client left while sending its body: nothing reached an engine
         served = self.attempts.served_model(client_model, engine) if client_model is not None else None
         if client_model is not None and served is not None and served != client_model:
