@@ -16,6 +16,7 @@ import pytest
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from fakes.sglang_emulator import EmulatorConfig
 from fakes.sglang_emulator import run_in_thread as run_emulator
+from proxy.embedded import LlamaServer
 from proxy.server.llamatimings import timings_block
 from proxy.settings import EngineSettings, RouteSettings, Settings, Timeouts
 from proxy.timing import StreamTimer, Usage
@@ -121,3 +122,31 @@ def test_off_by_default_per_engine_setting_and_no_usage_no_block(
     assert any("timings" in e for e in stream_events(p2, "sg"))
     # the block rides on the usage event: a client that did not ask for usage gets neither
     assert not any("timings" in e or e.get("usage") for e in stream_events(p2, "sg", usage=False))
+
+
+def test_real_llama_server_untouched_emulated_sglang_measured(
+    proxy_factory: ProxyFactory, llama_server: LlamaServer
+) -> None:
+    with run_emulator(EmulatorConfig(backend=llama_server.url, served_model_name="Qwen/Tiny")) as sglang:
+        t = Timeouts(connect=2, read=60)
+        p = proxy_factory(
+            Settings(
+                engines=(
+                    EngineSettings(name="llama", url=llama_server.url, kind="llamacpp", timeouts=t),
+                    EngineSettings(name="sg", url=sglang, kind="sglang", timeouts=t),
+                ),
+                routes=(RouteSettings(models=("*",), primary="sg", pinnable=("llama",)),),
+                add_timings=True,
+            )
+        )
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": TOKENS, "temperature": 0}
+        own = p.client.post("/v1/chat/completions", json=body, headers={"x-enginemeter-engine": "llama"}).json()
+        assert "measured_by" not in own["timings"]
+        assert own["timings"]["predicted_n"] == TOKENS and own["timings"]["prompt_ms"] > 0
+        events = stream_events(p, "llama")
+        assert [e for e in events if "timings" in e]
+        assert all("measured_by" not in e["timings"] for e in events if "timings" in e)
+        (last,) = [e for e in stream_events(p, "sg") if e.get("usage")]
+        assert last["timings"]["measured_by"] == "enginemeter"
+        assert last["timings"]["predicted_n"] == TOKENS
+        assert last["timings"]["prompt_n"] == last["usage"]["prompt_tokens"] - last["timings"]["cache_n"]
