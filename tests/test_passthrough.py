@@ -159,6 +159,7 @@ def test_no_model_goes_to_the_default_route_other_methods_and_statuses_pass(
     # a non-string model is the proxy's 400
     r = p.client.post("/v1/embeddings", json={"model": 3, "input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert p.value("enginemeter_requests_total", engine="none", model="other", role="primary", stream="false", endpoint="embeddings", outcome="rejected") == 1  # fmt: skip
 
 
 def test_sse_stream_is_relayed_unbuffered(

@@ -156,21 +156,29 @@ class Passthrough:
             await error_response(err, request_id)(scope, receive, send)
             return
         endpoint = endpoint_of(path)
+        client_model: str | None = None
         try:
             self.authenticate(Request(scope))
             content = await self.read_body(scope, receive)
             client_model, content = self._model(headers, content)
             engine = self.engine_for(client_model)
         except ProxyError as exc:
+            self.rejected(endpoint, client_model, "rejected")
             await error_response(exc, request_id)(scope, receive, send)
             return
         except _ClientGone:
+            self.rejected(endpoint, client_model, "client_disconnect")
             return  # the client left while sending its body: nothing reached an engine
         served = self.attempts.served_model(client_model, engine) if client_model is not None else None
         if client_model is not None and served is not None and served != client_model:
             content = _set_model(content, served)
         call = _Call(self, engine, endpoint, request_id, client_model, served, timer)
         await call.run(scope, receive, send, method, path, headers, content)
+
+    def rejected(self, endpoint: PassthroughEndpoint, model: str | None, outcome: Outcome) -> None:
+        """A request that never reached an engine still counts once (engine="none"), as a generation one does."""
+        label = self.attempts.model_label(model)
+        self.attempts.metrics.requests.labels("none", label, "primary", "false", endpoint, outcome).inc()
 
     @staticmethod
     def _model(headers: dict[bytes, bytes], content: bytes) -> tuple[str | None, bytes]:
