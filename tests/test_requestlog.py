@@ -18,7 +18,15 @@ from prometheus_client import CollectorRegistry
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.server import build_app
 from proxy.server.requestlog import RequestLog
-from proxy.settings import EngineSettings, RequestLogSettings, RouteSettings, Settings, Timeouts
+from proxy.settings import (
+    EngineSettings,
+    RequestLogSettings,
+    RouteSettings,
+    Settings,
+    SettingsError,
+    Timeouts,
+    parse_file,
+)
 from tests.helpers import run_uvicorn_app, wait_until
 
 MSGS = [{"role": "user", "content": "a secret prompt"}]
@@ -100,3 +108,30 @@ def test_record_text_and_rotation(fault_engines: tuple[str, str], tmp_path: Path
     for rec in recs:
         assert rec["prompt"] == MSGS
         assert isinstance(rec["text"], str) and rec["text"]
+
+
+def test_settings_sections(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "engines: [{name: sg, url: 'http://127.0.0.1:1', add_timings: true}]\n"
+        "request_log: {path: /tmp/r.jsonl, backups: 0}\n"
+        "tracing: {enabled: true, sample_ratio: 0.25}\n"
+        "add_timings: false\n"
+    )
+    s = parse_file(cfg, env={})
+    assert s.request_log == RequestLogSettings(path="/tmp/r.jsonl", backups=0)
+    assert (s.tracing.enabled, s.tracing.sample_ratio, s.tracing.endpoint) == (
+        True,
+        0.25,
+        "http://127.0.0.1:4318/v1/traces",
+    )
+    assert s.add_timings is False and s.engines[0].add_timings is True
+    cfg.write_text(
+        "engines: [{name: a, url: 'http://127.0.0.1:1'}]\nrequest_log: {pth: x}\ntracing: {sample_ratio: 2}\n"
+    )
+    with pytest.raises(SettingsError) as err:
+        parse_file(cfg, env={})
+    assert err.value.problems == (
+        f"{cfg}:2: request_log.pth: unknown key (did you mean 'path'?); expected one of: path, max_bytes, backups, record_text",
+        f"{cfg}:3: tracing.sample_ratio: expected a value less than or equal to 1, got 2",
+    )
