@@ -133,3 +133,17 @@ def test_sampling_ratio_zero_keeps_only_sampled_parents(fault_engines: tuple[str
         spans = finished(exporter, 2)
         assert len(spans) == 2  # the client sampled this one: its decision wins
         assert {f"{s.context.trace_id:032x}" for s in spans if s.context is not None} == {TRACE_ID}
+
+
+def test_default_exporter_is_otlp_http() -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from proxy.server.tracing import Tracing
+
+    tracing = Tracing(TracingSettings(enabled=True, endpoint="http://127.0.0.1:4318/v1/traces", sample_ratio=0.5))
+    assert isinstance(tracing.exporter, OTLPSpanExporter)
+    assert (
+        tracing.provider.sampler.get_description()
+        == "ParentBased{root:TraceIdRatioBased{0.5},remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}"
+    )
+    tracing.shutdown()  # nothing queued: returns without reaching the collector

@@ -78,8 +78,10 @@ class Tracing:
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
+            self.exporter: SpanExporter = OTLPSpanExporter(endpoint=settings.endpoint)
+            self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         else:
+            self.exporter = exporter
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("enginemeter", __version__)
         self.propagator = TraceContextTextMapPropagator()
