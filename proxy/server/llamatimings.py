@@ -2,8 +2,9 @@
 
 llama-server puts ``timings`` on its last stream event and in its non-stream body; tools read it. With
 ``add_timings`` on (globally or per engine), the relay adds the same keys where the engine's event or body has no
-``timings`` of its own: on the stream's usage event (so the client must ask for usage, as with llama.cpp's
-``stream_options.include_usage``) and in the non-stream body. llama.cpp's own blocks are never touched; an
+``timings`` of its own: on the stream's final usage-only event (``choices: []``; never on vLLM's continuous
+per-chunk usage), so the client must ask for usage, as with llama.cpp's
+``stream_options.include_usage``; and in the non-stream body. llama.cpp's own blocks are never touched; an
 attempt to a ``llamacpp`` engine never gets the flag.
 
 What each field means when the proxy measured it (``"measured_by": "enginemeter"`` marks the block), all from

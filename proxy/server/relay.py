@@ -236,8 +236,9 @@ class Attempt:
                 self.usage = usage_from_json(doc["usage"]) or self.usage
                 if "timings" in doc:
                     self.engine_timings = EngineTimings.from_json(doc["timings"])
-                elif self.add_timings and self.norm.client_wants_usage:
-                    out.append(self._with_timings(doc))  # once per stream: the usage event
+                elif self.add_timings and not choices and self.norm.client_wants_usage:
+                    # once per stream: the final usage-only event (never vLLM's per-chunk continuous usage)
+                    out.append(self._with_timings(doc))
                     continue
                 if not self.norm.client_wants_usage:
                     self.usage_stripped += 1
