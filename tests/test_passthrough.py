@@ -162,6 +162,18 @@ def test_no_model_goes_to_the_default_route_other_methods_and_statuses_pass(
     assert p.value("enginemeter_requests_total", engine="none", model="other", role="primary", stream="false", endpoint="embeddings", outcome="rejected") == 1  # fmt: skip
 
 
+def test_api_keys_guard_passthrough_routes_and_are_not_forwarded(
+    proxy_factory: ProxyFactory, recorders: tuple[tuple[Recorder, str], tuple[Recorder, str]]
+) -> None:
+    (a, url_a), (_, url_b) = recorders
+    p = proxy_factory(two_routes(url_a, url_b, api_keys=frozenset({"sk-team"})))
+    r = p.client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    assert r.status_code == 401 and not a.requests
+    r = p.client.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers={"authorization": "Bearer sk-team"})
+    assert r.status_code == 200
+    assert "authorization" not in a.requests[-1][1]  # the client's key stays with the proxy
+
+
 def test_sse_stream_is_relayed_unbuffered(
     proxy_factory: ProxyFactory, recorders: tuple[tuple[Recorder, str], tuple[Recorder, str]]
 ) -> None:
