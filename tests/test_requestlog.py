@@ -16,17 +16,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.configfile import parse_file
 from proxy.server import build_app
 from proxy.server.requestlog import RequestLog
-from proxy.settings import (
-    EngineSettings,
-    RequestLogSettings,
-    RouteSettings,
-    Settings,
-    SettingsError,
-    Timeouts,
-    parse_file,
-)
+from proxy.settings import EngineSettings, RequestLogSettings, RouteSettings, Settings, SettingsError, Timeouts
 from tests.helpers import run_uvicorn_app, wait_until
 
 MSGS = [{"role": "user", "content": "a secret prompt"}]
