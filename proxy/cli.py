@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from proxy.errors import redact_url
 from proxy.settings import Settings, SettingsError, load
 
 
@@ -20,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.server import build_app
+    from proxy.server.guard import server_options
 
     embedded = []
     try:
@@ -45,7 +47,14 @@ def _serve(args: argparse.Namespace) -> int:
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+            access_log=False,
+            **server_options(),  # connection limits: header deadline, head size, keep-alive
+        )
     finally:
         _stop(embedded)
     return 0
@@ -68,7 +77,7 @@ def _banner(s: Settings, embedded: Sequence[object]) -> None:
     base = f"http://{s.host}:{s.port}"
     lines = [f"enginemeter listening on {base}"]
     for e in s.engines:
-        lines.append(f"  engine {e.name:<10} {e.url}")
+        lines.append(f"  engine {e.name:<10} {redact_url(e.url)}")
     for r in s.routes:
         shadow = f" (shadow: {', '.join(r.shadows)} @ {r.sample_rate:g})" if r.shadows else ""
         lines.append(f"  route {','.join(r.models)} -> {r.primary}{shadow}")

@@ -26,6 +26,7 @@ import httpx
 from yarl import URL
 
 from proxy import engines
+from proxy.errors import redact_url
 from proxy.settings import EngineKind, EngineSettings
 
 log = logging.getLogger("enginemeter.upstream")
@@ -115,7 +116,8 @@ class AiohttpStreams:
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = URL(self._base + path)
-        resp = await session.post(url, data=content, headers=headers)
+        # redirects are the relay's to refuse (a POST re-sent to another server), never followed here
+        resp = await session.post(url, data=content, headers=headers, allow_redirects=False)
         return _AiohttpResponse(resp)
 
     async def aclose(self) -> None:
@@ -189,7 +191,7 @@ class Engine:
         self.up = p.error is None
         self.last_error = p.error
         if p.error:
-            log.warning("probing engine %s at %s failed: %s", self.name, self.settings.url, p.error)
+            log.warning("probing engine %s at %s failed: %s", self.name, redact_url(self.settings.url), p.error)
 
     async def check(self, timeout: float = 2.0) -> dict[str, object]:
         """Cheap reachability check for /health (the kind's readiness path; never a generation where the
@@ -200,7 +202,7 @@ class Engine:
         self.up, self.last_error = h.up, h.error
         return {
             "name": self.name,
-            "url": self.settings.url,
+            "url": redact_url(self.settings.url),
             "kind": self.kind,
             "model": self.model,
             "up": self.up,
