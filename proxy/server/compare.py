@@ -301,7 +301,7 @@ class ComparisonLog:
 
     def _rotate(self) -> None:
         if self.backups == 0:
-            open(self.path, "w").close()
+            os.close(os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, 0o600))
             return
         for i in range(self.backups - 1, 0, -1):
             src = f"{self.path}.{i}"
@@ -325,7 +325,9 @@ class ComparisonLog:
                 size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
                 if size and size + len(line) > self.max_bytes:
                     self._rotate()
-                with open(self.path, "ab") as f:
+                # 0600: with record_text the log holds prompts' answers; only the proxy's user may read it
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "ab") as f:
                     f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on

@@ -8,8 +8,9 @@
   response, so a connection that never sent a request stayed open forever.
 - a **head size limit** (``MAX_HEAD_BYTES``): request line plus headers; over it -> 431 and close, before
   httptools has buffered more than the limit (a 64 MiB header used to get a 200).
-- a connection whose response is done while its request body is still arriving is closed (the app answered
-  without reading the body: an error); otherwise a slow body trickling after the answer kept it open.
+- a connection whose response is done while its request body is still arriving (an error answered early) is
+  closed after the keep-alive timeout unless its next request has begun; a slow body trickling in after the
+  answer used to hold it open forever.
 - a warning in the log when open client connections pass 80 % of half the file-descriptor limit (each stream
   also holds an upstream socket); ``raise_fd_limit()`` raises the soft ``RLIMIT_NOFILE`` to the hard one at start.
 
@@ -67,6 +68,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._parsed_head = 0
         self._too_large = False
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -87,6 +89,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         super().connection_lost(exc)
 
     def _arm_head_timer(self) -> None:
@@ -112,6 +117,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.send_400_response("request head too large")
 
     def on_message_begin(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
@@ -140,11 +148,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
-        if cycle is not None and cycle.more_body and not self.transport.is_closing():
-            # answered before the body was read (an error): do not wait for the rest of a slow body
-            self.transport.close()
-            return
         super().on_response_complete()
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            # answered before the body was whole (an error): the rest is discarded as it comes, for at most the
+            # keep-alive timeout (closing at once would reset the connection under the client's answer); a body
+            # trickling in after that no longer holds the connection
+            self._linger = self.loop.call_later(self.timeout_keep_alive, self._linger_over)
+
+    def _linger_over(self) -> None:
+        self._linger = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         if not self._too_large:

@@ -16,6 +16,7 @@ path (SGLang: ``/ready``, or ``/health`` on versions without it).
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,8 +46,12 @@ def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None
     t = e.timeouts
     headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
     limit = e.max_connections
+    # credentials in the URL become Basic auth, never part of the base URL httpx logs each request with
+    url = httpx.URL(e.url)
+    auth = httpx.BasicAuth(url.username, url.password) if url.username or url.password else None
     return httpx.AsyncClient(
-        base_url=e.url,
+        base_url=url.copy_with(username=None, password=None) if auth else url,
+        auth=auth,
         timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
         limits=httpx.Limits(
             max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=KEEPALIVE_EXPIRY_S
@@ -117,7 +122,9 @@ class AiohttpStreams:
         if url is None:
             url = self._urls[path] = URL(self._base + path)
         # redirects are the relay's to refuse (a POST re-sent to another server), never followed here
-        resp = await session.post(url, data=content, headers=headers, allow_redirects=False)
+        # bodies over 1 MiB as a stream (aiohttp writes them in 64 KiB pieces instead of warning about one write)
+        data: bytes | io.BytesIO = content if len(content) < 1 << 20 else io.BytesIO(content)
+        resp = await session.post(url, data=data, headers=headers, allow_redirects=False)
         return _AiohttpResponse(resp)
 
     async def aclose(self) -> None:
