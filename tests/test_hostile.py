@@ -28,7 +28,17 @@ from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.server import app as app_module
 from proxy.server import build_app
 from proxy.server.guard import raise_fd_limit, server_options
-from proxy.settings import EngineSettings, MirrorSettings, ModelAlias, RouteSettings, Settings, Timeouts, quick
+from proxy.settings import (
+    EngineSettings,
+    MirrorSettings,
+    ModelAlias,
+    RouteSettings,
+    Settings,
+    SettingsError,
+    Timeouts,
+    load,
+    quick,
+)
 from tests.helpers import ProxyFactory, ProxyUnderTest, run_uvicorn_app, wait_until
 
 ALIAS = "team-model"
@@ -352,10 +362,18 @@ def test_an_empty_api_key_never_lets_an_empty_bearer_in(start: Start) -> None:
         assert_proxy_error(r, 401)
 
 
-def test_a_numeric_admin_key_is_compared_as_text(start: Start) -> None:
-    _, p = start(admin_key=1234)
-    assert_proxy_error(p.client.get("/admin/mirror", headers={"authorization": "Bearer 99"}), 401)
-    assert p.client.get("/admin/mirror", headers={"authorization": "Bearer 1234"}).status_code == 200
+def test_a_numeric_admin_key_is_refused_at_load_and_never_a_500(proxy_factory: ProxyFactory, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("admin_key: 1234\nengines:\n  - name: a\n    url: http://127.0.0.1:9\n")
+    with pytest.raises(SettingsError, match="admin_key"):
+        load(str(cfg))
+    # and should a number reach the gateway anyway (settings built in code), it is compared as text
+    with run_in_thread(FaultEngineConfig(model="engine-name")) as engine_url:
+        settings = settings_for(engine_url)
+        object.__setattr__(settings, "admin_key", 1234)
+        p = proxy_factory(settings)
+        assert_proxy_error(p.client.get("/admin/mirror", headers={"authorization": "Bearer 99"}), 401)
+        assert p.client.get("/admin/mirror", headers={"authorization": "Bearer 1234"}).status_code == 200
 
 
 # --------------------------------------------------------------------------------------- ids and logs

@@ -40,19 +40,19 @@ from proxy.errors import (
     UpstreamError,
     redact_url,
 )
-from proxy.normalize import Endpoint
 from proxy.server.admin import admin_routes
 from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor
 from proxy.server.guard import raise_fd_limit
-from proxy.server.metrics import Metrics
+from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.mirror import Mirror
 from proxy.server.relay import RelayResponse, error_response
 from proxy.server.routing import Decision, Router
 from proxy.server.upstream import Engine, make_client, probe_all
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
+from proxy.types import Endpoint, Outcome
 
 log = logging.getLogger("enginemeter")
 
@@ -286,9 +286,12 @@ class Gateway:
             except BaseException as exc:
                 # cancelled (the client hung up) or a bug: close the upstream (the engine frees its slot) and
                 # end the attempt with its one Result
-                outcome = "client_disconnect" if isinstance(exc, anyio.get_cancelled_exc_class()) else None
+                cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
                 with anyio.CancelScope(shield=True):
-                    await attempt.close(outcome or "upstream_broken", None if outcome else f"proxy error: {exc!r}")
+                    if cancelled:
+                        await attempt.close("client_disconnect")
+                    else:
+                        await attempt.close("upstream_broken", f"proxy error: {exc!r}")
                 raise
             headers = {"x-enginemeter-engine": name, "x-enginemeter-request-id": request_id, **echo}
             if isinstance(out, Streaming):
@@ -302,7 +305,7 @@ class Gateway:
         assert last_exc is not None
         return error_response(last_exc, request_id, engine=decision.engines[-1], headers=echo)
 
-    def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: str) -> None:
+    def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: Outcome) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""
         stream = "true" if body is not None and body.get("stream") is True else "false"
         model = body.get("model") if body is not None else None
@@ -313,7 +316,7 @@ class Gateway:
 def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
     """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry)
+    metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
     return asgi_app(Gateway(settings, registry, metrics, Router(settings), engines, attempts))
@@ -368,7 +371,11 @@ def asgi_app(gw: Gateway) -> Starlette:
             soft, _ = raise_fd_limit()
             log.info("open-file limit: %d", soft)
             await probe_all(list(gw.engines.values()))
-            gw.metrics.prime(gw.engines, [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)])
+            gw.metrics.prime(
+                gw.engines,
+                [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)],
+                configured_pairs(gw.settings.routes),
+            )
             for e in gw.engines.values():
                 log.info(
                     "engine %s: %s kind=%s model=%s up=%s", e.name, redact_url(e.settings.url), e.kind, e.model, e.up

@@ -28,7 +28,8 @@ from yarl import URL
 
 from proxy import engines
 from proxy.errors import redact_url
-from proxy.settings import EngineKind, EngineSettings
+from proxy.settings import EngineSettings
+from proxy.types import EngineKind
 
 log = logging.getLogger("enginemeter.upstream")
 
