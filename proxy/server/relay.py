@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -101,7 +102,11 @@ class Attempt:
     async def open(self) -> None:
         """Send the request and wait for headers (and, for streams, the first event). Raises UpstreamError."""
         e = self.engine
-        content = json.dumps(self.norm.body, ensure_ascii=False).encode()
+        # orjson: a 3.4 MB prompt serializes in ~2 ms instead of ~20 ms of the event loop (other streams' gaps)
+        try:
+            content = orjson.dumps(self.norm.body)
+        except TypeError:  # a type orjson does not know (a Mapping that is not a dict): the slow way
+            content = json.dumps(self.norm.body, ensure_ascii=False).encode()
         headers = {
             "content-type": "application/json",
             "accept-encoding": "identity",
