@@ -1,7 +1,12 @@
 """The ASGI app: routes and lifespan. A generation request reads top to bottom like its life:
 
-receive -> authenticate -> read body (bounded) -> parse -> route -> [mirror copy] -> normalize
-        -> open upstream (fallback while nothing was sent) -> relay stream / body -> one Result each
+receive -> authenticate -> read body (bounded in size and time) -> parse (orjson; large bodies in a thread)
+        -> route -> [mirror copy] -> normalize -> open upstream (fallback while nothing was sent)
+        -> relay stream / body -> one Result each
+
+From the end of the body on, a watcher waits on ``receive()``: a client that hangs up in any phase cancels the
+attempt, which closes the upstream connection (``Gateway.respond``). The generation routes are raw ASGI apps for
+that reason: they own ``receive`` for the whole request.
 
 The stages are the ``Gateway``'s typed fields; ``proxy.server.build_app`` (the composition root) builds them.
 None of them imports this module: each gets the narrow things it needs (engines, metrics, ``Attempts``).

@@ -3,16 +3,19 @@
 Life of one attempt (``Attempt``):
 
 1. ``open()`` sends the normalized body and waits for the upstream headers. Transport failures raise
-   ``UpstreamError`` (502/504), so the caller can fall back or answer with an OpenAI-style error.
+   ``UpstreamError`` (502/504), so the caller can fall back or answer with an OpenAI-style error. Never
+   re-sent to the same engine (it may have started generating); redirects are refused, not followed.
 2. Engine error status -> the engine's body passes through with its status (SGLang's flat shape nested).
 3. Streams: ``open()`` also waits for the first SSE event, so an error the engine puts in its first event
    (SGLang's "queue full" under HTTP 200) still becomes a proper HTTP error before any byte reaches the client.
 4. ``iter_relay()`` forwards each upstream read as soon as it holds whole events. Events pass as the bytes the
    engine sent, except the documented rewrites: ``"model":"<engine name>"`` -> the client's alias (a byte
    replace, no re-serialization), and the usage event is dropped when the client did not ask for usage.
-   Comments (keep-alives) pass untouched.
+   Comments (keep-alives) and events without a ``data:`` field pass untouched. One event is at most
+   ``sse.MAX_EVENT_BYTES``; a non-stream body at most ``MAX_BODY_BYTES``.
 5. After the first byte, a failure becomes one in-band ``data: {"error": ...}`` event, then the stream closes.
-6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``.
+6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``; cancelled in any phase (the client
+   hung up: ``Gateway.respond``'s watcher), ``close()`` closes the upstream so the engine stops.
 
 Per chunk the loop does: one ``perf_counter_ns``, the framer split, one ``orjson.loads`` per event (needed to
 tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name. Parsing
