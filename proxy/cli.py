@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import io
@@ -19,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -27,17 +26,9 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from proxy import __version__
+from proxy.configfile import load, parse_file
 from proxy.errors import redact_url
-from proxy.settings import (
-    DEFAULT_LISTEN,
-    EngineSettings,
-    Settings,
-    SettingsError,
-    json_schema,
-    load,
-    parse_file,
-    split_listen,
-)
+from proxy.settings import DEFAULT_LISTEN, EngineSettings, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -293,11 +284,9 @@ def _env_configured() -> bool:
 def _run(settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str) -> int:
     from proxy.server import build_app
 
-    app = build_app(settings)
-    if embedded:
-        # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
-        # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
-        app.state.gateway.lifespan_hooks.append(lambda: _stopping(embedded))
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
+    # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
+    app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
     # log_config=None: uvicorn's loggers propagate to the root handler main() set up (one format)
     from proxy.server.guard import server_options
 
@@ -326,14 +315,6 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             self._on_started()
-
-
-@contextlib.asynccontextmanager
-async def _stopping(engines: Sequence[object]) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        _stop(engines)
 
 
 def _stop(engines: Sequence[object]) -> None:

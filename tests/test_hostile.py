@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.configfile import load, quick
 from proxy.server import app as app_module
 from proxy.server import build_app
 from proxy.server.guard import raise_fd_limit, server_options
@@ -36,8 +37,6 @@ from proxy.settings import (
     Settings,
     SettingsError,
     Timeouts,
-    load,
-    quick,
 )
 from tests.helpers import ProxyFactory, ProxyUnderTest, run_uvicorn_app, wait_until
 
