@@ -211,7 +211,7 @@ class Gateway:
             return
         mirrored = False
         if self.mirror is not None and decision.shadows:
-            mirrored = self.mirror.submit(decision, body, endpoint, request_id)
+            mirrored = self.mirror.submit(decision, body, endpoint, request_id, client_id)
         await self.respond(scope, receive, send, request_id, client_id, endpoint, decision, body, timer, mirrored)
 
     async def respond(
@@ -284,8 +284,8 @@ class Gateway:
                 body=body,
                 timer=timer,
                 collect_text=collect_text,
+                client_request_id=client_id,
             )
-            attempt.client_request_id = client_id
             try:
                 out = await run_attempt(attempt)
             except BaseException as exc:

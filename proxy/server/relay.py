@@ -379,6 +379,7 @@ class Attempt:
         timing = StreamTiming.derive(self.timer, self.usage, self.engine_timings)
         result = Result(
             request_id=self.request_id,
+            client_request_id=self.client_request_id,
             engine=self.engine.name,
             engine_kind=self.engine.effective_kind,
             role=self.role,
