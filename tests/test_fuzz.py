@@ -32,7 +32,7 @@ ALIAS = "team-model"
 KEY = "sk-fuzz"
 RANDOM = bool(os.environ.get("FUZZ_RANDOM"))
 # hypothesis warns while printing a large failing example; the failure itself is what matters
-pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")]
 FUZZ = settings(
     deadline=None,
     database=None,
