@@ -257,7 +257,7 @@ class ConfigFile:
     """The YAML file. Every key is optional except ``engines`` when no ``--primary`` flag is given."""
 
     listen: Listen = Field(default=DEFAULT_LISTEN, description="HOST:PORT the proxy binds ([::1]:8080 for IPv6)")
-    api_keys: tuple[str, ...] = Field(default=(), description="client bearer keys; empty = no auth")
+    api_keys: tuple[Name, ...] = Field(default=(), description="client bearer keys (each non-empty); none = no auth")
     admin_key: str | None = Field(default=None, description="bearer key for /admin/*; none = admin endpoints off")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="larger request bodies get a 413")
     engines: tuple[EngineSettings, ...] = Field(default=(), description="the engines behind the proxy")

@@ -152,6 +152,7 @@ BAD = [
     (ENGINE + "default_route: 2\n", "bad.yaml:2: default_route: expected an index below 1 (the number of routes)"),
     (ENGINE + "engines: []\n", "bad.yaml:2: engines: duplicate key"),
     (ENGINE + "max_body_bytes: 1e6\n", "bad.yaml:2: max_body_bytes: expected an integer, got '1e6'"),
+    (ENGINE + "api_keys: ['']\n", "bad.yaml:2: api_keys[0]: expected a string to have at least 1 character, got ''"),
     ("engines: [{name: a, url: 'http://x:1'}, {name: a, url: 'http://x:2'}]\n",
      "bad.yaml:1: engines[1].name: duplicate engine name 'a'"),
     ("engines: [{name: a, url: 'http://x:1', colour: red}]\n",
