@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import io
@@ -19,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -292,11 +291,9 @@ def _env_configured() -> bool:
 def _run(settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str) -> int:
     from proxy.server import build_app
 
-    app = build_app(settings)
-    if embedded:
-        # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
-        # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
-        app.state.gateway.lifespan_hooks.append(lambda: _stopping(embedded))
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
+    # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
+    app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
     # log_config=None: uvicorn's loggers propagate to the root handler main() set up (one format)
     config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False)
     port = sock.getsockname()[1]  # the real one when --listen asked for port 0
@@ -322,14 +319,6 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             self._on_started()
-
-
-@contextlib.asynccontextmanager
-async def _stopping(engines: Sequence[object]) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        _stop(engines)
 
 
 def _stop(engines: Sequence[object]) -> None:

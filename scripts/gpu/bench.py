@@ -13,6 +13,7 @@ DIR/command.txt, DIR/env.json (card, driver, versions), DIR/proxy.log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -53,11 +54,9 @@ def env_info() -> dict[str, object]:
                 r = httpx.get(url + p, timeout=10, trust_env=False)
                 if r.status_code == 200:
                     doc = r.json()
-                    info[f"{name}{p}"] = {
-                        k: doc.get(k) for k in ("version", "build_info", "total_slots", "max_running_requests",
-                                                "context_length", "mem_fraction_static", "dtype", "attention_backend",
-                                                "disable_cuda_graph") if k in doc  # fmt: skip
-                    }
+                    keys = ("version", "build_info", "total_slots", "max_running_requests", "context_length",
+                            "mem_fraction_static", "dtype", "attention_backend", "disable_cuda_graph")  # fmt: skip
+                    info[f"{name}{p}"] = {k: doc.get(k) for k in keys if k in doc}
             except (httpx.HTTPError, ValueError):
                 pass
     return info
@@ -78,16 +77,17 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = ["listen: 127.0.0.1:%d" % port, "engines:"]
+    cfg = [f"listen: 127.0.0.1:{port}", "engines:"]
     for name, url, kind, _q in ENGINES:
         cfg += [f"  - name: {name}", f"    url: {url}", f"    kind: {kind}"]
     cfg += ["routes:", '  - models: ["*"]', "    primary: llamacpp", "mirror: {enabled: false}",
             "collectors: {gpu: true, gpu_interval: 0.5, engine_interval: 5.0}"]  # fmt: skip
     (a.out / "metrics-proxy.yaml").write_text("\n".join(cfg) + "\n")
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(a.out / "metrics-proxy.yaml")],
-        cwd=ROOT, stdout=open(a.out / "proxy.log", "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    with open(a.out / "proxy.log", "wb") as proxy_log:  # the child keeps its own copy of the descriptor
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(a.out / "metrics-proxy.yaml")],
+            cwd=ROOT, stdout=proxy_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     metrics_url = f"http://127.0.0.1:{port}/metrics"
     for _ in range(100):
         try:
@@ -123,10 +123,8 @@ def main() -> int:
         p.send_signal(signal.SIGINT)
         rc = p.wait()
     log(f"bench rc {rc} in {time.monotonic() - t0:.0f} s")
-    try:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
         (a.out / "metrics-after.txt").write_text(httpx.get(metrics_url, timeout=10, trust_env=False).text)
-    except (httpx.HTTPError, ValueError):
-        pass
     proxy.terminate()
     proxy.wait(10)
     return rc

@@ -26,6 +26,7 @@ Uses httpx only (and the standard library).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -111,14 +112,14 @@ def metric_value(text: str, name: str) -> float | None:
     total = None
     for line in text.splitlines():
         if line.startswith(name) and (line[len(name)] in " {"):
-            try:
+            with contextlib.suppress(ValueError):
                 total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                pass
     return total
 
 
-def chat(stream: bool, messages: list[dict[str, str]], max_tokens: int, usage: bool = True, **extra: Any) -> dict[str, Any]:
+def chat(
+    stream: bool, messages: list[dict[str, str]], max_tokens: int, usage: bool = True, **extra: Any
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
@@ -147,7 +148,13 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
         if p == "/metrics":
             save(d / "metrics.txt", body)
             body = f"<{len(x['body'])} bytes: metrics.txt>"
-        eps[p] = {"status": x["status"], "content_type": ctype, "s": x["s"], "body": body[:65536], **({"error": x["error"]} if x.get("error") else {})}
+        eps[p] = {
+            "status": x["status"],
+            "content_type": ctype,
+            "s": x["s"],
+            "body": body[:65536],
+            **({"error": x["error"]} if x.get("error") else {}),
+        }
     save(d / "endpoints.json", eps)
     summary["endpoints"] = {p: v["status"] for p, v in eps.items()}
     for p in ("/version", "/server_info", "/props", "/get_server_info"):
@@ -156,7 +163,19 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
                 doc = json.loads(eps[p]["body"])
             except ValueError:
                 continue
-            summary.setdefault("version_doc", {})[p] = {k: doc.get(k) for k in ("version", "build_info", "n_ctx", "total_slots", "max_running_requests", "context_length", "model_path") if k in doc}
+            summary.setdefault("version_doc", {})[p] = {
+                k: doc.get(k)
+                for k in (
+                    "version",
+                    "build_info",
+                    "n_ctx",
+                    "total_slots",
+                    "max_running_requests",
+                    "context_length",
+                    "model_path",
+                )
+                if k in doc
+            }
     log(f"{name}: endpoints {summary['endpoints']}")
 
     # 2. streams and non-stream
@@ -175,7 +194,12 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
          "stream_options": {"include_usage": True}},
     )  # fmt: skip
     save(d / "completions.sse", x["body"])
-    x = raw_exchange(c, "POST", "/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    x = raw_exchange(
+        c,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    )
     save(d / "completions_nonstream.json", x["body"])
 
     # 3. cached tokens: the same long prompt twice
@@ -197,7 +221,10 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
     for stream in (False, True):
         x = raw_exchange(c, "POST", "/v1/chat/completions", chat(stream, over, 16))
         save(d / f"overflow_{'stream' if stream else 'nonstream'}.txt", text_record(x))
-        summary[f"overflow_{'stream' if stream else 'nonstream'}"] = {"status": x["status"], "body": x["body"][:400].decode("utf-8", "replace")}
+        summary[f"overflow_{'stream' if stream else 'nonstream'}"] = {
+            "status": x["status"],
+            "body": x["body"][:400].decode("utf-8", "replace"),
+        }
     fits = [{"role": "user", "content": "hello " * 3620}]  # ~7250 tokens: fits, but not with max_tokens 1000
     x = raw_exchange(c, "POST", "/v1/chat/completions", chat(False, fits, 1000))
     save(d / "overflow_max_tokens_nonstream.txt", text_record(x))
@@ -217,9 +244,7 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
     t_drop = None
     with httpx.Client(base_url=base, timeout=60, trust_env=False) as c2:
         with c2.stream("POST", "/v1/chat/completions", json=body) as r:
-            n = 0
-            for _chunk in r.iter_raw():
-                n += 1
+            for n, _chunk in enumerate(r.iter_raw(), 1):
                 if n >= 5:
                     break
             during = metric_value(c.get("/metrics").text, gauge)
@@ -254,7 +279,9 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
             try:
                 prompt = json.loads(t["body"])["prompt"]
                 rec["rendered"] = prompt
-                k = raw_exchange(c, "POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
+                k = raw_exchange(
+                    c, "POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
+                )
                 rec["ids"] = json.loads(k["body"])["tokens"]
             except (ValueError, KeyError, TypeError) as exc:
                 rec["ids_error"] = repr(exc)

@@ -100,7 +100,14 @@ def one(url: str, i: int, max_tokens: int) -> dict[str, Any]:
                 usage = json.loads(r.read()).get("usage")
     except httpx.HTTPError as exc:
         return {"i": i, "stream": stream, "error": repr(exc)}
-    return {"i": i, "stream": stream, "status": status, "ttft_s": first, "e2e_s": time.perf_counter() - t0, "usage": usage}
+    return {
+        "i": i,
+        "stream": stream,
+        "status": status,
+        "ttft_s": first,
+        "e2e_s": time.perf_counter() - t0,
+        "usage": usage,
+    }
 
 
 def run_shadow(shadow: str, out: Path, n: int, conc: int, max_tokens: int) -> dict[str, Any]:
@@ -111,13 +118,14 @@ def run_shadow(shadow: str, out: Path, n: int, conc: int, max_tokens: int) -> di
     cfg = d / "enginemeter.yaml"
     cfg.write_text(config(port, shadow, cmp_log))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "info"],
-        cwd=ROOT,
-        stdout=open(d / "proxy.log", "wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    with open(d / "proxy.log", "wb") as proxy_log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "info"],
+            cwd=ROOT,
+            stdout=proxy_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     res: dict[str, Any] = {"shadow": shadow, "url": url}
     try:
@@ -133,7 +141,10 @@ def run_shadow(shadow: str, out: Path, n: int, conc: int, max_tokens: int) -> di
             time.sleep(0.3)
         time.sleep(5)  # two engine polls
         h0 = httpx.get(f"{url}/health", timeout=10, trust_env=False)
-        res["health_before"] = {"status": h0.status_code, "body": h0.json() if h0.headers.get("content-type", "").startswith("application/json") else h0.text}
+        res["health_before"] = {
+            "status": h0.status_code,
+            "body": h0.json() if h0.headers.get("content-type", "").startswith("application/json") else h0.text,
+        }
         log(f"{shadow}: enginemeter /health {h0.status_code}")
         t1 = time.perf_counter()
         with ThreadPoolExecutor(conc) as pool:
@@ -142,7 +153,12 @@ def run_shadow(shadow: str, out: Path, n: int, conc: int, max_tokens: int) -> di
         # a pinned request to the shadow, and one disconnect through the proxy
         pinned = httpx.post(
             f"{url}/v1/chat/completions",
-            json={"model": "m7b", "messages": [{"role": "user", "content": "pinned"}], "max_tokens": 8, "temperature": 0},
+            json={
+                "model": "m7b",
+                "messages": [{"role": "user", "content": "pinned"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
             headers={"x-enginemeter-engine": shadow},
             timeout=120,
             trust_env=False,
@@ -157,10 +173,15 @@ def run_shadow(shadow: str, out: Path, n: int, conc: int, max_tokens: int) -> di
             time.sleep(0.5)
         time.sleep(3)
         h1 = httpx.get(f"{url}/health", timeout=10, trust_env=False)
-        res["health_after"] = {"status": h1.status_code, "body": h1.json() if h1.headers.get("content-type", "").startswith("application/json") else h1.text}
+        res["health_after"] = {
+            "status": h1.status_code,
+            "body": h1.json() if h1.headers.get("content-type", "").startswith("application/json") else h1.text,
+        }
         m = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
         (d / "metrics.txt").write_text(m)
-        (d / "health.json").write_text(json.dumps({"before": res["health_before"], "after": res["health_after"]}, indent=1))
+        (d / "health.json").write_text(
+            json.dumps({"before": res["health_before"], "after": res["health_after"]}, indent=1)
+        )
         (d / "client.json").write_text(json.dumps(client, indent=1))
         res["client_errors"] = sum(1 for c in client if c.get("error") or c.get("status") != 200)
         res["compare_lines"] = cmp_log.read_text().count("\n") if cmp_log.exists() else 0

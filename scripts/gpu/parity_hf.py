@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture import PARITY_CASES  # noqa: E402
+from capture import PARITY_CASES
 
 
 def main() -> int:

@@ -59,7 +59,11 @@ def main() -> int:
         v = over.get(key)
         return int(v if v is not None else meta[key][1])
 
-    n_layer, n_embd, n_ff = val(f"{arch}.block_count"), val(f"{arch}.embedding_length"), val(f"{arch}.feed_forward_length")
+    n_layer, n_embd, n_ff = (
+        val(f"{arch}.block_count"),
+        val(f"{arch}.embedding_length"),
+        val(f"{arch}.feed_forward_length"),
+    )
     n_head, n_head_kv = val(f"{arch}.attention.head_count"), val(f"{arch}.attention.head_count_kv")
     head_dim = val(f"{arch}.attention.key_length")
     n_vocab = len(meta["tokenizer.ggml.tokens"][1])
