@@ -26,16 +26,8 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from proxy import __version__
-from proxy.settings import (
-    DEFAULT_LISTEN,
-    EngineSettings,
-    Settings,
-    SettingsError,
-    json_schema,
-    load,
-    parse_file,
-    split_listen,
-)
+from proxy.configfile import load, parse_file
+from proxy.settings import DEFAULT_LISTEN, EngineSettings, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

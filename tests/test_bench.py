@@ -23,7 +23,7 @@ from proxy.bench import runner, suite
 from proxy.bench.logreport import load_log
 from proxy.bench.report import load_bench, read_jsonl, write_report
 from proxy.cli import main
-from proxy.settings import load
+from proxy.configfile import load
 from tests.helpers import ProxyFactory, free_port, run_uvicorn_app, wait_until
 
 Factory = Callable[..., Any]

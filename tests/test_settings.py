@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from proxy import normalize
+from proxy.configfile import load, parse_file
 from proxy.settings import (
     ConfigFile,
     EngineSettings,
@@ -22,8 +23,6 @@ from proxy.settings import (
     SettingsError,
     Timeouts,
     json_schema,
-    load,
-    parse_file,
 )
 from proxy.types import EngineKind
 from tests.helpers import REPO
