@@ -345,3 +345,17 @@ def test_version_0523_has_ready_and_its_own_shapes() -> None:
             assert httpx.get(f"{url}/ready").status_code == 200  # 0.5.17 shapes, /ready forced on
     with pytest.raises(ValueError, match="not emulated"):
         EmulatorConfig(backend="http://x", version="0.4.0")
+
+
+def test_prefix_cache_shares_prefixes_and_forgets_within_its_budget() -> None:
+    from fakes.sglang_emulator.engine import _PrefixCache
+
+    cache = _PrefixCache(capacity_tokens=10)
+    assert cache.match_and_insert([1, 2, 3, 4]) == 0
+    assert cache.match_and_insert([1, 2, 9]) == 2  # the shared prefix
+    assert cache.match_and_insert([1, 2, 3, 4]) == 3  # a repeat: all but the last token
+    assert cache.match_and_insert([7, 8, 9, 10, 11]) == 0  # 12 tokens held > 10: [1, 2, 9] goes (least recent)
+    assert cache.match_and_insert([1, 2, 9]) == 2  # [1, 2] still held by [1, 2, 3, 4]; [1, 2, 3, 4] goes
+    assert cache.match_and_insert([1, 2, 3, 5]) == 2
+    cache.clear()
+    assert cache.match_and_insert([1, 2, 3, 5]) == 0

@@ -14,7 +14,8 @@ top of real generation by the backend's native ``/completion`` stream, which rep
 - **0.5.23**: as its source reads (engines.md §2: ``serving_chat.py``, ``serving_completions.py``, ``sse_utils.py``,
   ``protocol.py``, ``http_server.py``, ``tokenizer_manager.py``, ``scheduler.py``, ``metrics_collector.py``):
   ``/ready`` 200, ``completion_tokens_details: null``, ``/model_info`` with ``served_model_name`` and friends,
-  ``request_time_per_output_token_seconds`` and ``num_aborted_requests_total``.
+  ``request_time_per_output_token_seconds`` and ``num_aborted_requests_total``. ``/server_info`` keeps 0.5.17's
+  shape in both modes (0.5.23's was never captured) with its own ``version``.
 
 What no setting reproduces: real SGLang's ``/health`` takes ~1 s when idle (``health_idle_s``, default 0 so tests
 stay fast), its full 69 metric families (the emulator serves a subset under the same names), generated text.

@@ -61,45 +61,56 @@ class _PrefixCache:
     """SGLang's radix cache as ``cached_tokens`` shows it: the longest prefix a new prompt shares with any prompt
     still held, never the whole prompt (the last token is always computed). A template prefix earlier requests
     shared counts on a never-seen prompt (real 0.5.17: 1-6 tokens), a repeat counts all but its last token
-    (900 of 901). Prompts are held least-recently-used first out, within the KV pool's token budget."""
+    (900 of 901). Prompts are held least-recently-used first out, within the KV pool's token budget.
+
+    Every held prefix is one chained hash (``hash((previous, token))``) with a count of the prompts holding it,
+    so a lookup walks the new prompt once, whatever is held."""
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = max(1, capacity_tokens)
-        self._held: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._held: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()  # prompt -> its prefix hashes
+        self._prefixes: dict[int, int] = {}  # prefix hash -> prompts holding it
         self._tokens = 0
 
-    def match(self, ids: Sequence[int]) -> int:
-        best, key = 0, tuple(ids)
-        for held in self._held:
-            if held and key and held[0] == key[0]:
-                best = max(best, _common_prefix(held, key))
-        return min(best, max(len(key) - 1, 0))
-
-    def insert(self, ids: Sequence[int]) -> None:
+    def match_and_insert(self, ids: Sequence[int]) -> int:
+        """Cached tokens for a prompt of ``ids``; the prompt is held from now on."""
         key = tuple(ids)
+        hashes = self._held.get(key)
+        if hashes is None:
+            hashes, h = [], 0
+            for t in key:
+                h = hash((h, t))
+                hashes.append(h)
+        shared = 0
+        for h in hashes:
+            if h not in self._prefixes:
+                break
+            shared += 1
         if key in self._held:
             self._held.move_to_end(key)
-            return
-        self._held[key] = None
-        self._tokens += len(key)
-        while self._tokens > self.capacity_tokens and len(self._held) > 1:
-            old, _ = self._held.popitem(last=False)
-            self._tokens -= len(old)
+        else:
+            self._held[key] = hashes
+            self._tokens += len(key)
+            for h in hashes:
+                self._prefixes[h] = self._prefixes.get(h, 0) + 1
+            while self._tokens > self.capacity_tokens and len(self._held) > 1:
+                self._evict()
+        return min(shared, max(len(key) - 1, 0))
+
+    def _evict(self) -> None:
+        old, hashes = self._held.popitem(last=False)
+        self._tokens -= len(old)
+        for h in hashes:
+            n = self._prefixes[h] - 1
+            if n:
+                self._prefixes[h] = n
+            else:
+                del self._prefixes[h]
 
     def clear(self) -> None:
         self._held.clear()
+        self._prefixes.clear()
         self._tokens = 0
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo] holds; binary search on slices compares in C
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +203,7 @@ class SGLangEmulator:
             ids = tokens.get("tokens") or []
             self.eos_token_id = ids[0] if len(ids) == 1 and isinstance(ids[0], int) else None
         self.prefix_cache = _PrefixCache(self.max_total_num_tokens)
-        self.prefix_cache.insert(await self.tokenize(WARMUP_TEXT))  # SGLang warms up before it serves
+        self.prefix_cache.match_and_insert(await self.tokenize(WARMUP_TEXT))  # SGLang warms up before it serves
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -328,8 +339,7 @@ class SGLangEmulator:
             yield _abort(HTTPStatus.SERVICE_UNAVAILABLE, QUEUE_FULL, prompt_n)
             return
         self.publish(running_before=min(self.inflight, self.max_running_requests))  # log_prefill_stats
-        cached = self.prefix_cache.match(job.input_ids)
-        self.prefix_cache.insert(job.input_ids)
+        cached = self.prefix_cache.match_and_insert(job.input_ids)
         self.inflight += 1
         self.live_tokens += prompt_n
         generated = 0
