@@ -159,7 +159,6 @@ class SGLangEmulator:
         self.prefix_cache = _PrefixCache(0)
         self.published = _Published()
         self._decode_steps = 0.0
-        self.startup_time = time.time()
         self.metrics = _Metrics(self) if config.enable_metrics else None
         self.registry: CollectorRegistry | None = None
         if self.metrics is not None:
