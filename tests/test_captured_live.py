@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Iterator
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings, Timeouts
@@ -30,35 +32,43 @@ def _samples(text: str, name: str) -> dict[str, dict[str, str] | float]:
     return out
 
 
-def test_proxy_health_and_slots_against_the_captured_engines(proxy_factory: ProxyFactory) -> None:
+@pytest.fixture
+def replayed() -> Iterator[dict[str, str]]:
+    """The three H200 captures served on 127.0.0.1, by engine kind (requested before ``proxy_factory``, so the
+    proxy stops first and its poller never sees them gone)."""
     with contextlib.ExitStack() as stack:
-        urls = {
+        yield {
             kind: stack.enter_context(captured.serve_answers(captured.answers(folder), delays=True))
             for kind, folder in GPU.items()
         }
-        s = Settings(
-            engines=tuple(
-                EngineSettings(name=kind, url=url, timeouts=Timeouts(connect=2, read=10)) for kind, url in urls.items()
-            ),
-            routes=(RouteSettings(models=("*",), primary="llamacpp", shadows=("sglang", "vllm")),),
-            collectors=CollectorSettings(gpu=False, engine_interval=0.2),
-        )
-        p = proxy_factory(s)
-        assert p.gateway.engine_state is not None
-        poller = p.gateway.engine_state
-        wait_until(lambda: all(st.up for st in poller.states.values()) and len(poller.states) == 3, timeout=20)
 
-        health = p.client.get("/health").json()
-        by_name = {e["name"]: e for e in health["engines"]}
-        assert {n: (e["kind"], e["up"], e.get("error")) for n, e in by_name.items()} == {
-            "llamacpp": ("llamacpp", True, None),
-            "sglang": ("sglang", True, None),  # on the H200: False, "HTTP 404 from /ready"
-            "vllm": ("vllm", True, None),
-        }
-        assert health["status"] == "ok"
-        assert {e["model"] for e in health["engines"]} == {"m7b"}
 
-        text = p.client.get("/metrics").text
+def test_proxy_health_and_slots_against_the_captured_engines(
+    replayed: dict[str, str], proxy_factory: ProxyFactory
+) -> None:
+    s = Settings(
+        engines=tuple(
+            EngineSettings(name=kind, url=url, timeouts=Timeouts(connect=2, read=10)) for kind, url in replayed.items()
+        ),
+        routes=(RouteSettings(models=("*",), primary="llamacpp", shadows=("sglang", "vllm")),),
+        collectors=CollectorSettings(gpu=False, engine_interval=0.2),
+    )
+    p = proxy_factory(s)
+    assert p.gateway.engine_state is not None
+    poller = p.gateway.engine_state
+    wait_until(lambda: all(st.up for st in poller.states.values()) and len(poller.states) == 3, timeout=20)
+
+    health = p.client.get("/health").json()
+    by_name = {e["name"]: e for e in health["engines"]}
+    assert {n: (e["kind"], e["up"], e.get("error")) for n, e in by_name.items()} == {
+        "llamacpp": ("llamacpp", True, None),
+        "sglang": ("sglang", True, None),  # on the H200: False, "HTTP 404 from /ready"
+        "vllm": ("vllm", True, None),
+    }
+    assert health["status"] == "ok"
+    assert {e["model"] for e in health["engines"]} == {"m7b"}
+
+    text = p.client.get("/metrics").text
     assert _samples(text, "enginemeter_engine_up") == {"llamacpp": 1.0, "sglang": 1.0, "vllm": 1.0}
     # SGLang 0.5.17: internal_states[0].effective_max_running_requests_per_dp; vLLM reports none
     assert _samples(text, "enginemeter_engine_slots") == {"llamacpp": 64.0, "sglang": 4096.0}
