@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,8 +213,13 @@ def to_record(
     prompt: Any = None,
     primary_text: str | None = None,
     shadow_text: str | None = None,
+    gpus: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """The JSONL record (schema in docs/routing.md). Text fields appear only when given."""
+    """The JSONL record (schema in docs/routing.md). Text fields appear only when given.
+
+    ``gpus``: role (``primary``/``shadow``) -> the GPU indices that side's engine holds memory on (the GPU
+    monitor's attribution); when given, the record says which and whether the two share one (``contended``:
+    mirrored requests then slow each other, and ``enginemeter report --log`` stops at its parity gate)."""
     rec: dict[str, Any] = {
         "v": RECORD_VERSION,
         "ts": time.time() if ts is None else ts,
@@ -240,6 +246,10 @@ def to_record(
             "e2e": c.ratio_e2e,
         },
     }
+    if gpus is not None:
+        p, sh = sorted(gpus.get("primary", ())), sorted(gpus.get("shadow", ()))
+        rec["gpus"] = {"primary": p, "shadow": sh}
+        rec["contended"] = bool(set(p) & set(sh))
     if prompt is not None:
         rec["prompt"] = prompt
     if primary_text is not None:
