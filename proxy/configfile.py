@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -232,6 +233,13 @@ def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Set
     return settings
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package is missing
+        return False
+
+
 def _cross_check(s: Settings, problems: _Problems) -> None:
     """What one key's type cannot say: references between sections, duplicates."""
     names = [e.name for e in s.engines]
@@ -255,6 +263,8 @@ def _cross_check(s: Settings, problems: _Problems) -> None:
         for ref in m.engines:
             if ref not in names:
                 problems.add(("models", i, "engines", ref), f"unknown engine {ref!r} (engines: {known})")
+    if s.tracing.enabled and not _installed("opentelemetry.sdk"):
+        problems.add(("tracing", "enabled"), "needs the OpenTelemetry packages: pip install 'enginemeter[otel]'")
     if s.default_route is not None and s.default_route >= len(s.routes):
         problems.add(("default_route",), f"expected an index below {len(s.routes)} (the number of routes)")
 

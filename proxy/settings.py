@@ -119,6 +119,10 @@ class EngineSettings:
     max_connections: int = Field(default=512, ge=1, description="connection pool size to this engine")
     pid: int | None = Field(default=None, ge=1, description="engine process id, for GPU memory attribution")
     pid_file: str | None = Field(default=None, description="file holding the engine's pid (read on each poll)")
+    add_timings: bool | None = Field(
+        default=None,
+        description="add a proxy-measured llama.cpp-shaped `timings` block to its answers; none = the global add_timings",
+    )
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -162,6 +166,30 @@ class MirrorSettings:
     log_max_bytes: int = Field(default=50_000_000, ge=1, description="rotate the log above this size")
     log_backups: int = Field(default=3, ge=0, description="rotated files kept (log.1, log.2, ...)")
     record_text: bool = Field(default=False, description="also log both outputs' text (privacy: off by default)")
+
+
+@dataclass(frozen=True, config=_SECTION)
+class RequestLogSettings:
+    """The per-request log: one JSON line per attempt, mode 0600 (docs/requests.md#request-log)."""
+
+    path: str | None = Field(default=None, description="JSONL file, one line per attempt; none = off")
+    max_bytes: int = Field(default=50_000_000, ge=1, description="rotate the log above this size")
+    backups: int = Field(default=3, ge=0, description="rotated files kept (log.1, log.2, ...)")
+    record_text: bool = Field(
+        default=False, description="also log the client's prompt and each output's text (privacy: off by default)"
+    )
+
+
+@dataclass(frozen=True, config=_SECTION)
+class TracingSettings:
+    """OpenTelemetry traces over OTLP/HTTP; needs ``pip install 'enginemeter[otel]'`` (docs/requests.md#traces)."""
+
+    enabled: bool = Field(default=False, description="a server span per request, a client span per attempt")
+    endpoint: Url = Field(default="http://127.0.0.1:4318/v1/traces", description="OTLP/HTTP traces endpoint")
+    sample_ratio: float = Field(
+        default=1.0, ge=0, le=1, description="share of new traces kept; a client's traceparent decides its own"
+    )
+    service_name: Name = Field(default="enginemeter", description="the service.name resource attribute")
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -245,6 +273,15 @@ class ConfigFile:
     mirror: MirrorSettings = Field(default_factory=MirrorSettings, description="shadow copies, the comparison log")
     collectors: CollectorSettings = Field(default_factory=CollectorSettings, description="background pollers")
     metrics: MetricsSettings = Field(default_factory=MetricsSettings, description="histogram boundaries")
+    request_log: RequestLogSettings = Field(
+        default_factory=RequestLogSettings, description="one JSON line per attempt; off unless path is set"
+    )
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces; off")
+    add_timings: bool = Field(
+        default=False,
+        description="add a proxy-measured llama.cpp-shaped `timings` block where an engine sends none "
+        "(engines[].add_timings wins); docs/requests.md#the-timings-block",
+    )
 
 
 CONFIG_ADAPTER: TypeAdapter[ConfigFile] = TypeAdapter(ConfigFile)
@@ -293,6 +330,10 @@ class Settings:
     mirror: MirrorSettings = Field(default_factory=MirrorSettings)
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    request_log: RequestLogSettings = Field(default_factory=RequestLogSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
+    #: add a proxy-measured ``timings`` block for engines that send none (``EngineSettings.add_timings`` wins)
+    add_timings: bool = False
     #: True when built from --primary/--shadow only: every client model name routes to the primary
     quick: bool = False
 

@@ -269,15 +269,26 @@ class ComparisonLog:
 
     _STOP = object()
 
-    def __init__(self, path: str, *, max_bytes: int, backups: int, queue_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_bytes: int,
+        backups: int,
+        queue_size: int = 10_000,
+        mode: int = 0o666,
+        name: str = "enginemeter-compare-log",
+    ) -> None:
         self.path = path
+        #: permission bits of a file this writer creates (the umask still applies): 0o600 for the request log
+        self.mode = mode
         self.max_bytes = max(1, max_bytes)
         self.backups = max(0, backups)
         self.written = 0
         self.dropped = 0
         self.errors = 0
         self._q: queue.Queue[object] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._run, name="enginemeter-compare-log", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def write(self, record: dict[str, Any]) -> bool:
@@ -311,7 +322,7 @@ class ComparisonLog:
 
     def _rotate(self) -> None:
         if self.backups == 0:
-            open(self.path, "w").close()
+            os.truncate(self.path, 0)
             return
         for i in range(self.backups - 1, 0, -1):
             src = f"{self.path}.{i}"
@@ -335,9 +346,10 @@ class ComparisonLog:
                 size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
                 if size and size + len(line) > self.max_bytes:
                     self._rotate()
-                with open(self.path, "ab") as f:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+                with open(fd, "ab") as f:
                     f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on
                 self.errors += 1
-                log.exception("writing the comparison log %s failed", self.path)
+                log.exception("writing the log %s failed", self.path)

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +92,18 @@ def _primary_is_final(r: Result, engines: tuple[str, ...]) -> bool:
 
 
 class Mirror:
-    def __init__(self, settings: Settings, engines: Mapping[str, Engine], attempts: Attempts, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engines: Mapping[str, Engine],
+        attempts: Attempts,
+        metrics: Metrics,
+        *,
+        gpus_of: Callable[[str], Sequence[int]] | None = None,
+    ) -> None:
         s = settings.mirror
+        #: engine -> GPU indices it holds memory on (the GPU monitor's cached attribution; None: no GPU data)
+        self.gpus_of = gpus_of
         self.settings = settings
         self.engines = engines
         self.attempts = attempts
@@ -313,6 +323,14 @@ class Mirror:
         c = compare(primary, shadow)
         self.compared += 1
         observe_comparison(self.metrics, c)
+        gpus: dict[str, Sequence[int]] | None = None
+        if self.gpus_of is not None:
+            gpus = {"primary": self.gpus_of(primary.engine), "shadow": self.gpus_of(shadow.engine)}
+            if gpus["primary"] or gpus["shadow"]:
+                shared = bool(set(gpus["primary"]) & set(gpus["shadow"]))
+                self.metrics.contended.labels(primary.engine, shadow.engine).set(1 if shared else 0)
+            else:
+                gpus = None  # no attribution (no NVML, remote engines): say nothing rather than "not contended"
         if self.log is not None:
             text = self.record_text
             self.log.write(
@@ -321,6 +339,7 @@ class Mirror:
                     prompt=e.prompt if text else None,
                     primary_text=primary.text if text else None,
                     shadow_text=shadow.text if text else None,
+                    gpus=gpus,
                 )
             )
 

@@ -43,6 +43,7 @@ from proxy.errors import (
     normalize_engine_error,
 )
 from proxy.normalize import Normalized
+from proxy.server.llamatimings import timings_block
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
 from proxy.sse import Event, SSEFramer, encode_data
@@ -71,6 +72,10 @@ class Attempt:
     timer: StreamTimer
     on_result: Callable[[Result], None]
     collect_text: bool = False
+    #: sent upstream with the request (``traceparent``/``tracestate``; set by ``Attempts.on_new`` hooks)
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    #: add a proxy-measured llama.cpp-shaped ``timings`` block where the engine sends none (``llamatimings``)
+    add_timings: bool = False
 
     response: UpstreamResponse | None = None
     status: int = 0
@@ -105,6 +110,8 @@ class Attempt:
             "accept-encoding": "identity",
             "x-request-id": self.request_id,
         }
+        if self.extra_headers:
+            headers.update(self.extra_headers)
         path = PATHS[self.endpoint]
         self.timer.sent()
         try:
@@ -229,6 +236,10 @@ class Attempt:
                 self.usage = usage_from_json(doc["usage"]) or self.usage
                 if "timings" in doc:
                     self.engine_timings = EngineTimings.from_json(doc["timings"])
+                elif self.add_timings and not choices and self.norm.client_wants_usage:
+                    # once per stream: the final usage-only event (never vLLM's per-chunk continuous usage)
+                    out.append(self._with_timings(doc))
+                    continue
                 if not self.norm.client_wants_usage:
                     self.usage_stripped += 1
                     if not choices:
@@ -318,7 +329,17 @@ class Attempt:
                 self._text.append(text_of(choices))
         # a non-stream body has no token events: TTFT/TPOT stay unset; e2e and engine timings still count
         self.outcome = "ok"
+        if self.add_timings and "timings" not in doc:
+            return self._with_timings(doc, data=False)
         return self._rewrite_model(body, doc)
+
+    def _with_timings(self, doc: dict[str, Any], *, data: bool = True) -> bytes:
+        """``doc`` with the proxy-measured ``timings`` block, re-serialized (an SSE event when ``data``)."""
+        doc["timings"] = timings_block(self.timer, self.usage, stream=data)
+        if self.client_model is not None and "model" in doc:
+            doc["model"] = self.client_model
+        raw = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+        return encode_data(raw) if data else raw
 
     def finish(self, outcome: Outcome | None = None, error: str | None = None) -> Result | None:
         """Emit the one Result of this attempt. Idempotent."""

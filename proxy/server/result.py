@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.timing import EngineTimings, StreamTiming, Usage
-from proxy.types import Endpoint, EngineKind, Outcome, Role
+from proxy.types import EndpointLabel, EngineKind, Outcome, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +19,7 @@ class Result:
     engine_kind: EngineKind
     role: Role
     model: str  # bounded label: configured alias / engine model name, else "other"
-    endpoint: Endpoint
+    endpoint: EndpointLabel  # a generation endpoint, or a pass-through one (no tokens, no text)
     stream: bool
     outcome: Outcome
     status: int
