@@ -27,6 +27,7 @@ import uvicorn
 
 from proxy import __version__
 from proxy.configfile import load, parse_file
+from proxy.errors import redact_url
 from proxy.settings import DEFAULT_LISTEN, EngineSettings, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
 
@@ -206,7 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
             if clash := engine_at_listen_address(settings):
                 raise SettingsError(
                     f"listen address {settings.host}:{settings.port} is the address of engine {clash.name!r} "
-                    f"({clash.url}): the proxy would send requests to itself; pick another with --listen HOST:PORT"
+                    f"({redact_url(clash.url)}): the proxy would send requests to itself; pick another with --listen HOST:PORT"
                 )
             sock = bind_socket(settings.host, settings.port)
     except SettingsError as exc:
@@ -287,7 +288,10 @@ def _run(settings: Settings, sock: socket.socket, embedded: Sequence[object], lo
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
     # log_config=None: uvicorn's loggers propagate to the root handler main() set up (one format)
-    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False)
+    from proxy.server.guard import server_options
+
+    # server_options: connection limits (header deadline, head size, keep-alive; proxy/server/guard.py)
+    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False, **server_options())
     port = sock.getsockname()[1]  # the real one when --listen asked for port 0
     server = _Server(config, on_started=lambda: _banner(dataclasses.replace(settings, port=port), embedded))
     try:
@@ -325,7 +329,7 @@ def _banner(s: Settings, embedded: Sequence[object]) -> None:
     base = f"http://{host}:{s.port}"
     lines = [f"enginemeter listening on {base}"]
     for e in s.engines:
-        lines.append(f"  engine {e.name:<10} {e.url}")
+        lines.append(f"  engine {e.name:<10} {redact_url(e.url)}")
     for r in s.routes:
         shadow = f" (shadow: {', '.join(r.shadows)} @ {r.sample_rate:g})" if r.shadows else ""
         lines.append(f"  route {','.join(r.models)} -> {r.primary}{shadow}")

@@ -70,7 +70,7 @@ def test_one_line_per_attempt_without_text(fault_engines: tuple[str, str], tmp_p
         assert client.post("/tokenize", json={"content": "x y"}, headers={"x-request-id": "r2"}).status_code == 200
         recs = lines(path, log, 3)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    by = {(r["request_id"], r["role"]): r for r in recs}
+    by = {(r["client_request_id"], r["role"]): r for r in recs}  # the proxy owns request_id; the client's id is kept
     p, s, t = by["r1", "primary"], by["r1", "shadow"], by["r2", "primary"]
     assert (p["engine"], p["endpoint"], p["outcome"], p["status"], p["stream"], p["route"]) == ("p", "chat", "ok", 200, True, 0)  # fmt: skip
     assert p["completion_tokens"] == 4 and p["prompt_tokens"] > 0
@@ -97,7 +97,7 @@ def test_record_text_and_rotation(fault_engines: tuple[str, str], tmp_path: Path
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in (path, *rotated))
     recs = [json.loads(line) for p in (*reversed(rotated), path) for line in p.read_text().splitlines()]
     assert len(recs) == 3  # the newest three of six: the oldest files were dropped
-    assert recs[-1]["request_id"] == "t2"
+    assert recs[-1]["client_request_id"] == "t2"
     for rec in recs:
         assert rec["prompt"] == MSGS
         assert isinstance(rec["text"], str) and rec["text"]

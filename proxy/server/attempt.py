@@ -142,6 +142,7 @@ class Attempts:
         timer: StreamTimer,
         collect_text: bool = False,
         streams: StreamClient | None = None,
+        client_request_id: str | None = None,
     ) -> Attempt:
         """An attempt of ``body`` on ``engine``, sent through ``streams`` (default: the engine's own pool)."""
         client_model = body.get("model") if isinstance(body.get("model"), str) else None
@@ -166,6 +167,7 @@ class Attempts:
             timer=timer,
             on_result=self.record,
             collect_text=collect_text,
+            client_request_id=client_request_id,
         )
         for hook in self.on_new:
             try:

@@ -276,11 +276,11 @@ class ComparisonLog:
         max_bytes: int,
         backups: int,
         queue_size: int = 10_000,
-        mode: int = 0o666,
+        mode: int = 0o600,
         name: str = "enginemeter-compare-log",
     ) -> None:
         self.path = path
-        #: permission bits of a file this writer creates (the umask still applies): 0o600 for the request log
+        #: permission bits of a file this writer creates: 0o600 (both logs may hold prompts; the umask still applies)
         self.mode = mode
         self.max_bytes = max(1, max_bytes)
         self.backups = max(0, backups)
@@ -322,7 +322,7 @@ class ComparisonLog:
 
     def _rotate(self) -> None:
         if self.backups == 0:
-            os.truncate(self.path, 0)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, self.mode))
             return
         for i in range(self.backups - 1, 0, -1):
             src = f"{self.path}.{i}"
@@ -346,8 +346,9 @@ class ComparisonLog:
                 size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
                 if size and size + len(line) > self.max_bytes:
                     self._rotate()
+                # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
-                with open(fd, "ab") as f:
+                with os.fdopen(fd, "ab") as f:
                     f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on

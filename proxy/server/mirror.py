@@ -168,15 +168,29 @@ class Mirror:
         self.counts[result] += n
         self.metrics.mirror.labels(engine, result).inc(n)
 
-    def submit(self, decision: Decision, body: Mapping[str, Any], endpoint: Endpoint, request_id: str) -> bool:
+    def submit(
+        self,
+        decision: Decision,
+        body: Mapping[str, Any],
+        endpoint: Endpoint,
+        request_id: str,
+        client_request_id: str | None = None,
+    ) -> bool:
         """Called on the primary's path before its attempt; never awaits, never raises. True = copies sent."""
         try:
-            return self._submit(decision, body, endpoint, request_id)
+            return self._submit(decision, body, endpoint, request_id, client_request_id)
         except Exception:
             log.exception("mirroring %s failed", request_id)
             return False
 
-    def _submit(self, decision: Decision, body: Mapping[str, Any], endpoint: Endpoint, request_id: str) -> bool:
+    def _submit(
+        self,
+        decision: Decision,
+        body: Mapping[str, Any],
+        endpoint: Endpoint,
+        request_id: str,
+        client_request_id: str | None,
+    ) -> bool:
         shadows = decision.shadows
         if not shadows:
             return False
@@ -216,7 +230,9 @@ class Mirror:
             self._count(name, "sent")
             # the copy's clock starts now, when it is made, as the primary's started on receipt; the task is
             # referenced until done (a bare create_task can be garbage-collected)
-            task = asyncio.ensure_future(self._shadow(name, dict(body), endpoint, request_id, StreamTimer()))
+            task = asyncio.ensure_future(
+                self._shadow(name, dict(body), endpoint, request_id, StreamTimer(), client_request_id)
+            )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
@@ -228,7 +244,13 @@ class Mirror:
         return streams
 
     async def _shadow(
-        self, name: str, body: dict[str, Any], endpoint: Endpoint, request_id: str, timer: StreamTimer
+        self,
+        name: str,
+        body: dict[str, Any],
+        endpoint: Endpoint,
+        request_id: str,
+        timer: StreamTimer,
+        client_request_id: str | None = None,
     ) -> None:
         attempt: Attempt | None = None
         task = asyncio.current_task()
@@ -249,6 +271,7 @@ class Mirror:
             # what probing learned about the engine, through the mirror's own pool
             attempt = self.attempts.new(
                 request_id=request_id,
+                client_request_id=client_request_id,
                 endpoint=endpoint,
                 engine=engine,
                 role="shadow",

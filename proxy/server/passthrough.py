@@ -147,7 +147,9 @@ class Passthrough:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timer = StreamTimer()
         headers = dict(scope["headers"])  # lower-case names; a repeated header keeps its last value
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        # the proxy owns request ids (as for generation requests); the client's x-request-id is forwarded and logged
+        request_id = uuid.uuid4().hex
+        client_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
         path: str = scope["path"]
         method: str = scope["method"]
         if path in OWN_PATHS:
@@ -172,7 +174,7 @@ class Passthrough:
         served = self.attempts.served_model(client_model, engine) if client_model is not None else None
         if client_model is not None and served is not None and served != client_model:
             content = _set_model(content, served)
-        call = _Call(self, engine, endpoint, request_id, client_model, served, timer)
+        call = _Call(self, engine, endpoint, request_id, client_model, served, timer, client_id)
         await call.run(scope, receive, send, method, path, headers, content)
 
     def rejected(self, endpoint: PassthroughEndpoint, model: str | None, outcome: Outcome) -> None:
@@ -216,8 +218,10 @@ class _Call:
         client_model: str | None,
         served: str | None,
         timer: StreamTimer,
+        client_request_id: str | None = None,
     ) -> None:
         self.owner = owner
+        self.client_request_id = client_request_id
         self.engine = engine
         self.endpoint = endpoint
         self.request_id = request_id
@@ -233,7 +237,7 @@ class _Call:
     def upstream_headers(self, headers: dict[bytes, bytes]) -> dict[str, str]:
         out = {k.decode(): headers[k].decode("latin-1") for k in FORWARD_REQUEST if k in headers}
         out["accept-encoding"] = "identity"
-        out["x-request-id"] = self.request_id
+        out["x-request-id"] = self.client_request_id or self.request_id
         ctx = current()
         if ctx is not None:
             out.update(ctx.trace_headers)
@@ -333,6 +337,7 @@ class _Call:
         owner = self.owner
         result = Result(
             request_id=self.request_id,
+            client_request_id=self.client_request_id,
             engine=self.engine.name,
             engine_kind=self.engine.effective_kind,
             role="primary",

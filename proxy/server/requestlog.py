@@ -11,7 +11,8 @@ Never the prompt or the output, unless ``request_log.record_text``: then every a
 
 Record (``v`` bumps when a field changes meaning or disappears; fields may be added; docs/requests.md)::
 
-    {"v":1, "ts":1764700000.12, "request_id":"...", "endpoint":"chat", "model":"qwen-7b", "route":0,
+    {"v":1, "ts":1764700000.12, "request_id":"...", "client_request_id":null, "endpoint":"chat", "model":"qwen-7b",
+     "route":0,
      "engine":"llama", "kind":"llamacpp", "role":"primary", "stream":true, "outcome":"ok", "status":200,
      "ttft_s":0.081, "upstream_ttft_s":0.080, "tpot_s":0.0041, "decode_tps":243.9, "e2e_s":0.61,
      "overhead_s":0.0002, "prompt_tokens":31, "completion_tokens":128, "cached_tokens":0,
@@ -46,6 +47,7 @@ def to_record(r: Result, *, route: int | None, ts: float | None = None) -> dict[
         "v": RECORD_VERSION,
         "ts": time.time() if ts is None else ts,
         "request_id": r.request_id,
+        "client_request_id": r.client_request_id,
         "endpoint": r.endpoint,
         "model": r.model,
         "route": route,

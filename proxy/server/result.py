@@ -14,6 +14,7 @@ from proxy.types import EndpointLabel, EngineKind, Outcome, Role
 
 @dataclass(frozen=True, slots=True)
 class Result:
+    #: the proxy's own id for the request (pairs primary and shadow; sent back as x-enginemeter-request-id)
     request_id: str
     engine: str
     engine_kind: EngineKind
@@ -36,3 +37,5 @@ class Result:
     usage_stripped: int = 0
     #: events re-serialized instead of byte-rewritten (unusual engine formatting, usage on a content event)
     reserialized: int = 0
+    #: the client's ``x-request-id``, if it sent one (echoed, forwarded to the engine; never used for pairing)
+    client_request_id: str | None = None
