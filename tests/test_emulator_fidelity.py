@@ -125,7 +125,7 @@ def test_health_can_take_as_long_as_real_sglang_when_idle(emulator: str) -> None
     assert real_s > 0.9
     t0 = time.perf_counter()
     assert httpx.get(f"{emulator}/health", timeout=10).status_code == 200
-    assert time.perf_counter() - t0 < 0.5
+    assert time.perf_counter() - t0 < 0.9  # the real wait, and more, is not there by default (generous: a loaded CI)
     with run_engine(FaultEngineConfig(model="fault")) as backend:
         with run_emulator(EmulatorConfig(backend=backend, health_idle_s=0.6)) as url:
             t0 = time.perf_counter()
