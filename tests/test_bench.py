@@ -314,7 +314,7 @@ def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: 
         )  # fmt: skip
     try:
         sgl = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(f"{sgl}/ready", timeout=1).status_code == 200, timeout=60)
+        wait_until(lambda: httpx.get(f"{sgl}/v1/models", timeout=1).status_code == 200, timeout=60)
         rc = main(["bench", "--engine", f"a={llama.url}", "--engine", f"b={sgl}", *SMALL, "--cache", "both",
                    "--prompt-lengths", "medium", "--concurrency", "1", "--aa", "off", "--out", str(tmp_path),
                    "--quantization", "a=F16", "--quantization", "b=float16"])  # fmt: skip
