@@ -200,6 +200,15 @@ async def _run_repeat(
     return [o for o in outs if o is not None], t_a, time.perf_counter_ns()
 
 
+def shared_llamacpp_servers(cfg: BenchConfig) -> list[str]:
+    """Names of llama.cpp targets that share their URL with another target (an A/A twin listed by name)."""
+    by_url: dict[str, list[str]] = {}
+    for t in cfg.engines:
+        if t.url and t.kind == "llamacpp":
+            by_url.setdefault(t.url.rstrip("/"), []).append(t.name)
+    return [n for names in by_url.values() if len(names) > 1 for n in names]
+
+
 async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> Path:
     """Run the whole bench; returns the JSONL path. Cancellation (Ctrl-C) keeps what was written.
     Raises ``PreflightError`` before anything is measured when an engine is unreachable or failing."""
@@ -214,6 +223,12 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) 
     await asyncio.gather(*(probe(t) for t in cfg.engines))
     if cfg.through:
         await _engine_info_via_proxy(cfg)
+    shared = shared_llamacpp_servers(cfg)
+    if shared and not cfg.no_prompt_cache:
+        # two names on one llama.cpp server share one prompt cache: in a cold cell the second name would be served
+        # the first one's prompt from cache (the cold prefix is the same on every engine, for token parity)
+        cfg.no_prompt_cache = True
+        say(f"enginemeter bench: {', '.join(shared)} share one llama.cpp server: cold cells send cache_prompt:false")
     setup_aa(cfg)
     max_conc = max(cfg.concurrency)
     clients: dict[str, httpx.AsyncClient] = {}
