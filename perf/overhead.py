@@ -119,8 +119,11 @@ class LoadGen:
 
     async def _conn(self, host: str, port: int, fresh: bool = False) -> tuple[Conn, bool]:
         pool = self.pools.setdefault((host, port), [])
-        if pool and not fresh:
-            return pool.pop(), True
+        while pool and not fresh:
+            conn = pool.pop()
+            if not conn.reader.at_eof():
+                return conn, True
+            conn.close()  # the server closed it after its last response (llama-server does after every stream)
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
         return Conn(reader, writer), False
 
@@ -139,21 +142,22 @@ class LoadGen:
                 try:
                     data = await reader.read(65536)
                 except ConnectionResetError:
-                    if not (reused and not buf):
+                    if not (reused and not buf.strip()):
                         raise
                     data = b""  # the same race as below, seen as a reset
-                if not data and reused and not buf:
+                if not data and reused and not buf.strip():
                     # the server closed this idle keep-alive connection (uvicorn: after 5 s): retry once on a
                     # fresh one, as every HTTP client does; the connect counts in this stream's TTFT
                     conn.close()
                     conn, reused = await self._conn(host, port, fresh=True)
                     conn.writer.write(request)
                     reader = conn.reader
+                    buf = b""  # a stray CRLF after the last response's final chunk
                     continue
                 if not data:
                     raise ConnectionError("closed before response headers")
                 buf += data
-            head, _, rest = buf.partition(b"\r\n\r\n")
+            head, _, rest = buf.lstrip(b"\r\n").partition(b"\r\n\r\n")
             lines = head.split(b"\r\n")
             status = int(lines[0].split(b" ", 2)[1])
             headers = {}
@@ -394,6 +398,15 @@ class Procs:
         wait_http(port, "/health", p)
         return port, p
 
+    def llama(self, name: str, binary: str, model: str, threads: int, slots: int) -> tuple[int, subprocess.Popen[bytes]]:
+        """A real llama-server (``--engine llama``): ``-t threads``, ``-np slots``, 256 context tokens a slot."""
+        port = free_port()
+        argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
+        argv += ["-np", str(slots), "-c", str(256 * slots), "--no-webui", "--threads-http", str(slots + 32)]
+        p = self.start(name, argv)
+        wait_http(port, "/health", p, deadline_s=120.0)
+        return port, p
+
     def proxy(
         self, name: str, primary: int, shadow: int | None, env: dict[str, str], cwd: Path = ROOT
     ) -> tuple[int, subprocess.Popen[bytes]]:
@@ -617,6 +630,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="token chunks per stream")
     ap.add_argument("--cadence-ms", type=float, default=20.0, help="fake engine's gap between chunks")
     ap.add_argument("--ttft-ms", type=float, default=50.0, help="fake engine's time to first token")
+    ap.add_argument(
+        "--engine",
+        choices=["fake", "llama"],
+        default="fake",
+        help="fake: fakes.fault_engine (fixed cadence); llama: a real llama-server ($LLAMA_SERVER_BIN) on the"
+        " generated tiny model (proxy.embedded.make_model); --cadence-ms/--ttft-ms then only size the rounds",
+    )
+    ap.add_argument("--llama-threads", type=int, default=1, help="llama-server -t")
+    ap.add_argument("--llama-slots", type=int, default=0, help="llama-server -np (default: the largest --streams)")
     ap.add_argument("--rounds", type=int, default=8, help="measured rounds per target (plus one warm-up)")
     ap.add_argument(
         "--ramp-ms", type=float, default=0.0, help="spread stream starts over this many ms (0: all at once)"
@@ -666,7 +688,17 @@ def main() -> int:
     }
     print(f"(process logs in {tmp}; removed after a clean run)", file=sys.stderr)
     try:
-        e_port, _ = procs.engine("engine", args.tokens, args.cadence_ms, args.ttft_ms)
+        if args.engine == "llama":
+            binary = os.environ.get("LLAMA_SERVER_BIN") or str(
+                Path.home() / ".cache/enginemeter/llama-server-11434.0.0-cpu/bin/llama-server"
+            )
+            from proxy.embedded import make_model
+
+            model = str(make_model())
+            slots = args.llama_slots or max(counts)
+            e_port, _ = procs.llama("engine", binary, model, args.llama_threads, slots)
+        else:
+            e_port, _ = procs.engine("engine", args.tokens, args.cadence_ms, args.ttft_ms)
         targets = [Target("direct", e_port, [])]
         p_port, p_proc = procs.proxy("proxy", e_port, None, env)
         targets.append(Target("proxy", p_port, [p_proc.pid]))

@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from proxy.server.gpu import GpuMonitor
 from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.relay import RelayResponse, error_response
+from proxy.server.result import new_request_id
 from proxy.server.routing import Decision, Router
 from proxy.server.upstream import Engine, make_client, probe_all
 from proxy.settings import Settings
@@ -119,7 +119,7 @@ class Gateway:
 
     async def generate(self, request: Request, endpoint: Endpoint) -> Response:
         timer = StreamTimer()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or new_request_id()
         body: dict[str, Any] | None = None
         try:
             self.authenticate(request)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -50,6 +51,15 @@ from proxy.stream import error_message, finish_reason_of, has_token, loads, text
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
 
 log = logging.getLogger("enginemeter.relay")
+
+
+def dumps_body(body: dict[str, Any]) -> bytes:
+    """The normalized request body as compact UTF-8 JSON: orjson (a few µs), ``json`` for what orjson refuses
+    (integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_ERROR_BODY = 1 << 20
@@ -98,7 +108,7 @@ class Attempt:
     async def open(self) -> None:
         """Send the request and wait for headers (and, for streams, the first event). Raises UpstreamError."""
         e = self.engine
-        content = json.dumps(self.norm.body, ensure_ascii=False).encode()
+        content = dumps_body(self.norm.body)
         headers = {
             "content-type": "application/json",
             "accept-encoding": "identity",
