@@ -43,6 +43,7 @@ TOKS = "suffix: tok/s"
 #: outcomes that are the engine's or the proxy's fault (a client going away or sending junk is not)
 FAILED = SEL + ', outcome!~"ok|client_disconnect|rejected"'
 RATIO = "suffix: ×"
+LENGTH = SEL + ', reason="length"'
 
 
 # ------------------------------------------------------------------------------------------- PromQL helpers
@@ -143,8 +144,38 @@ def panel(
     return p
 
 
-def row(title: str) -> Json:
-    return {"type": "row", "title": title, "collapsed": False, "panels": [], "_size": (24, 1)}
+def row(title: str, repeat: str | None = None) -> Json:
+    r: Json = {"type": "row", "title": title, "collapsed": False, "panels": [], "_size": (24, 1)}
+    if repeat:
+        # one copy of the row (and the panels up to the next row) per selected value of the variable
+        r["repeat"] = repeat
+    return r
+
+
+def heatmap(title: str, description: str, hist: str, unit: str, sel: str = SEL) -> Json:
+    """Distribution over time of a histogram's observations: the buckets' rates per `le`, as Grafana cells."""
+    t = target(f"sum by (le) (rate({hist}_bucket{{{sel}}}[{RI}]))", "{{le}}", fmt="heatmap")
+    p = panel(title, description, [t], unit)
+    p["type"] = "heatmap"
+    p["fieldConfig"]["defaults"] = {
+        "unit": unit,
+        "custom": {"hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                   "scaleDistribution": {"type": "linear"}},
+    }  # fmt: skip
+    p["options"] = {
+        "calculate": False,
+        "cellGap": 1,
+        "color": {"mode": "scheme", "scheme": "Spectral", "reverse": True, "scale": "exponential", "exponent": 0.5,
+                  "steps": 64, "fill": "dark-orange"},
+        "filterValues": {"le": 1e-9},  # hide empty cells
+        "rowsFrame": {"layout": "auto"},
+        "yAxis": {"axisPlacement": "left", "unit": unit, "reverse": False},
+        "cellValues": {"unit": "short"},  # observations per second in the bucket
+        "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": True},
+        "legend": {"show": True},
+        "exemplars": {"color": "rgba(255,0,255,0.7)"},
+    }  # fmt: skip
+    return p
 
 
 def layout(items: list[Json]) -> list[Json]:
@@ -254,6 +285,8 @@ def engine_comparison() -> Json:
               [target(q(x, "enginemeter_request_duration_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95, 0.99)], "s"),
         panel("Proxy overhead p50 / p99", "Proxy received → request sent upstream: what enginemeter itself adds before the engine sees the request.",
               [target(q(x, "enginemeter_proxy_overhead_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.99)], "s"),
+        panel("Prefill speed p50 / p10", "(prompt − cached prompt tokens) / upstream TTFT: uncached prompt tokens the engine prefilled per second before its first token. A lower bound (queueing is in the denominator); p10 is the slow tail. On long prompts the figure that most separates llama.cpp from SGLang and vLLM.",
+              [target(q(x, "enginemeter_prefill_tokens_per_second"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.1)], TOKS, w=24),
     ]  # fmt: skip
     thr = [
         panel("Output tokens / s", "Completion tokens per second (engine-reported usage), summed over replicas.",
@@ -268,9 +301,14 @@ def engine_comparison() -> Json:
               "percentunit", min_=0),
         panel("In flight", "Requests in progress right now, summed over replicas.",
               [target(f"sum by (engine, role) (enginemeter_in_flight_requests{{{ENG}}})", ER)], "short", min_=0),
-        panel("Cached-prompt share", "Share of prompt tokens the engine served from its prompt cache. A gap between engines means TTFT comparisons are not like for like.",
+        panel("Cached-prompt share", "Share of prompt tokens the engine served from its prompt cache. A gap between engines means TTFT comparisons are not like for like. Needs SGLang --enable-cache-report and vLLM --enable-prompt-tokens-details.",
               [target(f"{rate('enginemeter_cached_prompt_tokens_total')} / ({rate('enginemeter_prompt_tokens_total')} > 0)", ER)],
               "percentunit", min_=0, max_=1),
+        panel("Finish reasons / s", "Successful requests by why the answer ended: stop (the model finished), length (cut at max_tokens or the context), tool_calls, other (abort, content filter, none reported).",
+              [target(rate("enginemeter_finish_reasons_total", "engine, role, reason"), "{{engine}} · {{role}} · {{reason}}")], "reqps", w=12),
+        panel("Truncated share (finish reason length)", "Share of successful answers cut off at max_tokens or the context. An engine that truncates more produces shorter answers: its per-request latency looks better than it is.",
+              [target(f"{rate('enginemeter_finish_reasons_total', sel=LENGTH)} / ({rate('enginemeter_finish_reasons_total')} > 0)", ER)],
+              "percentunit", w=12, min_=0, max_=1),
     ]  # fmt: skip
     mirror = [
         panel("Token-count mismatch rate", "Share of compared primary/shadow pairs whose prompt or completion token counts differ (tokenizer or chat-template drift).",
@@ -290,22 +328,53 @@ def engine_comparison() -> Json:
               [target(f"sum by (primary, shadow) (rate(enginemeter_compared_pairs_total[{RI}]))", "{{primary}} vs {{shadow}}")], "reqps"),
     ]  # fmt: skip
     engine = [
+        panel("Engine queue depth", "Requests waiting inside each engine, from its own /metrics: llama.cpp requests_deferred (no free slot), SGLang num_queue_reqs, vLLM num_requests_waiting. A queue that stays above 0 means more slots, a bigger KV pool or more replicas.",
+              [target(f"sum by (engine) (llamacpp:requests_deferred{{{ENG}}})", "{{engine}} deferred (llama.cpp)"),
+               target(f"sum by (engine) (sglang:num_queue_reqs{{{ENG}}})", "{{engine}} queued (SGLang)"),
+               target(f"sum by (engine) (vllm:num_requests_waiting{{{ENG}}})", "{{engine}} waiting (vLLM)")], "short", min_=0),
+        panel("Engine running requests", "Requests each engine is running now (llama.cpp requests_processing, SGLang num_running_reqs, vLLM num_requests_running) against the slots the proxy polled (llama.cpp -np, SGLang max running requests).",
+              [target(f"sum by (engine) (llamacpp:requests_processing{{{ENG}}})", "{{engine}} running (llama.cpp)"),
+               target(f"sum by (engine) (sglang:num_running_reqs{{{ENG}}})", "{{engine}} running (SGLang)"),
+               target(f"sum by (engine) (vllm:num_requests_running{{{ENG}}})", "{{engine}} running (vLLM)"),
+               target(f"max by (engine) (enginemeter_engine_slots{{{ENG}}})", "{{engine}} slots")], "short", min_=0),
+        panel("KV-cache use", "Share of the engine's preallocated KV pool in use: SGLang token_usage, vLLM kv_cache_usage_perc. The pool itself is ~0.9 of the card by design; full here means queueing and preemption (alert EnginemeterKVCachePressure above 0.9 for 10 min). llama.cpp has no KV gauge: its line is the longest sequence so far over the per-slot context (a high-water mark).",
+              [target(f"max by (engine) (sglang:token_usage{{{ENG}}})", "{{engine}} (SGLang)"),
+               target(f"max by (engine) (vllm:kv_cache_usage_perc{{{ENG}}})", "{{engine}} (vLLM)"),
+               target(f"max by (engine) (llamacpp:n_tokens_max{{{ENG}}}) / on (engine) (max by (engine) (enginemeter_engine_context_length{{{ENG}}}) > 0)",
+                      "{{engine}} longest sequence / slot context (llama.cpp)")],
+              "percentunit", min_=0, max_=1, thresholds=[(None, "green"), (0.9, "red")]),
+        panel("Engine-native generated tokens / s", "From the engines' own /metrics (llama-server --metrics, SGLang --enable-metrics, vLLM), not from the proxy: a cross-check of the proxy's count that also shows traffic bypassing the proxy.",
+              [target(f"sum by (engine) (rate(llamacpp:tokens_predicted_total{{{ENG}}}[{RI}]))", "{{engine}} (llama.cpp)"),
+               target(f"sum by (engine) (rate(sglang:generation_tokens_total{{{ENG}}}[{RI}]))", "{{engine}} (SGLang)"),
+               target(f"sum by (engine) (rate(vllm:generation_tokens_total{{{ENG}}}[{RI}]))", "{{engine}} (vLLM)")], TOKS),
         panel("Decode rate: engine-reported vs proxy-measured", "p50 of llama.cpp's own timings.predicted_per_second next to the proxy's measurement. A large gap means the proxy or the network path is slowing the stream.",
               [target(q(0.5, "enginemeter_engine_decode_tokens_per_second", "engine"), "engine-reported {{engine}}"),
                target(q(0.5, "enginemeter_decode_tokens_per_second", "engine"), "proxy-measured {{engine}}")], TOKS),
         panel("Engine queue time p50 / p95", "Upstream TTFT minus engine-reported prompt time: how long requests wait for a slot.",
               [target(q(x, "enginemeter_engine_queue_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95)], "s"),
-        panel("Engine-native generated tokens / s", "From the engines' own /metrics (llama-server --metrics, SGLang --enable-metrics), not from the proxy.",
-              [target(f"sum by (engine) (rate(llamacpp:tokens_predicted_total{{{ENG}}}[{RI}])) or sum by (engine) (rate(sglang:generation_tokens_total{{{ENG}}}[{RI}]))", "{{engine}}")], TOKS),
-        panel("Slots busy / total", "Busy slots against the engine's parallel slots (llama.cpp -np, SGLang max running requests).",
+        panel("Slots busy / total", "Busy slots against the engine's parallel slots (llama.cpp -np, SGLang max running requests), as the proxy's state poll sees them.",
               [target(f"sum by (engine) (enginemeter_engine_busy_slots{{{ENG}}})", "busy {{engine}}"),
-               target(f"max by (engine) (enginemeter_engine_slots{{{ENG}}})", "slots {{engine}}")], "short", min_=0),
+               target(f"max by (engine) (enginemeter_engine_slots{{{ENG}}})", "slots {{engine}}")], "short", w=24, min_=0),
+    ]  # fmt: skip
+    dist = [
+        heatmap("TTFT distribution · $engine", "Time to first token of successful streams, per bucket over time: bimodal cells (cache hits vs misses, short vs long prompts) that p50/p99 lines hide.",
+                "enginemeter_time_to_first_token_seconds", "s"),
+        heatmap("Inter-chunk gap distribution · $engine", "Gaps between token-carrying chunks: a band at the decode step (4–5 ms for a 7B on an H200), stalls above it.",
+                "enginemeter_inter_chunk_seconds", "s"),
+        heatmap("End-to-end duration distribution · $engine", "Proxy received → response finished, every outcome.",
+                "enginemeter_request_duration_seconds", "s"),
+        heatmap("Prefill speed distribution · $engine", "(prompt − cached tokens) / upstream TTFT per request, tokens/s.",
+                "enginemeter_prefill_tokens_per_second", TOKS),
+        heatmap("Prompt tokens distribution · $engine", "Prompt length per request (engine usage): the load shape behind every latency figure.",
+                "enginemeter_request_prompt_tokens", "short"),
+        heatmap("Completion tokens distribution · $engine", "Completion length per request (engine usage).",
+                "enginemeter_request_completion_tokens", "short"),
     ]  # fmt: skip
     gpu = [
         panel("GPU memory per GPU", "Used and total memory of each GPU on the proxy's host (NVML). Absent, not zero, on hosts without NVML.",
               [target("max by (gpu) (enginemeter_gpu_memory_used_bytes)", "used gpu {{gpu}}"),
                target("max by (gpu) (enginemeter_gpu_memory_total_bytes)", "total gpu {{gpu}}")], "bytes", w=8, min_=0),
-        panel("GPU memory per engine (with peak)", "Memory held by each engine's processes on each GPU, and the peak since the proxy started.",
+        panel("GPU memory per engine (with peak)", "Memory held by each engine's processes on each GPU, and the peak since the proxy started. vLLM and SGLang take ~0.9 of the card at start by design (--gpu-memory-utilization, --mem-fraction-static): a flat high line is their preallocated pool, see KV-cache use for how full it is.",
               [target(f"max by (engine, gpu) (enginemeter_engine_gpu_memory_used_bytes{{{ENG}}})", "{{engine}} gpu {{gpu}}"),
                target(f"max by (engine, gpu) (enginemeter_engine_gpu_memory_peak_bytes{{{ENG}}})", "peak {{engine}} gpu {{gpu}}")], "bytes", w=8, min_=0),
         panel("GPU utilization", "Share of time a kernel was running, per GPU.",
@@ -339,8 +408,10 @@ def engine_comparison() -> Json:
             *thr,
             row("Primary vs shadow"),
             *mirror,
-            row("Engines"),
+            row("Engine internals"),
             *engine,
+            row("Distributions · $engine", repeat="engine"),
+            *dist,
             row("GPU"),
             *gpu,
             row("Engine info and drift"),
@@ -362,7 +433,7 @@ def overview() -> Json:
         panel("In flight", "Requests in progress on all replicas.",
               [target("sum(enginemeter_in_flight_requests)", "in flight")], "short", kind="stat", w=4, h=5),
         panel("Engines up", "Engine scrape targets answering (Prometheus `up`) out of all configured.",
-              [target('sum(up{job=~"llamacpp|sglang"})', "up"), target('count(up{job=~"llamacpp|sglang"})', "configured")],
+              [target('sum(up{job=~"llamacpp|sglang|vllm"})', "up"), target('count(up{job=~"llamacpp|sglang|vllm"})', "configured")],
               "short", kind="stat", w=4, h=5),
         panel("Alerts firing", "enginemeter alerts currently firing.",
               [target('count(ALERTS{alertstate="firing", alertname=~"Enginemeter.*"}) or vector(0)', "firing")],
@@ -385,9 +456,12 @@ def overview() -> Json:
                target("primary_shadow:enginemeter_output_mismatches:ratio_rate5m", "text {{primary}} vs {{shadow}}")], "percentunit", w=8, min_=0, max_=1),
         panel("Requests / s per replica", "Finished requests per proxy replica: uneven lines mean the load balancer is not spreading load.",
               [target(f'sum by (instance) (rate(enginemeter_requests_total{{job="enginemeter"}}[{RI}]))', "{{instance}}")], "reqps", w=8),
-        panel("GPU memory used share", "Used / total memory per GPU on every proxy host. GPUMemoryNearFull fires above 95 %.",
+        panel("GPU memory used share", "Used / total memory per GPU on every proxy host. ~0.9 is vLLM/SGLang preallocation by design; GPUMemoryNearFull fires above 98 %.",
               [target("max by (instance, gpu) (enginemeter_gpu_memory_used_bytes / enginemeter_gpu_memory_total_bytes)", "{{instance}} gpu {{gpu}}")],
-              "percentunit", w=8, min_=0, max_=1, thresholds=[(None, "green"), (0.95, "red")]),
+              "percentunit", w=8, min_=0, max_=1, thresholds=[(None, "green"), (0.98, "red")]),
+        panel("KV-cache use by engine", "Recorded share of each SGLang/vLLM engine's KV pool in use. KVCachePressure fires above 90 % for 10 minutes.",
+              [target("engine:kv_cache_usage:ratio", "{{engine}}")], "percentunit", w=8, min_=0, max_=1,
+              thresholds=[(None, "green"), (0.9, "red")]),
         panel("Versions", "enginemeter build per replica: during a rollout two versions show up.",
               [target('count by (version) (enginemeter_build_info{job="enginemeter"})', instant=True, fmt="table")], "none", kind="table", w=8),
     ]  # fmt: skip

@@ -25,13 +25,13 @@ import aiohttp
 import httpx
 
 from proxy import engines
-from proxy.settings import EngineKind
+from proxy.types import EngineKind, Outcome
 
 
 class ProxyError(Exception):
     status = 500
     type = "enginemeter_error"
-    outcome = "rejected"
+    outcome: Outcome = "rejected"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -68,7 +68,7 @@ class PayloadTooLarge(ProxyError):
 class UpstreamError(ProxyError):
     status = 502
     type = "upstream_error"
-    outcome = "upstream_broken"
+    outcome: Outcome = "upstream_broken"
 
 
 class UpstreamConnectError(UpstreamError):

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from proxy.settings import EngineKind
-
-Endpoint = Literal["chat", "completions"]
+from proxy.types import Endpoint, EngineKind
 
 ALL: frozenset[EngineKind] = frozenset({"llamacpp", "sglang", "vllm", "openai"})
 SELF_HOSTED: frozenset[EngineKind] = frozenset({"llamacpp", "sglang", "vllm"})

@@ -27,21 +27,24 @@ YAML shape (every key optional except ``engines`` when no ``--primary`` flag is 
         shadows: [sglang]
     default_route: null              # route index used for unknown models; null = 404
     sampling_defaults: {temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05}
+    metrics:
+      buckets: {ttft: [0.1, 0.2, 0.5, 1, 2, 5]}   # histogram boundaries per family (docs/metrics.md#buckets)
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import yaml
 
-EngineKind = Literal["llamacpp", "sglang", "vllm", "openai"]
-ENGINE_KINDS: tuple[EngineKind, ...] = ("llamacpp", "sglang", "vllm", "openai")
+from proxy.types import ENGINE_KINDS, EngineKind
 
 #: llama-server's own hidden defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Using them as the
 #: proxy's defaults means putting enginemeter in front of llama.cpp changes nothing for existing clients,
@@ -116,6 +119,35 @@ class CollectorSettings:
     engine_interval: float = 10.0
 
 
+#: histogram families whose boundaries ``metrics.buckets`` may set (defaults in proxy/server/metrics.py)
+BUCKET_KEYS = ("ttft", "e2e", "inter_chunk", "overhead", "tokens", "decode_tps", "prefill_tps")
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    #: family (one of BUCKET_KEYS) -> strictly increasing, finite boundaries; a missing family keeps its default
+    buckets: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+
+def _metrics(raw: Mapping[str, Any]) -> MetricsSettings:
+    _known(raw, {"buckets"}, "metrics")
+    buckets: dict[str, tuple[float, ...]] = {}
+    for key, value in _mapping(raw.get("buckets"), "metrics.buckets").items():
+        where = f"metrics.buckets.{key}"
+        if key not in BUCKET_KEYS:
+            raise SettingsError(f"{where}: unknown histogram family; known: {', '.join(BUCKET_KEYS)}")
+        if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+            raise SettingsError(f"{where}: expected a non-empty list of numbers")
+        try:
+            bounds = tuple(float(v) for v in value)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"{where}: expected numbers ({exc})") from exc
+        if not all(math.isfinite(b) for b in bounds) or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise SettingsError(f"{where}: boundaries must be finite and strictly increasing (+Inf is implicit)")
+        buckets[key] = bounds
+    return MetricsSettings(buckets=buckets)
+
+
 @dataclass(frozen=True)
 class Settings:
     engines: tuple[EngineSettings, ...]
@@ -131,6 +163,7 @@ class Settings:
     pin_header: str = "x-enginemeter-engine"
     mirror: MirrorSettings = field(default_factory=MirrorSettings)
     collectors: CollectorSettings = field(default_factory=CollectorSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
     #: True when built from --primary/--shadow only: every client model name routes to the primary
     quick: bool = False
 
@@ -291,6 +324,7 @@ def from_mapping(raw: Mapping[str, Any], *, base: Settings | None = None) -> Set
             "pin_header",
             "mirror",
             "collectors",
+            "metrics",
         },
         "config",
     )
@@ -329,6 +363,7 @@ def from_mapping(raw: Mapping[str, Any], *, base: Settings | None = None) -> Set
         pin_header=str(raw.get("pin_header", s.pin_header)).lower(),
         mirror=replace(s.mirror, **mirror),
         collectors=replace(s.collectors, **coll),
+        metrics=_metrics(_mapping(raw["metrics"], "metrics")) if "metrics" in raw else s.metrics,
     )
 
 

@@ -12,10 +12,11 @@ from proxy.server.compare import ComparisonLog, compare, first_diff, observe_com
 from proxy.server.metrics import Metrics
 from proxy.server.result import Result
 from proxy.timing import EngineTimings, StreamTiming, Usage
+from proxy.types import Outcome, Role
 
 
 def _result(
-    role: str,
+    role: Role,
     engine: str,
     *,
     prompt: int | None = 10,
@@ -28,7 +29,7 @@ def _result(
     finish: str | None = "length",
     text: str | None = "hello world",
     greedy: bool = True,
-    outcome: str = "ok",
+    outcome: Outcome = "ok",
 ) -> Result:
     timing = StreamTiming(
         ttft_s=None if upstream_ttft is None else upstream_ttft + 0.001,

@@ -18,12 +18,15 @@ import httpx
 import pytest
 
 from proxy import engines
+from proxy.bench import runner
 from proxy.engines import quant_from_name, quant_key
 from proxy.engines.sglang import HEALTH_GENERATE_TIMEOUT_S
 from proxy.errors import normalize_engine_error
 from proxy.server.upstream import Engine
-from proxy.settings import ENGINE_KINDS, EngineKind, EngineSettings
+from proxy.settings import EngineSettings
 from proxy.stream import read_event
+from proxy.types import ENGINE_KINDS, EngineKind
+from tests.helpers import run_uvicorn_app
 
 T = TypeVar("T")
 Answer = httpx.Response | Callable[[httpx.Request], httpx.Response]
@@ -194,6 +197,12 @@ def test_probe_fills_only_what_is_missing() -> None:
     assert "/version" not in fake.paths()  # no detection when the kind is configured
     full = sglang_0517().run(lambda c: engines.probe(c, 1.0, full=True))
     assert full.facts is not None and (full.kind, full.model, full.facts.slots) == ("sglang", "tiny", 4096)
+    # the state poll fails (a server_info it cannot read): the served model still comes from /v1/models
+    broken = sglang_0517()
+    broken.table[("GET", "/server_info")] = broken.table[("GET", "/get_server_info")] = httpx.Response(500)
+    p = broken.run(lambda c: engines.probe(c, 1.0, kind="sglang", full=True))
+    assert (p.model, p.context_length, p.facts) == ("tiny", 4096, None)
+    assert p.error == "HTTP 500 from /get_server_info"
 
 
 def test_probe_of_an_unreachable_engine_says_why() -> None:
@@ -495,6 +504,56 @@ def test_quant_key_keeps_formats_apart_and_unknown_unknown() -> None:
     assert quant_from_name("tiny-Q4_K_M.gguf") == "Q4_K_M"
     assert quant_from_name(None, "Qwen/Qwen2.5-7B-Instruct-AWQ") == "AWQ"
     assert quant_from_name("model.gguf", "Qwen/Qwen2.5-7B-Instruct") is None
+
+
+# ---- the bench's probe, token count and flush over real sockets -------------------------------------------
+
+
+def serve(fake: FakeEngine) -> Any:
+    """``fake`` as a real HTTP server on 127.0.0.1 (the bench makes its own clients): a context manager -> URL."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body, more = body + msg.get("body", b""), msg.get("more_body", False)
+        qs = scope["query_string"].decode()
+        url = "http://engine.test" + scope["path"] + (f"?{qs}" if qs else "")
+        r = fake(httpx.Request(scope["method"], url, content=body))
+        headers = [(k.encode(), v.encode()) for k, v in r.headers.items()]
+        await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": r.content})
+
+    return run_uvicorn_app(app, lifespan="off")
+
+
+def test_bench_probe_reads_slots_and_quantization_through_the_dialects() -> None:
+    """The bench's engines table had no slots for SGLang 0.5.17 or vLLM 0.26.0 (issue 11): SGLang's come from
+    its server args now; vLLM reports none."""
+    sg = sglang_0517()
+    sg.table[("POST", "/v1/tokenize")] = ok({"tokens": [1] * 9, "count": 9, "max_model_len": 4096})
+    sg.table[("POST", "/flush_cache")] = httpx.Response(200, text="Cache flushed.\n")
+    with serve(sg) as url:
+        t = runner.Target("sglang", url)
+        asyncio.run(runner.probe(t))
+        assert (t.kind, t.model, t.slots) == ("sglang", "tiny", 4096)
+        assert (t.quantization, t.quantization_source) == ("bfloat16", "sglang report")
+        assert t.info == {"model_path": "/tmp/m", "context_length": 4096, "build": "0.5.17"}
+        assert asyncio.run(runner.count_prompt_tokens(t, "tiny", MSGS)) == (9, "v1/tokenize")
+        assert asyncio.run(runner.flush_cache(t)) == "flush_cache HTTP 200"
+    with serve(vllm_0260()) as url:
+        t = runner.Target("vllm", url, quantization="BF16", quantization_source="declared")
+        asyncio.run(runner.probe(t))
+        assert (t.kind, t.model, t.slots, t.info["build"]) == ("vllm", "tinyllama", None, "0.26.0")
+        assert (t.quantization, t.quantization_source) == ("BF16", "declared")  # a declaration wins
+    llama = llama_cpp()
+    llama.table[("GET", "/props")] = ok({k: v for k, v in LLAMA_PROPS.items() if k != "model_ftype"})
+    llama.table[("GET", "/v1/models")] = ok({"data": [{"id": "tiny"}]})
+    with serve(llama) as url:
+        t = runner.Target("llama", url)
+        asyncio.run(runner.probe(t))
+        # no ftype reported: the model file's name says Q4_K_M
+        assert (t.kind, t.slots, t.quantization, t.quantization_source) == ("llamacpp", 2, "Q4_K_M", "model name")
 
 
 # ---- replay of captured engines (scripts/capture_engine.py -> tests/fixtures/engines/<engine>/) -----------

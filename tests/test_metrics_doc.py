@@ -73,8 +73,14 @@ def test_every_documented_metric_is_exported_and_vice_versa(proxy_factory: Proxy
         httpx.post(f"{url}/v1/chat/completions", content=b"{bad")  # a rejected request
 
         def have_pairs() -> bool:
+            # the pair's counter exists from start-up (primed at 0): wait for a compared pair
             text = httpx.get(f"{url}/metrics").text
-            return "enginemeter_compared_pairs_total{" in text
+            return any(
+                s.value >= 1
+                for fam in text_string_to_metric_families(text)
+                if fam.name == "enginemeter_compared_pairs"
+                for s in fam.samples
+            )
 
         wait_until(have_pairs, timeout=15)
         text = httpx.get(f"{url}/metrics").text

@@ -2,9 +2,10 @@
 
 The stack: two real llama-server engines; the primary serves the qwen2-vocab tiny model, the shadow backend the
 llama-SPM-vocab one behind the SGLang emulator (so every pair disagrees on token counts and greedy text);
-``proxy.server.build_app`` under real uvicorn (``tests.helpers.start_proxy``) with a mirror route; Debian's ``prometheus`` scraping the proxy
-and both engines' own ``/metrics`` with ``deploy/prometheus/prometheus.yml`` (targets and intervals swapped) and
-the repository's rule files. Two identical waves of traffic, each waited for in Prometheus, so every counter
+``proxy.server.build_app`` under real uvicorn (``tests.helpers.start_proxy``) with a mirror route; a vLLM-shaped ``/metrics``
+(``fakes/vllm_metrics.py``) for the vLLM queries; Debian's ``prometheus`` scraping the proxy and the three
+engines' own ``/metrics`` with ``deploy/prometheus/prometheus.yml`` (target files and intervals swapped) and the
+repository's rule files. Two identical waves of traffic, each waited for in Prometheus, so every counter
 and histogram has an increase inside the query window.
 
 Then each panel target and each variable of each dashboard, each recording rule and each alert's signal must
@@ -31,6 +32,7 @@ import httpx
 import pytest
 import yaml
 
+from fakes import vllm_metrics as vllm_metrics_fake
 from proxy.server.nvml import DeviceReading, ProcReading
 from proxy.settings import load
 from tests.helpers import free_port, start_proxy, wait_until
@@ -120,13 +122,23 @@ def sglang_shadow(llama_server_factory: Any, tiny_model_spm: Path) -> Iterator[s
 
 
 def start_prometheus(binary: str, tmp: Path, targets: dict[str, str]) -> tuple[subprocess.Popen[bytes], Prom]:
-    """deploy/prometheus/prometheus.yml with loopback targets, 1 s scrapes and 1 s rule evaluation."""
+    """deploy/prometheus/prometheus.yml with 1 s scrapes and 1 s rule evaluation; each job's target file is the
+    repository's loopback one (targets/host: its labels) with the address swapped. A job missing from ``targets``
+    gets no file, as in a deployment that does not run that engine kind."""
     cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     cfg["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
-    assert {j["job_name"] for j in cfg["scrape_configs"]} == set(targets)
+    jobs = {j["job_name"] for j in cfg["scrape_configs"]}
+    assert set(targets) <= jobs and {"enginemeter", "llamacpp", "sglang", "vllm"} <= jobs
+    (tmp / "targets").mkdir()
     for job in cfg["scrape_configs"]:
-        for sc in job["static_configs"]:
-            sc["targets"] = [targets[job["job_name"]]]
+        [sd] = job["file_sd_configs"]
+        assert sd["files"] == [f"targets/{job['job_name']}.yml"], job
+        if job["job_name"] not in targets:
+            continue
+        groups = yaml.safe_load((ROOT / "deploy" / "prometheus" / "targets" / "host" / sd["files"][0][8:]).read_text())
+        for g in groups:
+            g["targets"] = [targets[job["job_name"]]]
+        (tmp / sd["files"][0]).write_text(yaml.safe_dump(groups))
     rules = []
     for f in RULE_FILES:
         doc = yaml.safe_load(f.read_text())
@@ -239,8 +251,15 @@ def check_queries(
     return checked, allowed_empty, failures
 
 
+@pytest.fixture
+def vllm_metrics() -> Iterator[str]:
+    """A vLLM-shaped /metrics (fakes/vllm_metrics.py): scraped by the vllm job only, no traffic through the proxy."""
+    with vllm_metrics_fake.run_in_thread(model="Qwen/Tiny-Instruct") as url:
+        yield url
+
+
 def test_every_dashboard_and_rule_query_returns_data(
-    prometheus_bin: str, llama_server_factory: Any, sglang_shadow: str, tmp_path: Path
+    prometheus_bin: str, llama_server_factory: Any, sglang_shadow: str, vllm_metrics: str, tmp_path: Path
 ) -> None:
     primary = llama_server_factory(np=2, alias="tiny")
     config = {
@@ -259,11 +278,11 @@ def test_every_dashboard_and_rule_query_returns_data(
         health = httpx.get(f"{proxy}/health", timeout=10).json()
         no_nvml = health.get("gpu", {}).get("enabled") is False
         targets = {"enginemeter": proxy[len("http://") :], "llamacpp": primary.url[len("http://") :],
-                   "sglang": sglang_shadow[len("http://") :]}  # fmt: skip
+                   "sglang": sglang_shadow[len("http://") :], "vllm": vllm_metrics[len("http://") :]}  # fmt: skip
         proc, prom = start_prometheus(prometheus_bin, tmp_path, targets)
         try:
             # every target scraped once before any traffic, so each counter's first sample precedes its increase
-            wait_until(lambda: prom.value('count(up{job=~"enginemeter|llamacpp|sglang"} == 1)') == 3, 30, 0.2)
+            wait_until(lambda: prom.value('count(up{job=~"enginemeter|llamacpp|sglang|vllm"} == 1)') == 4, 30, 0.2)
             drive(proxy)
             wait_scraped(prom, pairs=4, ok=4)
             drive(proxy)
@@ -302,6 +321,11 @@ def test_every_dashboard_and_rule_query_returns_data(
             assert lint.returncode == 0, lint.stdout + lint.stderr
             # the comparison really saw a token-count mismatch (different tokenizers)
             assert prom.value('sum(enginemeter_token_count_mismatches_total{kind="prompt"})') >= 8
+            # the pair's counters were primed: every kind has a series from the first scrape on
+            assert prom.value('count(enginemeter_output_mismatches_total{primary="llama", shadow="sglang"})') == 1
+            # vLLM's own `engine` label (the engine-core index) gave way to the target's
+            vllm_series = prom.get("/api/v1/series", **{"match[]": "vllm:num_requests_running", "start": start})
+            assert [(s["engine"], s["exported_engine"]) for s in vllm_series] == [("vllm", "0")]
         finally:
             prom.client.close()
             proc.terminate()
@@ -356,8 +380,8 @@ def test_gpu_queries_return_data_from_replayed_nvml(prometheus_bin: str, tmp_pat
             proxy = start_proxy(stack, settings, nvml=lambda: reader).url
             assert httpx.get(f"{proxy}/health", timeout=10).json()["gpu"]["enabled"] is True
             addr = proxy[len("http://") :]
-            # nothing listens on the engine ports: those jobs are down, which is fine for GPU queries
-            proc, prom = start_prometheus(prometheus_bin, tmp_path, {"enginemeter": addr, "llamacpp": "127.0.0.1:9", "sglang": "127.0.0.1:9"})  # fmt: skip
+            # no engine jobs: GPU queries need only the proxy
+            proc, prom = start_prometheus(prometheus_bin, tmp_path, {"enginemeter": addr})
             try:
                 wait_until(lambda: prom.value("count_over_time(enginemeter_gpu_memory_total_bytes[1m])") >= 2, 30, 0.2)
                 end = time.time()

@@ -29,7 +29,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
 RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 RULE_TESTS = sorted((ROOT / "deploy" / "prometheus" / "tests").glob("*.yml"))
-COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yaml"
+COMPOSE_DIR = ROOT / "deploy" / "compose"
+COMPOSE = COMPOSE_DIR / "docker-compose.yaml"
+#: variant -> the -f files, in order
+COMPOSE_VARIANTS = {
+    "two-gpu": [COMPOSE],
+    "one-gpu": [COMPOSE, COMPOSE_DIR / "docker-compose.one-gpu.yaml"],
+    "monitoring": [COMPOSE_DIR / "docker-compose.monitoring.yaml"],
+}
+TARGETS = ROOT / "deploy" / "prometheus" / "targets"
+GRAFANA_PASSWORD = "not-admin-9f3c"
 KUSTOMIZE = [ROOT / "deploy" / "kubernetes" / "base", ROOT / "deploy" / "kubernetes" / "overlays" / "production"]
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -175,8 +184,9 @@ def test_provisioning_matches_dashboards_and_compose() -> None:
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert ds[0]["jsonData"]["timeInterval"] == prom["global"]["scrape_interval"]
     prov = yaml.safe_load((ROOT / "grafana/provisioning/dashboards/enginemeter.yaml").read_text())["providers"]
-    mount = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]["volumes"]
-    assert f"../../grafana/dashboards:{prov[0]['options']['path']}:ro" in mount
+    for f in (COMPOSE, COMPOSE_DIR / "docker-compose.monitoring.yaml"):
+        mount = yaml.safe_load(f.read_text())["services"]["grafana"]["volumes"]
+        assert f"../../grafana/dashboards:{prov[0]['options']['path']}:ro" in mount, f.name
 
 
 def test_deploy_configs_parse_as_enginemeter_settings() -> None:
@@ -192,10 +202,63 @@ def test_deploy_configs_parse_as_enginemeter_settings() -> None:
 # ------------------------------------------------------------------------------------------------ promtool
 
 
-def test_promtool_check_config() -> None:
-    r = run([tool("promtool"), "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")])
-    assert r.returncode == 0, r.stdout + r.stderr
+@pytest.mark.parametrize("targets", ["compose", "host"])
+def test_promtool_check_config(targets: str, tmp_path: Path) -> None:
+    """prometheus.yml as each deployment mounts it: rules/ and one targets/ directory beside it."""
+    shutil.copy(ROOT / "deploy/prometheus/prometheus.yml", tmp_path)
+    shutil.copytree(ROOT / "deploy/prometheus/rules", tmp_path / "rules")
+    shutil.copytree(TARGETS / targets, tmp_path / "targets")
+    r = run([tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")])
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
     assert f"{len(RULE_FILES)} rule files found" in r.stdout
+    # a job without a target file only warns; every file that exists must have been read without one
+    present = {p.stem for p in (TARGETS / targets).glob("*.yml")}
+    for job in ("enginemeter", "llamacpp", "sglang", "vllm"):
+        warned = f'targets/{job}.yml" for file_sd in scrape job "{job}" does not exist' in out
+        assert warned is (job not in present), out
+
+
+def test_scrape_jobs_and_target_files_agree() -> None:
+    """Each job reads targets/<job>.yml; the engine label of every target names a configured engine."""
+    cfg = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) == {"enginemeter", "llamacpp", "sglang", "vllm"}
+    for name, job in jobs.items():
+        assert job["file_sd_configs"] == [{"files": [f"targets/{name}.yml"]}], name
+    engines = {
+        "compose": {e.name for e in load(config=str(COMPOSE_DIR / "enginemeter.yaml"), env={}).engines},
+        # the systemd config lists llama and sglang and carries vllm commented out; vllm.service serves it
+        "host": {e.name for e in load(config=str(ROOT / "deploy/systemd/enginemeter.yaml"), env={}).engines} | {"vllm"},
+    }
+    assert {p.stem for p in (TARGETS / "host").glob("*.yml")} == set(jobs)
+    assert {p.stem for p in (TARGETS / "compose").glob("*.yml")} == {"enginemeter", "llamacpp", "sglang"}
+    for variant, names in engines.items():
+        for f in (TARGETS / variant).glob("*.yml"):
+            for group in yaml.safe_load(f.read_text()):
+                assert group["targets"], f
+                if f.stem == "enginemeter":
+                    assert "engine" not in group.get("labels", {}), f
+                else:
+                    assert group["labels"]["engine"] in names, f
+
+
+def test_systemd_ports_match_host_targets() -> None:
+    """The loopback target files, the systemd units and the systemd enginemeter config name the same ports."""
+    ports = {}
+    for unit, job in (("llama-server", "llamacpp"), ("sglang", "sglang"), ("vllm", "vllm")):
+        text = (ROOT / "deploy/systemd" / f"{unit}.service").read_text()
+        m = re.search(r"^ExecStart=.*--host 127\.0\.0\.1 --port (\d+)", text, re.M)
+        assert m, unit
+        ports[job] = m[1]
+    s = load(config=str(ROOT / "deploy/systemd/enginemeter.yaml"), env={})
+    ports["enginemeter"] = str(s.port)
+    assert s.host == "127.0.0.1"
+    for job, port in ports.items():
+        [group] = yaml.safe_load((TARGETS / "host" / f"{job}.yml").read_text())
+        assert group["targets"] == [f"127.0.0.1:{port}"], job
+    for e in s.engines:
+        assert e.url.endswith(f":{ports[{'llama': 'llamacpp'}.get(e.name, e.name)]}"), e.name
 
 
 def test_promtool_check_rules() -> None:
@@ -232,26 +295,68 @@ def test_promtool_test_rules_can_fail(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ compose
 
 
-def test_docker_compose_config() -> None:
+def compose_config(files: list[Path], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd, env = compose_cmd()
-    r = run([*cmd, "-f", str(COMPOSE), "config", "-q"], env=env)
+    env = {k: v for k, v in env.items() if k != "GRAFANA_ADMIN_PASSWORD"} | (env_extra or {})
+    args = [a for f in files for a in ("-f", str(f))]
+    return run([*cmd, *args, "config", "--format", "json"], env=env)
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+@pytest.mark.parametrize("variant", list(COMPOSE_VARIANTS))
+def test_docker_compose_config(variant: str) -> None:
+    r = compose_config(COMPOSE_VARIANTS[variant], {"GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD})
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
-    r = run([*cmd, "-f", str(COMPOSE), "config", "--format", "json"], env=env)
-    assert r.returncode == 0, r.stderr
-    cfg = json.loads(r.stdout)
-    services = cfg["services"]
-    assert set(services) == {"llama", "sglang", "enginemeter", "prometheus", "grafana"}
+    services = json.loads(r.stdout)["services"]
+    expected = {"prometheus", "grafana"} | (set() if variant == "monitoring" else {"llama", "sglang", "enginemeter"})
+    assert set(services) == expected
     for name, svc in services.items():
         image = svc["image"]
         assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), f"{name}: unpinned {image}"
         for v in svc.get("volumes", []):
             if v["type"] == "bind" and str(v["source"]).startswith(str(ROOT)):
                 assert Path(v["source"]).exists(), f"{name}: bind source {v['source']} missing"
+        # nothing published beyond this host's loopback
+        for port in svc.get("ports", []):
+            assert port.get("host_ip") == "127.0.0.1", f"{name}: {port} is published on every interface"
+    grafana, prometheus = services["grafana"], services["prometheus"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == GRAFANA_PASSWORD
+    mounts = {v["target"]: Path(v["source"]) for v in prometheus["volumes"] if v["type"] == "bind"}
+    assert mounts["/etc/prometheus/targets"] == TARGETS / ("host" if variant == "monitoring" else "compose")
+    if variant == "monitoring":
+        # host network so that 127.0.0.1 is the host's loopback, where the engines listen; we listen there too
+        for svc in (grafana, prometheus):
+            assert svc["network_mode"] == "host" and not svc.get("ports")
+        assert "--web.listen-address=127.0.0.1:9090" in prometheus["command"]
+        assert grafana["environment"]["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+        assert "prometheus=127.0.0.1" in grafana["extra_hosts"]
+        return
+    devices = {}
     for engine in ("llama", "sglang"):
-        devices = services[engine]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices and "gpu" in devices[0]["capabilities"], engine
-    assert "--metrics" in services["llama"]["command"]
-    assert "--enable-metrics" in services["sglang"]["command"]
+        [dev] = services[engine]["deploy"]["resources"]["reservations"]["devices"]
+        assert "gpu" in dev["capabilities"], engine
+        devices[engine] = dev["device_ids"]
+    llama, sglang = services["llama"]["command"], services["sglang"]["command"]
+    assert "--metrics" in llama
+    assert "--enable-metrics" in sglang and "--enable-cache-report" in sglang
+    fraction = float(_flag(sglang, "--mem-fraction-static"))
+    if variant == "one-gpu":
+        assert devices["llama"] == devices["sglang"] == ["0"]
+        # SGLang's static pool is a share of the whole card; its ~0.9 default leaves no room for llama.cpp
+        assert fraction <= 0.6
+        assert services["sglang"]["depends_on"]["llama"]["condition"] == "service_healthy"
+    else:
+        assert devices["llama"] != devices["sglang"]
+        assert 0.8 <= fraction <= 0.9
+
+
+@pytest.mark.parametrize("variant", list(COMPOSE_VARIANTS))
+def test_grafana_password_is_required(variant: str) -> None:
+    r = compose_config(COMPOSE_VARIANTS[variant])
+    assert r.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in r.stderr, r.stderr
 
 
 def test_docker_compose_config_can_fail(tmp_path: Path) -> None:
@@ -260,6 +365,55 @@ def test_docker_compose_config_can_fail(tmp_path: Path) -> None:
     bad.write_text("services:\n  x:\n    image: busybox:1.36\n    ports: 8000\n")
     r = run([*cmd, "-f", str(bad), "config", "-q"], env=env)
     assert r.returncode != 0, "compose config accepted an invalid file"
+
+
+# ------------------------------------------------------------------------------------------------ docker image
+
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+
+
+def test_dockerfile_is_pinned_layered_and_non_root() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.M)
+    assert base and re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", base[1]), base
+    assert "FROM ${PYTHON_IMAGE}" in lines
+    # dependencies from the lock, in a layer before any code is copied
+    order = [i for i, ln in enumerate(lines) if ln.startswith(("COPY", "RUN pip"))]
+    steps = [lines[i] for i in order]
+    assert steps[0] == "COPY deploy/docker/requirements.lock /tmp/requirements.lock", steps
+    assert steps[1].startswith("RUN pip install --no-deps -r /tmp/requirements.lock"), steps
+    assert any(s.startswith("COPY proxy") for s in steps[2:])
+    assert steps[-1].startswith("RUN pip install --no-deps --no-build-isolation ."), steps
+    # non-root, the uid the Kubernetes Deployment asserts
+    user = [ln for ln in lines if ln.startswith("USER ")]
+    assert user == ["USER 10001:10001"]
+    deployment = yaml.safe_load((ROOT / "deploy/kubernetes/base/deployment.yaml").read_text())
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001
+    for key in ("title", "description", "version", "revision", "created", "licenses", "base.name"):
+        assert f"org.opencontainers.image.{key}=" in text, key
+
+
+def test_requirements_lock_satisfies_pyproject() -> None:
+    r = run([sys.executable, str(ROOT / "deploy/docker/lock.py"), "--check"])
+    assert r.returncode == 0, r.stderr
+    pins = [ln for ln in (ROOT / "deploy/docker/requirements.lock").read_text().splitlines() if ln and ln[0] != "#"]
+    assert pins and all(re.fullmatch(r"[a-z0-9-]+==[\w.]+", p) for p in pins), pins
+    names = {p.split("==")[0] for p in pins}
+    assert {"starlette", "uvicorn", "httpx", "prometheus-client", "setuptools", "anyio"} <= names
+
+
+def test_requirements_lock_check_can_fail(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "deploy" / "docker"))
+    try:
+        import lock  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    good = (ROOT / "deploy/docker/requirements.lock").read_text()
+    assert lock.check(good) == []
+    assert lock.check(good.replace("\nstarlette==", "\n# starlette==")) == ["starlette missing"]
+    assert "does not satisfy" in lock.check(good.replace("\nhttpx==", "\nhttpx==0.1.0\n# "))[0]
+    assert lock.check("httpx>=0.28\n") == ["not an exact pin: httpx>=0.28"]
 
 
 # ------------------------------------------------------------------------------------------------ kubernetes
@@ -335,10 +489,21 @@ def verify_units(units: list[Path], tmp_path: Path) -> subprocess.CompletedProce
 
 
 def test_systemd_units_verify(tmp_path: Path) -> None:
-    assert {u.name for u in UNITS} == {"llama-server.service", "sglang.service", "enginemeter.service"}
+    assert {u.name for u in UNITS} == {"llama-server.service", "sglang.service", "vllm.service", "enginemeter.service"}
     r = verify_units(UNITS, tmp_path)
     # unknown keys are only warnings (rc 0): any stderr fails
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+def test_systemd_recipes_report_cache_and_raise_nofile() -> None:
+    units = {u.stem: u.read_text() for u in UNITS}
+    exec_start = {k: re.search(r"^ExecStart=(.*)$", v, re.M)[1] for k, v in units.items()}  # type: ignore[index]
+    assert "--enable-metrics" in exec_start["sglang"] and "--enable-cache-report" in exec_start["sglang"]
+    assert "--enable-prompt-tokens-details" in exec_start["vllm"]
+    assert "--metrics" in exec_start["llama-server"]
+    for name, text in units.items():
+        m = re.search(r"^LimitNOFILE=(\d+)$", text, re.M)
+        assert m and int(m[1]) >= 65536, name
 
 
 def test_systemd_verify_can_fail(tmp_path: Path) -> None:

@@ -40,10 +40,10 @@ from proxy.bench import suite as suite_mod
 from proxy.bench.suite import Prompt
 from proxy.engines import quant_from_name
 from proxy.normalize import normalize_request
-from proxy.settings import EngineKind
 from proxy.sse import SSEFramer
 from proxy.stream import error_text, loads, read_event
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
+from proxy.types import EngineKind
 
 CHAT_PATH = "/v1/chat/completions"
 _NEVER_SEEN = "Server disconnected without sending a response"

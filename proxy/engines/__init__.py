@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from proxy.engines import llamacpp, openai, sglang, vllm
 from proxy.engines.base import Dialect, Facts, Health, PollError, TokenCount, as_int, as_str, get_json, model_card
 from proxy.engines.quant import quant_from_name, quant_key
-from proxy.settings import EngineKind
+from proxy.types import EngineKind
 
 __all__ = [
     "DIALECTS",
@@ -79,7 +79,7 @@ class Probe:
     context_length: int | None = None
     error: str | None = None
     #: the dialect's full state poll, where the caller asked for it
-    facts: Facts | None = field(default=None)
+    facts: Facts | None = None
 
 
 async def probe(
@@ -101,7 +101,11 @@ async def probe(
                 p.error = "engine is loading (HTTP 503)"
                 return p
         if full:
-            p.facts = await dialect(p.kind).poll(client, timeout)
+            try:
+                p.facts = await dialect(p.kind).poll(client, timeout)
+            except PollError as exc:  # the kind's own state is unreadable: the served model may still be known
+                p.error = str(exc)
+        if p.facts is not None:
             p.model = p.model or p.facts.model
             p.context_length = p.facts.context_length
         else:

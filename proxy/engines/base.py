@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from proxy.settings import EngineKind
+from proxy.types import EngineKind
 
 Message = Mapping[str, Any]
 

@@ -35,7 +35,7 @@ def build_app(
     recorded readings); ``on_shutdown``: called once the app has shut down.
     """
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry)
+    metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
     mirror = Mirror(settings, engines, attempts, metrics)

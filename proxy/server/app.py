@@ -28,12 +28,11 @@ from starlette.routing import Route
 
 from proxy import __version__
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, UpstreamError
-from proxy.normalize import Endpoint
 from proxy.server.admin import admin_routes
 from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor
-from proxy.server.metrics import Metrics
+from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.mirror import Mirror
 from proxy.server.relay import RelayResponse, error_response
 from proxy.server.result import new_request_id
@@ -41,6 +40,7 @@ from proxy.server.routing import Decision, Router
 from proxy.server.upstream import Engine, make_client, probe_all
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
+from proxy.types import Endpoint, Outcome
 
 log = logging.getLogger("enginemeter")
 
@@ -178,7 +178,7 @@ class Gateway:
         assert last_exc is not None
         return error_response(last_exc, request_id, engine=decision.engines[-1])
 
-    def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: str) -> None:
+    def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: Outcome) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""
         stream = "true" if body is not None and body.get("stream") is True else "false"
         model = body.get("model") if body is not None else None
@@ -189,7 +189,7 @@ class Gateway:
 def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
     """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry)
+    metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
     return asgi_app(Gateway(settings, registry, metrics, Router(settings), engines, attempts))
@@ -242,7 +242,11 @@ def asgi_app(gw: Gateway) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             await probe_all(list(gw.engines.values()))
-            gw.metrics.prime(gw.engines, [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)])
+            gw.metrics.prime(
+                gw.engines,
+                [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)],
+                configured_pairs(gw.settings.routes),
+            )
             for e in gw.engines.values():
                 log.info("engine %s: %s kind=%s model=%s up=%s", e.name, e.settings.url, e.kind, e.model, e.up)
             async with AsyncExitStack() as stages:

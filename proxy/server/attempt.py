@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import UpstreamError
-from proxy.normalize import Endpoint, normalize_request, param_label
+from proxy.normalize import normalize_request, param_label
 from proxy.server.metrics import Metrics, observe
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
+from proxy.types import Endpoint, Role
 
 log = logging.getLogger("enginemeter")
 
@@ -134,7 +135,7 @@ class Attempts:
         request_id: str,
         endpoint: Endpoint,
         engine: Engine,
-        role: str,
+        role: Role,
         body: dict[str, Any],
         timer: StreamTimer,
         collect_text: bool = False,

@@ -9,25 +9,35 @@ Observations happen once per request, at its end, except the in-flight gauge; a 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from proxy import __version__
 from proxy.server.result import Result
+from proxy.settings import BUCKET_KEYS, MetricsSettings, RouteSettings
+from proxy.types import OUTCOMES as _OUTCOMES
 
 PREFIX = "enginemeter"
 
 # `_created` series double the exposition for no use on dashboards
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-#: 1 ms .. 10 min: TTFT, e2e, headers
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+# Default boundaries, dense where typical values sit; ``metrics.buckets.<family>`` in the settings replaces one
+# family's list (docs/metrics.md#buckets). The keys are settings.BUCKET_KEYS.
+#: 1 ms .. 10 min; 50 ms steps from 0.1 to 0.3 s and 0.5 s steps from 1 to 3 s, where 7B-70B TTFTs sit
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
+    4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-#: 0.5 ms .. 10 s: inter-chunk gaps, TPOT
+#: 50 ms .. 10 min: whole requests
+E2E_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
+)  # fmt: skip
+#: 0.5 ms .. 10 s: inter-chunk gaps, TPOT; 1 ms steps from 2 to 6 ms (an H200 decodes a 7B at 4-5 ms a token)
 GAP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.16, 0.25, 0.5, 1.0, 2.5, 10.0,
+    0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0,
 )  # fmt: skip
 #: 50 µs .. 1 s: what the proxy itself adds
 OVERHEAD_BUCKETS = (
@@ -36,20 +46,27 @@ OVERHEAD_BUCKETS = (
 #: OpenTelemetry gen_ai.client.token.usage boundaries
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 TPS_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000)
+#: prefill tok/s: llama.cpp on a CPU does tens, a GPU engine thousands to tens of thousands on long prompts
+PREFILL_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2000, 3000, 5000, 7500, 10000, 15000, 20000, 30000, 50000, 100000)
+DEFAULT_BUCKETS: dict[str, tuple[float, ...]] = {
+    "ttft": TTFT_BUCKETS,  # also upstream TTFT, upstream headers, engine prompt time, engine queue time
+    "e2e": E2E_BUCKETS,
+    "inter_chunk": GAP_BUCKETS,  # also TPOT
+    "overhead": OVERHEAD_BUCKETS,
+    "tokens": TOKEN_BUCKETS,  # prompt and completion tokens per request
+    "decode_tps": TPS_BUCKETS,  # proxy-measured and engine-reported
+    "prefill_tps": PREFILL_BUCKETS,
+}
+assert tuple(DEFAULT_BUCKETS) == BUCKET_KEYS
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 DELTA_BUCKETS = (-256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256)
 
-#: closed set of request outcomes; every request ends in exactly one
-OUTCOMES = (
-    "ok",  # stream finished with [DONE] / a finish reason, or a 2xx non-stream body
-    "engine_error",  # the engine answered with an error status or an in-band error event
-    "client_disconnect",  # the client went away before the end; the upstream was cancelled
-    "connect_error",  # the engine refused the connection (502)
-    "timeout",  # the engine did not answer in time (504, or in-band after the first byte)
-    "upstream_broken",  # the engine's stream broke off or was malformed after the first byte
-    "rejected",  # the proxy refused the request (bad JSON, too large, unauthorized, unknown model)
-)
+#: closed set of request outcomes; every request ends in exactly one (documented in proxy/types.py)
+OUTCOMES = _OUTCOMES
 PARAM_ACTIONS = ("dropped", "defaulted", "renamed", "changed", "unknown")
+#: closed set of finish reasons counted for ok requests; anything else (abort, content_filter, none) is "other"
+FINISH_REASONS = ("stop", "length", "tool_calls", "other")
+_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
 
 REQ = ("engine", "model", "role", "stream")
 
@@ -58,35 +75,57 @@ def _h(name: str, doc: str, buckets: Iterable[float], registry: CollectorRegistr
     return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=tuple(buckets), registry=registry)
 
 
+def finish_label(reason: str | None) -> str:
+    return _FINISH.get(reason or "", "other")
+
+
+def configured_pairs(routes: Iterable[RouteSettings]) -> list[tuple[str, str]]:
+    """(primary, shadow) engine pairs the configuration can produce: each serving engine of a route (its primary,
+    split engines with weight) with each of the route's shadows other than itself."""
+    pairs: list[tuple[str, str]] = []
+    for route in routes:
+        serving = [route.primary, *(e for e, w in route.split.items() if w > 0)]
+        for p in serving:
+            for s in route.shadows:
+                if s != p and (p, s) not in pairs:
+                    pairs.append((p, s))
+    return pairs
+
+
 @dataclass
 class Metrics:
     registry: CollectorRegistry
+    settings: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:
         r = self.registry
+        b = {**DEFAULT_BUCKETS, **self.settings.buckets}
         # ---- proxy core -------------------------------------------------------------------------
         self.requests = Counter(
             f"{PREFIX}_requests", "Requests by final outcome.", ("engine", "model", "role", "stream", "endpoint", "outcome"),
             registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "Requests in progress.", ("engine", "role"), registry=r)
-        self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", LATENCY_BUCKETS, r)  # fmt: skip
-        self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", LATENCY_BUCKETS, r)  # fmt: skip
-        self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", LATENCY_BUCKETS, r)
-        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request).", OVERHEAD_BUCKETS, r)  # fmt: skip
-        self.gap = _h("inter_chunk_seconds", "Gap between consecutive token-carrying chunks (a chunk may carry several tokens).", GAP_BUCKETS, r)  # fmt: skip
-        self.tpot = _h("time_per_output_token_seconds", "(last token - first token) / (completion_tokens - 1).", GAP_BUCKETS, r)  # fmt: skip
-        self.decode_tps = _h("decode_tokens_per_second", "(completion_tokens - 1) / (last token - first token).", TPS_BUCKETS, r)  # fmt: skip
+        self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", b["ttft"], r)  # fmt: skip
+        self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", b["ttft"], r)  # fmt: skip
+        self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", b["ttft"], r)
+        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request).", b["overhead"], r)  # fmt: skip
+        self.gap = _h("inter_chunk_seconds", "Gap between consecutive token-carrying chunks (a chunk may carry several tokens).", b["inter_chunk"], r)  # fmt: skip
+        self.tpot = _h("time_per_output_token_seconds", "(last token - first token) / (completion_tokens - 1).", b["inter_chunk"], r)  # fmt: skip
+        self.decode_tps = _h("decode_tokens_per_second", "(completion_tokens - 1) / (last token - first token).", b["decode_tps"], r)  # fmt: skip
         self.e2e = _h(
             "request_duration_seconds",
             "Proxy received -> response finished, any outcome.",
-            LATENCY_BUCKETS,
+            b["e2e"],
             r,
         )
-        self.prompt_tokens_h = _h(
-            "request_prompt_tokens", "Prompt tokens per request (engine usage).", TOKEN_BUCKETS, r
-        )
-        self.completion_tokens_h = _h("request_completion_tokens", "Completion tokens per request (engine usage).", TOKEN_BUCKETS, r)  # fmt: skip
+        self.prompt_tokens_h = _h("request_prompt_tokens", "Prompt tokens per request (engine usage).", b["tokens"], r)
+        self.completion_tokens_h = _h("request_completion_tokens", "Completion tokens per request (engine usage).", b["tokens"], r)  # fmt: skip
+        self.prefill_tps = _h("prefill_tokens_per_second", "(prompt tokens - cached prompt tokens) / upstream TTFT: the engine's prefill rate, queueing included.", b["prefill_tps"], r)  # fmt: skip
+        self.finish = Counter(
+            f"{PREFIX}_finish_reasons", "Successful requests by finish reason (stop|length|tool_calls|other).",
+            ("engine", "model", "role", "reason"), registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens (engine usage).", REQ, registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Completion tokens (engine usage).", REQ, registry=r)  # fmt: skip
         self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the engine's prompt cache.", REQ, registry=r)  # fmt: skip
@@ -97,9 +136,9 @@ class Metrics:
         self.usage_stripped = Counter(f"{PREFIX}_usage_events_stripped", "Usage events removed from client streams that did not ask for usage.", ("engine",), registry=r)  # fmt: skip
         self.rewrites = Counter(f"{PREFIX}_reserialized_events", "Stream events the proxy had to re-serialize (not a plain byte rewrite).", ("engine", "reason"), registry=r)  # fmt: skip
         # ---- what the engine says about itself (llama.cpp timings) -----------------------------------
-        self.engine_prompt = _h("engine_prompt_seconds", "Engine-reported prompt processing time (llama.cpp timings.prompt_ms).", LATENCY_BUCKETS, r)  # fmt: skip
-        self.engine_decode_tps = _h("engine_decode_tokens_per_second", "Engine-reported decode rate (llama.cpp timings.predicted_per_second).", TPS_BUCKETS, r)  # fmt: skip
-        self.engine_queue = _h("engine_queue_seconds", "Upstream TTFT minus engine-reported prompt time: time queued for a slot.", LATENCY_BUCKETS, r)  # fmt: skip
+        self.engine_prompt = _h("engine_prompt_seconds", "Engine-reported prompt processing time (llama.cpp timings.prompt_ms).", b["ttft"], r)  # fmt: skip
+        self.engine_decode_tps = _h("engine_decode_tokens_per_second", "Engine-reported decode rate (llama.cpp timings.predicted_per_second).", b["decode_tps"], r)  # fmt: skip
+        self.engine_queue = _h("engine_queue_seconds", "Upstream TTFT minus engine-reported prompt time: time queued for a slot.", b["ttft"], r)  # fmt: skip
         # ---- mirroring and comparison (primary vs shadow) --------------------------------------------
         self.mirror = Counter(
             f"{PREFIX}_mirror_requests", "Shadow copies by fate: sent, or dropped with a reason.",
@@ -124,8 +163,12 @@ class Metrics:
         self.build = Gauge(f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r)
         self.build.labels(__version__).set(1)
 
-    def prime(self, engines: Iterable[str], models: Iterable[str]) -> None:
-        """Create the zero series users query, so dashboards and alerts see 0 rather than nothing."""
+    def prime(self, engines: Iterable[str], models: Iterable[str], pairs: Iterable[tuple[str, str]] = ()) -> None:
+        """Create the zero series users query, so dashboards and alerts see 0 rather than nothing.
+
+        ``pairs``: the configured (primary, shadow) pairs (``configured_pairs``); their pair and mismatch counters
+        start at 0, so a healthy pair shows a 0 % mismatch rate instead of "No data".
+        """
         models = list(models) or ["other"]
         for e in engines:
             for role in ("primary", "shadow"):
@@ -134,6 +177,14 @@ class Metrics:
                 for stream in ("true", "false"):
                     for outcome in OUTCOMES:
                         self.requests.labels(e, m, "primary", stream, "chat", outcome)
+                for reason in FINISH_REASONS:
+                    self.finish.labels(e, m, "primary", reason)
+        for p, s in pairs:
+            self.pairs.labels(p, s)
+            for kind in ("prompt", "completion"):
+                self.token_mismatch.labels(p, s, kind)
+            self.output_mismatch.labels(p, s)
+            self.finish_mismatch.labels(p, s)
 
 
 def observe(m: Metrics, r: Result) -> None:
@@ -153,6 +204,7 @@ def observe(m: Metrics, r: Result) -> None:
     if t.headers_s is not None:
         m.headers.labels(*lab).observe(t.headers_s)
     if r.outcome == "ok":
+        m.finish.labels(r.engine, r.model, r.role, finish_label(r.finish_reason)).inc()
         # latency figures only from successful requests, so error bodies never pose as fast TTFTs
         if t.ttft_s is not None:
             m.ttft.labels(*lab).observe(t.ttft_s)
@@ -182,6 +234,13 @@ def observe(m: Metrics, r: Result) -> None:
         cached = et.cache_n
     if cached is not None:
         m.cached_tokens.labels(*lab).inc(cached)
+    up_ttft = t.upstream_ttft_s
+    if r.outcome == "ok" and u is not None and u.prompt_tokens and up_ttft is not None and up_ttft > 0:
+        # the tokens the engine really had to prefill over the time to its first token: a lower bound on its
+        # prefill rate (queueing and the first decode step are in the denominator)
+        uncached = u.prompt_tokens - min(cached or 0, u.prompt_tokens)
+        if uncached > 0:
+            m.prefill_tps.labels(*lab).observe(uncached / up_ttft)
     if et is not None and r.outcome == "ok":
         if et.prompt_ms is not None:
             m.engine_prompt.labels(*lab).observe(et.prompt_ms / 1000)

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.errors import BadRequest
-from proxy.normalize import Endpoint
 from proxy.server.attempt import Attempts, drain
 from proxy.server.compare import ComparisonLog, compare, observe_comparison, to_record
 from proxy.server.metrics import Metrics
@@ -52,6 +51,7 @@ from proxy.server.routing import Decision
 from proxy.server.upstream import AiohttpStreams, Engine, StreamClient
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
+from proxy.types import Endpoint
 
 log = logging.getLogger("enginemeter.mirror")
 

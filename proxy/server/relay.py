@@ -43,12 +43,13 @@ from proxy.errors import (
     is_stale_connection,
     normalize_engine_error,
 )
-from proxy.normalize import Endpoint, Normalized
+from proxy.normalize import Normalized
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
 from proxy.sse import Event, SSEFramer, encode_data
 from proxy.stream import error_message, finish_reason_of, has_token, loads, text_of
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
+from proxy.types import Endpoint, Outcome, Role
 
 log = logging.getLogger("enginemeter.relay")
 
@@ -72,7 +73,7 @@ class Attempt:
     engine: Engine
     #: the pool the request goes through: the engine's own, or the mirror's for a shadow copy
     streams: StreamClient
-    role: str
+    role: Role
     model_label: str
     #: the model name the client sent; written back into every response chunk (None: leave as is)
     client_model: str | None
@@ -83,7 +84,7 @@ class Attempt:
 
     response: UpstreamResponse | None = None
     status: int = 0
-    outcome: str | None = None
+    outcome: Outcome | None = None
     error: str | None = None
     usage: Usage | None = None
     engine_timings: EngineTimings | None = None
@@ -329,7 +330,7 @@ class Attempt:
         self.outcome = "ok"
         return self._rewrite_model(body, doc)
 
-    def finish(self, outcome: str | None = None, error: str | None = None) -> Result | None:
+    def finish(self, outcome: Outcome | None = None, error: str | None = None) -> Result | None:
         """Emit the one Result of this attempt. Idempotent."""
         if self._finished:
             return None

@@ -1,6 +1,6 @@
 """The record of one request on one engine: what happened, when, and what the engine said. Frozen.
 
-One ``Result`` is produced for every request attempt, whatever its outcome (``metrics.OUTCOMES``), and goes to
+One ``Result`` is produced for every request attempt, whatever its outcome (``proxy.types.Outcome``), and goes to
 the metrics and — for mirrored pairs — to the comparison.
 """
 
@@ -11,18 +11,19 @@ import os
 from dataclasses import dataclass
 
 from proxy.timing import EngineTimings, StreamTiming, Usage
+from proxy.types import Endpoint, EngineKind, Outcome, Role
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
     request_id: str
     engine: str
-    engine_kind: str
-    role: str  # primary | shadow
+    engine_kind: EngineKind
+    role: Role
     model: str  # bounded label: configured alias / engine model name, else "other"
-    endpoint: str  # chat | completions
+    endpoint: Endpoint
     stream: bool
-    outcome: str
+    outcome: Outcome
     status: int
     timing: StreamTiming
     usage: Usage | None

@@ -26,7 +26,8 @@ import httpx
 from yarl import URL
 
 from proxy import engines
-from proxy.settings import EngineKind, EngineSettings
+from proxy.settings import EngineSettings
+from proxy.types import EngineKind
 
 log = logging.getLogger("enginemeter.upstream")
 
