@@ -398,7 +398,9 @@ class Procs:
         wait_http(port, "/health", p)
         return port, p
 
-    def llama(self, name: str, binary: str, model: str, threads: int, slots: int) -> tuple[int, subprocess.Popen[bytes]]:
+    def llama(
+        self, name: str, binary: str, model: str, threads: int, slots: int
+    ) -> tuple[int, subprocess.Popen[bytes]]:
         """A real llama-server (``--engine llama``): ``-t threads``, ``-np slots``, 256 context tokens a slot."""
         port = free_port()
         argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from proxy.server.workers import default_workers
 from proxy.settings import Settings, SettingsError, load
 
 
@@ -40,6 +42,19 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"enginemeter: configuration error: {exc}", file=sys.stderr)
         _stop(embedded)
         return 2
+    workers = args.workers if args.workers is not None else default_workers()
+    if workers > 1:
+        from dataclasses import replace
+
+        from proxy.server.workers import serve_workers
+
+        return serve_workers(
+            settings,
+            workers,
+            log_level=args.log_level,
+            on_shutdown=[lambda: _stop(embedded)],
+            announce=lambda port: _banner(replace(settings, port=port), embedded, workers),
+        )
     _banner(settings, embedded)
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
@@ -64,9 +79,9 @@ def _stop(engines: Sequence[object]) -> None:
             stop()
 
 
-def _banner(s: Settings, embedded: Sequence[object]) -> None:
+def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     base = f"http://{s.host}:{s.port}"
-    lines = [f"enginemeter listening on {base}"]
+    lines = [f"enginemeter listening on {base}" + (f" ({workers} workers)" if workers > 1 else "")]
     for e in s.engines:
         lines.append(f"  engine {e.name:<10} {e.url}")
     for r in s.routes:
@@ -96,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--config", help="YAML config file (see README: Configuration)")
     serve.add_argument("--workdir", default="~/.cache/enginemeter/embedded", help="embedded default's files")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ["ENGINEMETER_WORKERS"]) if os.environ.get("ENGINEMETER_WORKERS") else None,
+        help="worker processes on one port (SO_REUSEPORT; default: half the CPUs, 1 to 8; env ENGINEMETER_WORKERS)",
+    )
     serve.set_defaults(func=_serve)
 
     try:

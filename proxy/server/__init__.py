@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -21,6 +22,9 @@ from proxy.server.nvml import PynvmlReader
 from proxy.server.routing import Router
 from proxy.settings import Settings
 
+if TYPE_CHECKING:
+    from proxy.server.workers import WorkerRole
+
 
 def build_app(
     settings: Settings,
@@ -28,23 +32,36 @@ def build_app(
     registry: CollectorRegistry | None = None,
     nvml: Opener | None = None,
     on_shutdown: Sequence[Callable[[], None]] = (),
+    worker: WorkerRole | None = None,
 ) -> Starlette:
     """The proxy for ``settings``: relay, routing, mirror + comparison, GPU and engine-state collectors.
 
     ``registry``: where every metric goes (default a fresh one); ``nvml``: opens the NVML reader (tests replay
-    recorded readings); ``on_shutdown``: called once the app has shut down.
+    recorded readings); ``on_shutdown``: called once the app has shut down; ``worker``: one of several
+    processes (``proxy.server.workers``): the metrics go to the shared multiprocess files, a scrape merges them,
+    and only worker 0 runs the GPU and engine-state collectors.
     """
-    registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, settings.metrics)
+    if worker is not None:
+        registry = worker.registry()
+        # the values live in the multiprocess files, which `registry` merges; this one is never scraped
+        metrics = Metrics(CollectorRegistry(), settings.metrics)
+    else:
+        registry = registry if registry is not None else CollectorRegistry()
+        metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
     mirror = Mirror(settings, engines, attempts, metrics)
     attempts.observers.append(mirror.on_result)
     c = settings.collectors
-    gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
-    registry.register(gpu)
-    engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
-    registry.register(engine_state)
+    gpu: GpuMonitor | None = None
+    engine_state: EngineStatePoller | None = None
+    if worker is None or worker.index == 0:
+        gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
+        registry.register(gpu)
+        engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
+        registry.register(engine_state)
+        if worker is not None:
+            worker.collectors += [gpu, engine_state]
     gw = Gateway(
         settings=settings,
         registry=registry,

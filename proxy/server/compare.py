@@ -23,12 +23,15 @@ only puts a dict on a bounded queue (and drops it, counted, when the writer cann
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +252,16 @@ def to_record(
     return rec
 
 
+@contextlib.contextmanager
+def _dir_locked(path: str) -> Iterator[None]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class ComparisonLog:
     """Bounded, rotating JSONL file written by one daemon thread.
 
@@ -322,11 +335,14 @@ class ComparisonLog:
                 continue
             try:
                 line = (json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-                size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-                if size and size + len(line) > self.max_bytes:
-                    self._rotate()
-                with open(self.path, "ab") as f:
-                    f.write(line)
+                # `serve --workers N`: every worker appends to this file; a lock on its directory keeps a
+                # rotation and another worker's line apart (each line is one O_APPEND write)
+                with _dir_locked(d or "."):
+                    size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+                    if size and size + len(line) > self.max_bytes:
+                        self._rotate()
+                    with open(self.path, "ab") as f:
+                        f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on
                 self.errors += 1

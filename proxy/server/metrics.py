@@ -105,7 +105,11 @@ class Metrics:
             f"{PREFIX}_requests", "Requests by final outcome.", ("engine", "model", "role", "stream", "endpoint", "outcome"),
             registry=r,
         )  # fmt: skip
-        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "Requests in progress.", ("engine", "role"), registry=r)
+        # multiprocess_mode: how `serve --workers N` merges a gauge over the workers (ignored in one process)
+        self.in_flight = Gauge(
+            f"{PREFIX}_in_flight_requests", "Requests in progress.", ("engine", "role"), registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", b["ttft"], r)  # fmt: skip
         self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", b["ttft"], r)  # fmt: skip
         self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", b["ttft"], r)
@@ -160,7 +164,10 @@ class Metrics:
             ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         # ---- build -----------------------------------------------------------------------------------
-        self.build = Gauge(f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r)
+        self.build = Gauge(
+            f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r,
+            multiprocess_mode="max",
+        )  # fmt: skip
         self.build.labels(__version__).set(1)
 
     def prime(self, engines: Iterable[str], models: Iterable[str], pairs: Iterable[tuple[str, str]] = ()) -> None:

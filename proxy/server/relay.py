@@ -62,6 +62,7 @@ def dumps_body(body: dict[str, Any]) -> bytes:
     except TypeError:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
+
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_ERROR_BODY = 1 << 20
 
