@@ -464,7 +464,9 @@ class Procs:
         d.mkdir(exist_ok=True)
         conf = d / "nginx.conf"
         conf.write_text(NGINX_CONF.format(dir=d, upstream=upstream, port=port, workers=workers))
-        p = self.start("nginx", [binary, "-p", str(d), "-c", str(conf), "-e", str(d / "error.log")])
+        # a binary carried with its libraries (perf/README.md: the scale run) finds them beside itself
+        env = {"LD_LIBRARY_PATH": str(Path(binary).parent)} if (Path(binary).parent / "libssl.so.3").exists() else None
+        p = self.start("nginx", [binary, "-p", str(d), "-c", str(conf), "-e", str(d / "error.log")], env)
         wait_http(port, "/health", p)
         return port, p
 
@@ -715,6 +717,7 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=0.0, help="steady round length (default: 2 stream lengths)")
     ap.add_argument("--mirror", default="off", help="off | fast | slow | dead | all | a comma list")
     ap.add_argument("--nginx", choices=["auto", "off"], default="auto")
+    ap.add_argument("--nginx-bin", help="the nginx binary (default: nginx on PATH, /usr/sbin/nginx)")
     ap.add_argument("--nginx-workers", type=int, default=1, help="1 = one event loop, like the proxy")
     ap.add_argument("--proxy-env", action="append", default=[], help="KEY=VALUE for the proxy processes")
     ap.add_argument(
@@ -744,7 +747,9 @@ def main() -> int:
         print("proxy/mirror.py is not there yet: mirror modes skipped", file=sys.stderr)
         modes = []
     env = dict(kv.split("=", 1) for kv in args.proxy_env)
-    nginx_bin = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    nginx_bin = (
+        args.nginx_bin or shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    )
     if args.nginx == "auto" and nginx_bin is None:
         print("nginx is not installed (apt-get install -y nginx-light): no nginx baseline", file=sys.stderr)
 
@@ -833,6 +838,8 @@ def main() -> int:
             rows = [summarize(t, direct) for t in targets]
             print_table(streams, rows, args)
             results["blocks"][str(streams)] = rows
+            if args.json:  # after every block: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(results, indent=1, default=list))
             sys.stdout.flush()
         for lg in loadgens:
             assert lg.stdin is not None
