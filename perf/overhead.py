@@ -376,6 +376,9 @@ http {{
             proxy_buffering off;
             proxy_request_buffering off;
             proxy_read_timeout 600s;
+            # llama-server closes its connection after every stream: retry a POST on a kept-alive connection the
+            # engine closed, as enginemeter does (else nginx answers 502)
+            proxy_next_upstream error timeout non_idempotent;
         }}
     }}
 }}

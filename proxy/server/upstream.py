@@ -26,6 +26,7 @@ import httpx
 from yarl import URL
 
 from proxy import engines
+from proxy.server.h1 import H1Streams
 from proxy.settings import EngineSettings
 from proxy.types import EngineKind
 
@@ -157,7 +158,7 @@ class Engine:
     up: bool | None = None
     last_error: str | None = None
     info: dict[str, object] = field(default_factory=dict)
-    #: the relay's client for generation requests; made on first use (``AiohttpStreams``)
+    #: the relay's client for generation requests; made on first use (``proxy.server.h1.H1Streams``)
     stream_client: StreamClient | None = None
 
     @property
@@ -167,7 +168,7 @@ class Engine:
     @property
     def streams(self) -> StreamClient:
         if self.stream_client is None:
-            self.stream_client = AiohttpStreams(self.settings, self.settings.max_connections)
+            self.stream_client = H1Streams(self.settings, self.settings.max_connections)
         return self.stream_client
 
     async def aclose(self) -> None:
