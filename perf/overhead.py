@@ -746,8 +746,8 @@ def main() -> int:
 
     counts = [int(x) for x in str(args.streams).split(",") if x]
     modes = ["fast", "slow", "dead"] if args.mirror == "all" else [m for m in args.mirror.split(",") if m != "off"]
-    if modes and not (ROOT / "proxy" / "mirror.py").exists():
-        print("proxy/mirror.py is not there yet: mirror modes skipped", file=sys.stderr)
+    if modes and not (ROOT / "proxy" / "server" / "mirror.py").exists():
+        print("proxy/server/mirror.py is not there: mirror modes skipped", file=sys.stderr)
         modes = []
     env = dict(kv.split("=", 1) for kv in args.proxy_env)
     nginx_bin = (

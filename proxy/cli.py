@@ -1,75 +1,363 @@
-"""``enginemeter`` command line: serve (the proxy), bench and report (offline A/B).
+"""``enginemeter`` command line: serve (the proxy), check-config, bench and report (offline A/B).
 
-``enginemeter serve`` with neither ``--primary`` nor a config brings up the embedded default: two real
-llama-server engines on a generated small model (one variable changed: ``-np 1`` vs ``-np 2``), the proxy in
-front, the second engine mirrored as shadow — and says where to look.
+Every mistake on the command line or in the config file ends in one line on stderr naming what is wrong
+and where, and exit status 2. ``serve`` binds its socket before anything slow happens and prints the
+"listening on" banner only once uvicorn serves on it. One log format for enginemeter's and uvicorn's loggers.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import io
+import ipaddress
+import json
 import logging
 import os
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
+from urllib.parse import urlsplit
 
+import uvicorn
+
+from proxy import __version__
 from proxy.server.workers import default_workers
-from proxy.settings import Settings, SettingsError, load
+from proxy.settings import (
+    DEFAULT_LISTEN,
+    EngineSettings,
+    Settings,
+    SettingsError,
+    json_schema,
+    load,
+    parse_file,
+    split_listen,
+)
+from proxy.types import EngineKind
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+DESCRIPTION = """\
+enginemeter: an OpenAI-compatible measuring proxy for self-hosted LLM engines (llama.cpp's llama-server,
+SGLang, vLLM). It forwards to a primary engine unbuffered, mirrors to a shadow engine, times every stream
+chunk, catches token-count mismatches, exports Prometheus metrics, and benches engines to a verdict."""
+
+EPILOG = """\
+examples:
+  enginemeter serve                                      # demo: embedded llama-server engines (see serve --help)
+  enginemeter serve --primary llama=http://127.0.0.1:8081 --shadow sglang=http://127.0.0.1:30000
+  enginemeter serve --config enginemeter.yaml
+  enginemeter check-config enginemeter.yaml
+  enginemeter report --log ~/.local/state/enginemeter/comparisons.jsonl --out report/
+  enginemeter bench --engine llama=http://127.0.0.1:8081 --engine sglang=http://127.0.0.1:30000 --quick
+
+Run "enginemeter COMMAND --help" for a command's options. Configuration reference: docs/config.md."""
+
+SERVE_DESCRIPTION = """\
+Run the measuring proxy. Three ways to say which engines it stands in front of:
+
+  bare           no --primary, no --config (and no ENGINEMETER_PRIMARY/ENGINEMETER_CONFIG): a demo. It builds
+                 llama-server from source (about 8 minutes on 2 cores the first time; cached afterwards in
+                 ~/.cache/enginemeter), generates a small random-weight model, starts two llama-server engines
+                 (np1: -np 1, np2: -np 2) and puts the proxy in front, np2 mirrored as shadow.
+  quick form     --primary [NAME=]URL [--shadow [NAME=]URL]: every model name goes to the primary, every
+                 request is mirrored to the shadow, pairs are logged to --log for "enginemeter report".
+  config file    --config FILE (YAML; reference: docs/config.md; check it with "enginemeter check-config").
+
+Flags win over the environment (ENGINEMETER_*), which wins over the file. The banner ("enginemeter listening
+on ...") is printed once the proxy accepts connections."""
+
+SERVE_EPILOG = """\
+examples:
+  enginemeter serve
+  enginemeter serve --primary http://127.0.0.1:8081                      # engine named after its kind
+  enginemeter serve --primary llama=http://127.0.0.1:8081 --shadow sglang=http://127.0.0.1:30000 \\
+      --shadow-rate 0.25 --log ./comparisons.jsonl --listen 0.0.0.0:8080
+  enginemeter serve --config enginemeter.yaml --log-level debug"""
+
+CHECK_DESCRIPTION = """\
+Validate a config file the way "serve --config" would (types, unknown keys, references between engines,
+routes and aliases, ${ENV_VAR} references against the current environment) without starting anything.
+Prints one line per problem and exits 2, or prints a summary and exits 0. --schema prints the file's
+JSON Schema (also in docs/config.schema.json) for editors."""
+
+CHECK_EPILOG = """\
+examples:
+  enginemeter check-config enginemeter.yaml
+  SGLANG_KEY=sk-test enginemeter check-config deploy/enginemeter.yaml
+  enginemeter check-config --schema > enginemeter.schema.json"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (``enginemeter serve: argument --log-level: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _rate(value: str) -> float:
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = -1.0
+    if not 0.0 <= rate <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number within [0, 1], got {value!r}")
+    return rate
+
+
+def _workers_arg(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {value!r}")
+    return int(value)
+
+
+def _listen_arg(value: str) -> str:
+    try:
+        split_listen(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def default_log_path(env: Mapping[str, str] | None = None) -> Path:
+    """Where the quick form writes its comparison log: ``$XDG_STATE_HOME/enginemeter/comparisons.jsonl``."""
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "enginemeter" / "comparisons.jsonl"
+
+
+# --------------------------------------------------------------------------------------------- serve
+
+
+class BindError(OSError):
+    """The proxy's own address cannot be bound (in use, not local, no permission)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (not yet listen) the proxy's TCP socket, as uvicorn would; uvicorn starts listening on it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        why = (exc.strerror or str(exc)).lower()
+        hint = " (is another enginemeter or an engine using it? pick another with --listen)"
+        raise BindError(
+            f"cannot listen on {host}:{port}: {why}{hint if exc.errno == errno.EADDRINUSE else ''}"
+        ) from None
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def engine_at_listen_address(s: Settings) -> EngineSettings | None:
+    """The engine whose URL is the proxy's own listen address, if any (the proxy would call itself)."""
+    for e in s.engines:
+        url = urlsplit(e.url)
+        host = url.hostname or ""
+        port = url.port or (443 if url.scheme == "https" else 80)
+        if port != s.port:
+            continue
+        wildcard = s.host in ("0.0.0.0", "::", "")
+        if host == s.host or (_loopback(host) and (wildcard or _loopback(s.host))):
+            return e
+    return None
+
+
+def _probe_kind(url: str) -> EngineKind | None:
+    """Name a bare ``--primary``/``--shadow`` URL after its engine kind; None when it does not answer."""
+    import httpx
+
+    from proxy.server.upstream import detect_kind
+
+    async def probe() -> EngineKind | None:
+        async with httpx.AsyncClient(base_url=url, timeout=2.0) as client:
+            return await detect_kind(client, 2.0)
+
+    try:
+        kind = asyncio.run(probe())
+    except (httpx.HTTPError, OSError):
+        return None
+    # "openai" only means nothing self-hosted answered (maybe still loading): leave it to the app's probing
+    return None if kind == "openai" else kind
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from proxy.server import build_app
-
-    embedded = []
+    embedded: list[object] = []
     try:
         if not (args.primary or args.config or _env_configured()):
-            from proxy import embedded as emb
-
-            workdir = Path(args.workdir).expanduser()
-            workdir.mkdir(parents=True, exist_ok=True)
-            print(f"enginemeter: no engines configured; starting the embedded default in {workdir}", flush=True)
-            print("enginemeter: (first run builds llama-server from source: ~7 min on 2 cores)", flush=True)
-            embedded = emb.start_default_engines(workdir)
-            args.primary = embedded[0].url
-            args.shadow = args.shadow or (embedded[1].url if len(embedded) > 1 else None)
-        settings = load(
-            args.config, primary=args.primary, shadow=args.shadow, shadow_rate=args.shadow_rate, listen=args.listen
-        )
+            if args.shadow:
+                raise SettingsError("--shadow: needs --primary (the demo brings its own two engines)")
+            settings, sock = _start_embedded(args, embedded)
+        else:
+            settings = load(
+                args.config,
+                primary=args.primary,
+                shadow=args.shadow,
+                shadow_rate=args.shadow_rate,
+                listen=args.listen,
+                log=args.log,
+                probe=_probe_kind,
+            )
+            settings = settings if args.no_log else _default_log(settings)
+            if clash := engine_at_listen_address(settings):
+                raise SettingsError(
+                    f"listen address {settings.host}:{settings.port} is the address of engine {clash.name!r} "
+                    f"({clash.url}): the proxy would send requests to itself; pick another with --listen HOST:PORT"
+                )
+            sock = bind_socket(settings.host, settings.port)
     except SettingsError as exc:
-        print(f"enginemeter: configuration error: {exc}", file=sys.stderr)
+        print(f"enginemeter: {exc}", file=sys.stderr)
         _stop(embedded)
         return 2
+    except BindError as exc:
+        print(f"enginemeter: {exc}", file=sys.stderr)
+        _stop(embedded)
+        return 1
     workers = args.workers if args.workers is not None else default_workers()
     if workers > 1:
-        from dataclasses import replace
+        return _run_workers(settings, sock, embedded, args.log_level, workers)
+    return _run(settings, sock, embedded, args.log_level)
 
-        from proxy.server.workers import serve_workers
 
-        return serve_workers(
-            settings,
-            workers,
-            log_level=args.log_level,
-            on_shutdown=[lambda: _stop(embedded)],
-            announce=lambda port: _banner(replace(settings, port=port), embedded, workers),
-        )
-    _banner(settings, embedded)
-    # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
-    # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
-    app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
+def _run_workers(
+    settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, workers: int
+) -> int:
+    """``--workers N``: the supervisor of ``proxy.server.workers``, on the address ``sock`` was bound to (each
+    worker binds its own socket there with SO_REUSEPORT, which a socket bound without it would refuse)."""
+    from proxy.server.workers import serve_workers
+
+    host, port = sock.getsockname()[:2]
+    sock.close()
+    return serve_workers(
+        dataclasses.replace(settings, host=host, port=port),
+        workers,
+        log_level=log_level,
+        on_shutdown=[lambda: _stop(embedded)],
+        announce=lambda port: _banner(dataclasses.replace(settings, port=port), embedded, workers),
+    )
+
+
+def _start_embedded(args: argparse.Namespace, embedded: list[object]) -> tuple[Settings, socket.socket]:
+    from proxy import embedded as emb
+
+    listen = args.listen or os.environ.get("ENGINEMETER_LISTEN") or DEFAULT_LISTEN
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
-    finally:
-        _stop(embedded)
-    return 0
+        host, port = split_listen(listen)
+    except ValueError as exc:
+        raise SettingsError(f"--listen: {exc}") from None
+    # bound before the build, so a busy port fails now rather than after minutes
+    sock = bind_socket(host, port)
+    try:
+        workdir = Path(args.workdir).expanduser()
+        workdir.mkdir(parents=True, exist_ok=True)
+        log = logging.getLogger("enginemeter")
+        log.info("no engines configured: starting the embedded demo in %s", workdir)
+        log.info("the first run builds llama-server from source (about 8 min on 2 cores; cached afterwards)")
+        embedded += emb.start_default_engines(workdir, log=_LogLines(logging.getLogger("enginemeter.embedded")))
+        named = [f"{e.name}={e.url}" for e in embedded]  # type: ignore[attr-defined]
+        settings = load(
+            None,
+            primary=named[0],
+            shadow=named[1] if len(named) > 1 else None,
+            shadow_rate=args.shadow_rate,
+            listen=listen,
+            log=args.log,
+            env={},
+        )
+        return (settings if args.no_log else _default_log(settings)), sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _LogLines(io.StringIO):
+    """A text stream whose lines go to a logger: the demo's build and engine output in the one log format."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._logger = logger
+        self._partial = ""
+
+    def write(self, s: str) -> int:
+        *lines, self._partial = (self._partial + s).split("\n")
+        for line in lines:
+            if line.strip():
+                self._logger.info("%s", line.removeprefix("embedded: "))
+        return len(s)
+
+
+def _default_log(s: Settings) -> Settings:
+    """The quick form mirrors to its shadow: log the pairs where ``enginemeter report --log`` will look."""
+    if s.quick and s.mirror.log_path is None and any(r.shadows for r in s.routes):
+        return dataclasses.replace(s, mirror=dataclasses.replace(s.mirror, log_path=str(default_log_path())))
+    return s
 
 
 def _env_configured() -> bool:
-    import os
-
     return bool(os.environ.get("ENGINEMETER_PRIMARY") or os.environ.get("ENGINEMETER_CONFIG"))
+
+
+def _run(settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str) -> int:
+    from proxy.server import build_app
+
+    app = build_app(settings)
+    if embedded:
+        # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
+        # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
+        app.state.gateway.lifespan_hooks.append(lambda: _stopping(embedded))
+    # log_config=None: uvicorn's loggers propagate to the root handler main() set up (one format)
+    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False)
+    port = sock.getsockname()[1]  # the real one when --listen asked for port 0
+    server = _Server(config, on_started=lambda: _banner(dataclasses.replace(settings, port=port), embedded))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        _stop(embedded)
+    return 0 if server.started else 3
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that calls ``on_started`` once it serves on the socket (after the app's startup)."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            self._on_started()
+
+
+@contextlib.asynccontextmanager
+async def _stopping(engines: Sequence[object]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        _stop(engines)
 
 
 def _stop(engines: Sequence[object]) -> None:
@@ -80,44 +368,121 @@ def _stop(engines: Sequence[object]) -> None:
 
 
 def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
-    base = f"http://{s.host}:{s.port}"
-    lines = [f"enginemeter listening on {base}" + (f" ({workers} workers)" if workers > 1 else "")]
+    host = f"[{s.host}]" if ":" in s.host else s.host
+    base = f"http://{host}:{s.port}"
+    lines = [f"enginemeter listening on {base}" + (f" ({workers} worker processes)" if workers > 1 else "")]
     for e in s.engines:
         lines.append(f"  engine {e.name:<10} {e.url}")
     for r in s.routes:
         shadow = f" (shadow: {', '.join(r.shadows)} @ {r.sample_rate:g})" if r.shadows else ""
         lines.append(f"  route {','.join(r.models)} -> {r.primary}{shadow}")
+    model = "tiny" if embedded else (s.models[0].alias if s.models else "any")
     lines += [
         f"  OpenAI base_url: {base}/v1",
         f"  metrics:         {base}/metrics",
         f"  health:          {base}/health",
-        f"  try: curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
-        """-d '{"model":"tiny","stream":true,"max_tokens":32,"messages":[{"role":"user","content":"hello"}]}'""",
     ]
+    if s.mirror.log_path:
+        lines.append(f"  comparison log:  {s.mirror.log_path}")
+        lines.append(f"  report:          enginemeter report --log {s.mirror.log_path} --out enginemeter-report")
+    lines.append(
+        f"  try: curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
+        f"""-d '{{"model":"{model}","stream":true,"max_tokens":32,"messages":[{{"role":"user","content":"hello"}}]}}'"""
+    )
     if embedded:
         lines.append("  (embedded llama-server engines stop with Ctrl-C)")
     print("\n".join(lines), flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="enginemeter", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", required=True)
+# --------------------------------------------------------------------------------------------- check-config
 
-    serve = sub.add_parser("serve", help="run the measuring proxy")
-    serve.add_argument("--primary", help="primary engine base URL (quick form: every model routes here)")
-    serve.add_argument("--shadow", help="shadow engine base URL: every request is mirrored there")
-    serve.add_argument("--shadow-rate", type=float, default=None, help="fraction of requests mirrored (default 1.0)")
-    serve.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8080)")
-    serve.add_argument("--config", help="YAML config file (see README: Configuration)")
-    serve.add_argument("--workdir", default="~/.cache/enginemeter/embedded", help="embedded default's files")
-    serve.add_argument("--log-level", default="info")
+
+def _check_config(args: argparse.Namespace) -> int:
+    if args.schema:
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    if not args.file:
+        print("enginemeter check-config: give a FILE (or --schema)", file=sys.stderr)
+        return 2
+    try:
+        s = parse_file(args.file)
+    except SettingsError as exc:
+        for line in exc.problems:
+            print(f"enginemeter: {line}", file=sys.stderr)
+        return 2
+    shadows = sorted({n for r in s.routes for n in r.shadows})
+    print(
+        f"{args.file}: ok: {len(s.engines)} engine(s) ({', '.join(e.name for e in s.engines)}), "
+        f"{len(s.routes)} route(s), {len(s.models)} model alias(es)"
+        + (f", mirrored to {', '.join(shadows)}" if shadows else "")
+        + f"; listens on {s.host}:{s.port}"
+        + ("" if s.engines else "; without engines, serve needs --primary")
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="enginemeter", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"enginemeter {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="run the measuring proxy", description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG, formatter_class=fmt
+    )
+    serve.add_argument(
+        "--primary",
+        metavar="[NAME=]URL",
+        help="quick form: the engine every model name goes to. A bare URL is named after its kind "
+        "(llamacpp, sglang, vllm) when it answers, else engine1",
+    )
+    serve.add_argument(
+        "--shadow",
+        metavar="[NAME=]URL",
+        help="quick form: an engine every request is mirrored to (default name engine2)",
+    )
+    serve.add_argument(
+        "--shadow-rate", type=_rate, metavar="RATE", help="fraction of requests mirrored, within [0, 1] (default 1)"
+    )
+    logs = serve.add_mutually_exclusive_group()
+    logs.add_argument(
+        "--log",
+        metavar="PATH",
+        help="comparison log (JSONL) for 'enginemeter report --log'; quick form default: "
+        "$XDG_STATE_HOME/enginemeter/comparisons.jsonl (~/.local/state/...)",
+    )
+    logs.add_argument("--no-log", action="store_true", help="quick form: mirror without writing the comparison log")
+    serve.add_argument(
+        "--listen", type=_listen_arg, metavar="HOST:PORT", help=f"bind address (default {DEFAULT_LISTEN})"
+    )
+    serve.add_argument("--config", metavar="FILE", help="YAML config file (reference: docs/config.md)")
+    serve.add_argument(
+        "--workdir", default="~/.cache/enginemeter/embedded", help="demo only: engine logs (default %(default)s)"
+    )
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="default %(default)s")
     serve.add_argument(
         "--workers",
-        type=int,
-        default=int(os.environ["ENGINEMETER_WORKERS"]) if os.environ.get("ENGINEMETER_WORKERS") else None,
-        help="worker processes on one port (SO_REUSEPORT; default: half the CPUs, 1 to 8; env ENGINEMETER_WORKERS)",
+        type=_workers_arg,
+        default=os.environ.get("ENGINEMETER_WORKERS") or None,
+        metavar="N",
+        help="worker processes on the one port (SO_REUSEPORT; metrics merged over them; env ENGINEMETER_WORKERS;"
+        f" default: half the CPUs, 1 to 8: {default_workers()} here)",
     )
     serve.set_defaults(func=_serve)
+
+    check = sub.add_parser(
+        "check-config",
+        help="validate a config file without starting anything",
+        description=CHECK_DESCRIPTION,
+        epilog=CHECK_EPILOG,
+        formatter_class=fmt,
+    )
+    check.add_argument("file", nargs="?", metavar="FILE", help="the YAML config file")
+    check.add_argument("--schema", action="store_true", help="print the config file's JSON Schema and exit")
+    check.set_defaults(func=_check_config)
 
     try:
         from proxy.bench.cli import add_commands
@@ -125,10 +490,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     else:
         add_commands(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     return int(args.func(args))
 

@@ -175,7 +175,7 @@ def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: 
 @pytest.fixture
 def proxy_url(np1_np2: tuple[str, str], tmp_path: Path, proxy_factory: ProxyFactory) -> tuple[str, Path]:
     a, b = np1_np2
-    s = load(None, primary=a, shadow=b, shadow_rate=1.0)
+    s = load(None, primary=f"primary={a}", shadow=f"shadow={b}", shadow_rate=1.0)
     log = tmp_path / "comparisons.jsonl"
     s = dataclasses.replace(s, mirror=dataclasses.replace(s.mirror, log_path=str(log)))
     return proxy_factory(s).url, log

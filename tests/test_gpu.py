@@ -14,18 +14,18 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pynvml
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from starlette.testclient import TestClient
 
-from proxy.server import attribution, build_app, nvml
+from proxy.server import attribution, nvml
 from proxy.server.gpu import GpuMonitor
 from proxy.server.nvml import DeviceReading, NvmlUnavailable, ProcReading
 from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings
-from tests.helpers import wait_until
+from tests.helpers import start_proxy, wait_until
 
 GB = 10**9
 TOTAL = 150_754_820_096  # 143776 MiB
@@ -414,21 +414,21 @@ def test_sampler_thread_and_a_scrape_that_never_waits_for_nvml() -> None:
     assert mon.status.samples >= 2
 
 
-def test_installed_in_the_app_feeds_metrics_and_health(child: subprocess.Popen[bytes]) -> None:
+def test_the_app_feeds_metrics_and_health(child: subprocess.Popen[bytes]) -> None:
     reader = RecordedReader([([dev()], {0: [ProcReading(child.pid, 15 * GB)]})])
     settings = Settings(
         engines=(EngineSettings(name="llama", url="http://127.0.0.1:9", kind="llamacpp", model="m", pid=child.pid),),
         routes=(RouteSettings(primary="llama"),),
         collectors=CollectorSettings(gpu=True, gpu_interval=0.02, engine_interval=60),
     )
-    app = build_app(settings, registry=CollectorRegistry(), nvml=lambda: reader)
-    mon = app.state.gateway.gpu
-    assert isinstance(mon, GpuMonitor)
-    with TestClient(app) as client:
+    with ExitStack() as stack:
+        p = start_proxy(stack, settings, nvml=lambda: reader)
+        mon = p.gateway.gpu
+        assert mon is not None
         wait_until(lambda: mon.status.samples >= 1)
-        text = client.get("/metrics").text
+        text = p.client.get("/metrics").text
         assert 'enginemeter_engine_gpu_memory_used_bytes{engine="llama",gpu="0"} 1.5e+10' in text
-        h = client.get("/health").json()
+        h = p.client.get("/health").json()
         assert h["gpu"]["enabled"] is True
         assert h["gpu"]["engines"]["llama"]["gpu_pids"] == [child.pid]
     # lifespan exit stopped the thread and closed NVML

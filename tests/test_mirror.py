@@ -481,5 +481,5 @@ def test_quick_flags_mirror_every_request(proxy_factory: ProxyFactory) -> None:
         p = proxy_factory(load(primary=primary, shadow=shadow, env={}))
         for _ in range(5):
             timed_stream(p, max_tokens=2)
-        assert p.value("enginemeter_mirror_requests_total", engine="shadow", result="sent") == 5
-        wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="primary", shadow="shadow") == 5)
+        assert p.value("enginemeter_mirror_requests_total", engine="engine2", result="sent") == 5
+        wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="engine1", shadow="engine2") == 5)

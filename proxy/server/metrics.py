@@ -99,7 +99,9 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        b = {**DEFAULT_BUCKETS, **self.settings.buckets}
+        b: dict[str, tuple[float, ...]] = dict(DEFAULT_BUCKETS)
+        for family, bounds in self.settings.buckets.items():
+            b[family] = bounds
         # ---- proxy core -------------------------------------------------------------------------
         self.requests = Counter(
             f"{PREFIX}_requests", "Requests by final outcome.", ("engine", "model", "role", "stream", "endpoint", "outcome"),

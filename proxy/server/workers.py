@@ -112,8 +112,9 @@ class WorkerRole:
             registry.register(SnapshotCollector(self.directory / SNAPSHOT_FILE))
         return registry
 
-    def wrap(self, app: ASGIApp, mirror: Mirror | None) -> ASGIApp:
-        """``app`` with this worker's background jobs started and stopped by the ASGI lifespan."""
+    def wrap(self, app: ASGIApp, mirror: Mirror | None, on_started: Callable[[], None] | None = None) -> ASGIApp:
+        """``app`` with this worker's background jobs started and stopped by the ASGI lifespan; ``on_started``
+        is called once the app's startup is complete."""
         role = self
 
         async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
@@ -132,6 +133,8 @@ class WorkerRole:
                         threads.append(t)
                     if mirror is not None:
                         jobs.append(asyncio.ensure_future(sync_mirror(mirror, role.directory / MIRROR_FILE)))
+                    if on_started is not None:
+                        on_started()
                 elif message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
                     stop.set()
                     for job in jobs:
@@ -233,7 +236,7 @@ class WorkerSpec:
     log_level: str
 
 
-def worker_main(spec: WorkerSpec) -> None:
+def worker_main(spec: WorkerSpec, ready: Any) -> None:
     """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT."""
     import uvicorn
 
@@ -241,14 +244,16 @@ def worker_main(spec: WorkerSpec) -> None:
 
     logging.basicConfig(
         level=getattr(logging, spec.log_level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s %(name)s[w{spec.index}]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = reuseport_socket(spec.host, spec.port)
     role = WorkerRole(spec.index, Path(spec.directory))
     app = build_app(spec.settings, worker=role)
-    config = uvicorn.Config(role.wrap(app, app.state.gateway.mirror), log_level=spec.log_level, access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    wrapped = role.wrap(app, app.state.gateway.mirror, on_started=ready.set)
+    config = uvicorn.Config(wrapped, log_config=None, log_level=spec.log_level, access_log=False)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
 
 
 # ================================================================================================ supervisor
@@ -264,7 +269,8 @@ def serve_workers(
 ) -> int:
     """Run ``n`` workers on ``settings.host:settings.port`` until SIGTERM/SIGINT; returns the exit status.
 
-    ``announce`` gets the port once it is bound (``settings.port`` 0 picks one); ``on_shutdown`` runs at the end."""
+    ``announce`` gets the port once every worker has started (``settings.port`` 0 picks one); ``on_shutdown`` runs
+    at the end."""
     from prometheus_client.multiprocess import mark_process_dead
 
     made_dir = None
@@ -279,19 +285,19 @@ def serve_workers(
     # bound, never listening: holds the port (port 0 picks one) without taking connections
     reserve = reuseport_socket(settings.host, settings.port, listen=False)
     port = int(reserve.getsockname()[1])
-    if announce is not None:
-        announce(port)
     ctx = multiprocessing.get_context("spawn")
     stopping = threading.Event()
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     started: dict[int, float] = {}
     crashes = 0
 
-    def start(i: int) -> None:
+    def start(i: int) -> Any:
         spec = WorkerSpec(settings, i, settings.host, port, directory, log_level)
-        p = ctx.Process(target=worker_main, args=(spec,), name=f"enginemeter-worker-{i}", daemon=False)
+        ready = ctx.Event()
+        p = ctx.Process(target=worker_main, args=(spec, ready), name=f"enginemeter-worker-{i}", daemon=False)
         p.start()
         procs[i], started[i] = p, time.monotonic()
+        return ready
 
     def on_signal(signum: int, frame: object) -> None:
         stopping.set()
@@ -303,9 +309,14 @@ def serve_workers(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
-        for i in range(n):
-            start(i)
-        log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
+        readies = [start(i) for i in range(n)]
+        for i, ready in enumerate(readies):
+            while not ready.wait(0.1) and procs[i].exitcode is None and not stopping.is_set():
+                pass  # waiting for worker i's startup, or its exit
+        if all(r.is_set() for r in readies) and not stopping.is_set():
+            log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
+            if announce is not None:
+                announce(port)
         while procs:
             multiprocessing.connection.wait([p.sentinel for p in procs.values()])
             for i, p in list(procs.items()):
