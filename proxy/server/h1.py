@@ -61,6 +61,7 @@ class _Conn(asyncio.Protocol):
         "error",
         "headers_done",
         "idle_since",
+        "keep_alive",
         "parser",
         "status",
         "transport",
@@ -73,6 +74,7 @@ class _Conn(asyncio.Protocol):
         self.buffered = 0
         self.status = 0
         self.headers_done = False
+        self.keep_alive = False
         self.done = False
         self.error: BaseException | None = None
         self.idle_since = 0.0
@@ -105,6 +107,7 @@ class _Conn(asyncio.Protocol):
     # ---- httptools callbacks
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # read here: llhttp forgets it at the message's end
         self.headers_done = True
         self._wake()
 
@@ -156,18 +159,12 @@ class _Conn(asyncio.Protocol):
 
     def reusable(self) -> bool:
         t = self.transport
-        return (
-            self.done
-            and self.error is None
-            and t is not None
-            and not t.is_closing()
-            and self.parser.should_keep_alive()
-        )
+        return self.done and self.error is None and t is not None and not t.is_closing() and self.keep_alive
 
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.chunks, self.buffered, self.status = [], 0, 0
-        self.headers_done = self.done = False
+        self.headers_done = self.done = self.keep_alive = False
         self.error = None
 
     def close(self) -> None:
