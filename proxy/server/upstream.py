@@ -2,10 +2,10 @@
 generation requests, both with explicit timeouts and pool limits; kind and model probing; cheap reachability
 checks. Transport errors are mapped to ``proxy.errors`` in one place (``errors.from_transport_error``).
 
-The relay's stream client is aiohttp (``AiohttpStreams``): its C (llhttp) response parser and one buffer per
-connection cost a fraction of httpx/httpcore's pure-Python read path (h11 events, anyio cancel scopes and five
-async-iterator layers per chunk; docs/performance.md). Tests fake engines as real servers on 127.0.0.1
-(``fakes/``); the httpx client takes a ``transport`` (``httpx.MockTransport``) for probe and poll tests.
+The relay's stream client is ``proxy.server.h1.H1Streams`` (plain asyncio connections and httptools; it replaced
+``AiohttpStreams``, kept below, whose request path cost ~1 ms of CPU a request: docs/performance.md). Tests
+fake engines as real servers on 127.0.0.1 (``fakes/``); the httpx client takes a ``transport``
+(``httpx.MockTransport``) for probe and poll tests.
 
 Probing (only when the config leaves ``kind`` / ``model`` out) and health checks are the engine dialects'
 (``proxy.engines``): detection in dialect order (llama.cpp ``/props``, SGLang ``/server_info``, vLLM
