@@ -59,6 +59,7 @@ class _Conn(asyncio.Protocol):
         "chunks",
         "done",
         "error",
+        "framed",
         "headers_done",
         "idle_since",
         "keep_alive",
@@ -75,6 +76,7 @@ class _Conn(asyncio.Protocol):
         self.status = 0
         self.headers_done = False
         self.keep_alive = False
+        self.framed = False
         self.done = False
         self.error: BaseException | None = None
         self.idle_since = 0.0
@@ -98,6 +100,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.headers_done and not self.done and not self.framed and exc is None:
+            self.done = True  # no content-length, not chunked: the body ends where the connection does
+            self._wake()
         if not self.done:
             if not self.headers_done:
                 self._fail(aiohttp.ServerDisconnectedError())
@@ -105,6 +110,10 @@ class _Conn(asyncio.Protocol):
                 self._fail(aiohttp.ClientPayloadError(f"the engine closed the connection mid-body ({exc or 'EOF'})"))
 
     # ---- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()  # read here: llhttp forgets it at the message's end
@@ -164,7 +173,7 @@ class _Conn(asyncio.Protocol):
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.chunks, self.buffered, self.status = [], 0, 0
-        self.headers_done = self.done = self.keep_alive = False
+        self.headers_done = self.done = self.keep_alive = self.framed = False
         self.error = None
 
     def close(self) -> None:
@@ -247,6 +256,7 @@ class H1Streams:
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         request = b"".join((head, extra.encode("latin-1"), b"content-length: %d\r\n\r\n" % len(content), content))
         await self._acquire()
+        conn: _Conn | None = None
         try:
             conn = self._pop_idle()
             if conn is None:
@@ -255,14 +265,12 @@ class H1Streams:
             conn.transport.write(request)
             while not conn.headers_done:
                 if conn.error is not None:
-                    conn.close()
                     raise conn.error
-                try:
-                    await conn.wait(self._read_s)
-                except TimeoutError:
-                    conn.close()
-                    raise
+                await conn.wait(self._read_s)
         except BaseException:
+            # failed, timed out or cancelled (the client left) before the headers: close, so the engine stops
+            if conn is not None:
+                conn.close()
             self._release()
             raise
         return _H1Response(self, conn)
