@@ -67,7 +67,7 @@ def test_one_scrape_counts_every_request_over_the_workers(tmp_path: Path) -> Non
         assert [v for _, v in _samples(text, "enginemeter_build_info")] == [1.0]
 
 
-def test_engine_state_runs_in_one_worker_and_every_scrape_shows_it(tmp_path: Path) -> None:
+def test_collectors_run_in_one_worker_and_every_scrape_and_health_show_them(tmp_path: Path) -> None:
     directory = tmp_path / "metrics"
     with _engine() as engine, _proxy(engine.url, directory, 2) as proxy:
 
@@ -87,6 +87,8 @@ def test_engine_state_runs_in_one_worker_and_every_scrape_shows_it(tmp_path: Pat
         for _ in range(12):  # fresh connections: both workers answer some of these
             up = _samples(scrape(), "enginemeter_engine_up")
             assert [v for _, v in up] == [1.0]  # one engine, exported once
+            health = httpx.get(f"{proxy.url}/health", headers={"connection": "close"}).json()
+            assert len(health["engine_state"]["engines"]) == 1 and "gpu" in health
 
 
 def test_a_mirror_change_on_one_worker_reaches_every_worker(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.nvml import PynvmlReader
 from proxy.server.routing import Router
+from proxy.server.workers import snapshot_health
 from proxy.settings import Settings
 
 if TYPE_CHECKING:
@@ -73,5 +75,8 @@ def build_app(
         gpu=gpu,
         engine_state=engine_state,
         on_shutdown=on_shutdown,
+        health_sections=(
+            functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None
+        ),
     )
     return asgi_app(gw)

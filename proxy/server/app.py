@@ -63,6 +63,8 @@ class Gateway:
     mirror: Mirror | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
+    #: /health sections of collectors that run in another process (``serve --workers``: worker 0's snapshot)
+    health_sections: Callable[[], dict[str, Any]] | None = None
     #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
     on_shutdown: Sequence[Callable[[], None]] = ()
 
@@ -231,6 +233,8 @@ def asgi_app(gw: Gateway) -> Starlette:
             status.update(gw.gpu.health())
         if gw.engine_state is not None:
             status.update(gw.engine_state.health())
+        if gw.health_sections is not None:
+            status.update(gw.health_sections())
         return JSONResponse(status)
 
     async def metrics(request: Request) -> Response:

@@ -15,8 +15,8 @@ Each worker:
   ``enginemeter_build_info`` takes the maximum;
 - runs the GPU and engine-state collectors only if it is worker 0, which writes what they export to
   ``collectors.prom`` in the directory every ``SNAPSHOT_INTERVAL_S``; the other workers' scrapes include that
-  file (absent when older than ``SNAPSHOT_STALE_S``: the figures are missing, never stale). ``/health`` shows the
-  collectors' sections only when worker 0 answers;
+  file, and their ``/health`` the sections worker 0 wrote to ``collectors-health.json`` (both absent when older
+  than ``SNAPSHOT_STALE_S``: missing, never stale; ages in them are as of the snapshot, up to a second old);
 - mirrors its own requests (``mirror.max_in_flight`` and the sample rate hold per worker); a change through
   ``POST /admin/mirror`` lands on one worker, which publishes it to ``mirror.json``; the others apply it within
   ``SYNC_INTERVAL_S``. ``GET /admin/mirror`` counts (sent, in flight) are the answering worker's;
@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
-    from prometheus_client.registry import Collector
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from proxy.server.mirror import Mirror
@@ -59,6 +58,7 @@ SNAPSHOT_INTERVAL_S = 1.0
 SNAPSHOT_STALE_S = 10.0
 SYNC_INTERVAL_S = 0.5
 SNAPSHOT_FILE = "collectors.prom"
+HEALTH_FILE = "collectors-health.json"
 MIRROR_FILE = "mirror.json"
 #: a worker that dies this soon after its start, this many times in a row, stops the whole server
 CRASH_WINDOW_S = 5.0
@@ -97,8 +97,8 @@ class WorkerRole:
 
     index: int
     directory: Path
-    #: worker 0's collectors (GPU, engine state), set by ``build_app``; written to the snapshot file
-    collectors: list[Collector] = field(default_factory=list)
+    #: worker 0's collectors (GPU, engine state), set by ``build_app``; written to the snapshot files
+    collectors: list[Any] = field(default_factory=list)
 
     def registry(self) -> CollectorRegistry:
         """The registry a scrape reads: every worker's files merged, plus the collectors (worker 0 adds its own
@@ -156,10 +156,26 @@ class WorkerRole:
         while True:
             try:
                 atomic_write(path, generate_latest(registry))
+                sections: dict[str, Any] = {}
+                for c in self.collectors:
+                    sections.update(c.health())
+                atomic_write(self.directory / HEALTH_FILE, json.dumps(sections, default=str).encode())
             except Exception:  # a collector bug must not end the snapshots; say so and go on
                 log.exception("writing the collectors' snapshot failed")
             if stop.wait(SNAPSHOT_INTERVAL_S):  # the interval between snapshots, not a synchronisation
                 return
+
+
+def snapshot_health(directory: Path) -> dict[str, Any]:
+    """Worker 0's collectors' /health sections, as its last snapshot says ({} when missing or stale)."""
+    path = directory / HEALTH_FILE
+    try:
+        if time.time() - path.stat().st_mtime > SNAPSHOT_STALE_S:
+            return {}
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 class SnapshotCollector:
