@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import io
@@ -19,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -27,17 +26,10 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from proxy import __version__
+from proxy.configfile import load, parse_file
+from proxy.errors import redact_url
 from proxy.server.workers import default_workers
-from proxy.settings import (
-    DEFAULT_LISTEN,
-    EngineSettings,
-    Settings,
-    SettingsError,
-    json_schema,
-    load,
-    parse_file,
-    split_listen,
-)
+from proxy.settings import DEFAULT_LISTEN, EngineSettings, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -222,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
             if clash := engine_at_listen_address(settings):
                 raise SettingsError(
                     f"listen address {settings.host}:{settings.port} is the address of engine {clash.name!r} "
-                    f"({clash.url}): the proxy would send requests to itself; pick another with --listen HOST:PORT"
+                    f"({redact_url(clash.url)}): the proxy would send requests to itself; pick another with --listen HOST:PORT"
                 )
             sock = bind_socket(settings.host, settings.port)
     except SettingsError as exc:
@@ -320,13 +312,14 @@ def _env_configured() -> bool:
 def _run(settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str) -> int:
     from proxy.server import build_app
 
-    app = build_app(settings)
-    if embedded:
-        # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
-        # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
-        app.state.gateway.lifespan_hooks.append(lambda: _stopping(embedded))
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
+    # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
+    app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
     # log_config=None: uvicorn's loggers propagate to the root handler main() set up (one format)
-    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False)
+    from proxy.server.guard import server_options
+
+    # server_options: connection limits (header deadline, head size, keep-alive; proxy/server/guard.py)
+    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False, **server_options())
     port = sock.getsockname()[1]  # the real one when --listen asked for port 0
     server = _Server(config, on_started=lambda: _banner(dataclasses.replace(settings, port=port), embedded))
     try:
@@ -352,14 +345,6 @@ class _Server(uvicorn.Server):
             self._on_started()
 
 
-@contextlib.asynccontextmanager
-async def _stopping(engines: Sequence[object]) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        _stop(engines)
-
-
 def _stop(engines: Sequence[object]) -> None:
     for e in engines:
         stop = getattr(e, "stop", None)
@@ -372,7 +357,7 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     base = f"http://{host}:{s.port}"
     lines = [f"enginemeter listening on {base}" + (f" ({workers} worker processes)" if workers > 1 else "")]
     for e in s.engines:
-        lines.append(f"  engine {e.name:<10} {e.url}")
+        lines.append(f"  engine {e.name:<10} {redact_url(e.url)}")
     for r in s.routes:
         shadow = f" (shadow: {', '.join(r.shadows)} @ {r.sample_rate:g})" if r.shadows else ""
         lines.append(f"  route {','.join(r.models)} -> {r.primary}{shadow}")

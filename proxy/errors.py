@@ -4,6 +4,7 @@
     ├── BadRequest            400  malformed JSON, wrong types
     ├── Unauthorized          401  missing/wrong client bearer key
     ├── NotFound              404  unknown model (and no default route), unknown path
+    ├── RequestTimeout        408  body not received within the body deadline
     ├── PayloadTooLarge       413  body over max_body_bytes
     └── UpstreamError               the engine could not be used
         ├── UpstreamConnectError   502  connection refused / reset before the response
@@ -20,6 +21,7 @@ a proxy error from an engine error, which passes through untouched (``enginemete
 from __future__ import annotations
 
 import json
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import httpx
@@ -60,6 +62,11 @@ class NotFound(ProxyError):
     type = "not_found_error"
 
 
+class RequestTimeout(ProxyError):
+    status = 408
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
@@ -83,6 +90,21 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBroken(UpstreamError):
     pass
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (``http://user:***@host``): engine URLs appear in
+    ``/health``, the start banner and logs, none of which may show a secret."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None and "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, sep, _ = userinfo.partition(":")
+    netloc = f"{user}:***@{hostport}" if sep else f"{user}@{hostport}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def error_body(message: str, type_: str, code: int, *, param: str | None = None) -> dict[str, object]:
@@ -109,20 +131,6 @@ def from_transport_error(exc: BaseException, engine: str) -> UpstreamError:
     ):
         return UpstreamBroken(f"engine {engine!r} closed the connection: {exc}")
     return UpstreamBroken(f"engine {engine!r} transport error: {type(exc).__name__}: {exc}")
-
-
-def is_stale_connection(exc: BaseException) -> bool:
-    """A kept-alive connection the engine closed as we reused it: nothing came back, a retry is safe."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return False  # a fresh connection that could not be made
-    return isinstance(
-        exc,
-        httpx.RemoteProtocolError
-        | httpx.ReadError
-        | httpx.WriteError
-        | aiohttp.ServerDisconnectedError
-        | aiohttp.ClientOSError,
-    )
 
 
 def normalize_engine_error(body: bytes, status: int, kind: EngineKind | None = None) -> bytes:

@@ -7,7 +7,8 @@ The file is validated against :class:`ConfigFile` by pydantic with strict types 
 ``read: abc``, ``max_in_flight: "3"``, ``gpu: "no"`` or a misspelt ``temprature`` are errors, not guesses.
 Every mistake becomes a :class:`SettingsError` whose lines read ``FILE:LINE: key.path: what was expected``.
 The file's JSON Schema (``docs/config.schema.json``) and its reference (``docs/config.md``) are generated from
-these classes by ``scripts/config_docs.py``; a test fails when either is stale.
+these classes by ``scripts/config_docs.py``; a test fails when either is stale. Reading a file, the environment
+and the flags into a ``Settings`` is ``proxy.configfile`` (``load``, ``parse_file``).
 
 ``${NAME}`` inside any string of the file is replaced by the environment variable ``NAME`` (for secrets:
 ``api_key: ${SGLANG_KEY}``); ``$${`` is a literal ``${``; an unset variable is an error.
@@ -21,21 +22,14 @@ A new section is one class below plus one field on ``ConfigFile`` and on ``Setti
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
-import json
 import math
-import os
-import re
-import types
 import typing
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from proxy.types import EngineKind
@@ -47,7 +41,7 @@ DEFAULT_SAMPLING: Mapping[str, float] = {"temperature": 0.8, "top_k": 40, "top_p
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
-#: unknown keys are refused; types are strict when a file is read (``_ADAPTER.validate_json(strict=True)``),
+#: unknown keys are refused; types are strict when a file is read (``CONFIG_ADAPTER.validate_json(strict=True)``),
 #: lax for Python callers (tests build these with tuples or lists alike)
 _SECTION = ConfigDict(extra="forbid")
 
@@ -68,7 +62,7 @@ class SettingsError(ValueError):
 # --------------------------------------------------------------------------------------------- field checks
 
 
-def _url(value: str) -> str:
+def check_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"expected a URL like http://host:port, got {value!r}")
@@ -88,7 +82,7 @@ def _listen(value: str) -> str:
     return value
 
 
-Url = Annotated[str, AfterValidator(_url)]
+Url = Annotated[str, AfterValidator(check_url)]
 Listen = Annotated[str, AfterValidator(_listen)]
 HeaderName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"), AfterValidator(str.lower)]
 Name = Annotated[str, Field(min_length=1)]
@@ -125,6 +119,10 @@ class EngineSettings:
     max_connections: int = Field(default=512, ge=1, description="connection pool size to this engine")
     pid: int | None = Field(default=None, ge=1, description="engine process id, for GPU memory attribution")
     pid_file: str | None = Field(default=None, description="file holding the engine's pid (read on each poll)")
+    add_timings: bool | None = Field(
+        default=None,
+        description="add a proxy-measured llama.cpp-shaped `timings` block to its answers; none = the global add_timings",
+    )
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -168,6 +166,30 @@ class MirrorSettings:
     log_max_bytes: int = Field(default=50_000_000, ge=1, description="rotate the log above this size")
     log_backups: int = Field(default=3, ge=0, description="rotated files kept (log.1, log.2, ...)")
     record_text: bool = Field(default=False, description="also log both outputs' text (privacy: off by default)")
+
+
+@dataclass(frozen=True, config=_SECTION)
+class RequestLogSettings:
+    """The per-request log: one JSON line per attempt, mode 0600 (docs/requests.md#request-log)."""
+
+    path: str | None = Field(default=None, description="JSONL file, one line per attempt; none = off")
+    max_bytes: int = Field(default=50_000_000, ge=1, description="rotate the log above this size")
+    backups: int = Field(default=3, ge=0, description="rotated files kept (log.1, log.2, ...)")
+    record_text: bool = Field(
+        default=False, description="also log the client's prompt and each output's text (privacy: off by default)"
+    )
+
+
+@dataclass(frozen=True, config=_SECTION)
+class TracingSettings:
+    """OpenTelemetry traces over OTLP/HTTP; needs ``pip install 'enginemeter[otel]'`` (docs/requests.md#traces)."""
+
+    enabled: bool = Field(default=False, description="a server span per request, a client span per attempt")
+    endpoint: Url = Field(default="http://127.0.0.1:4318/v1/traces", description="OTLP/HTTP traces endpoint")
+    sample_ratio: float = Field(
+        default=1.0, ge=0, le=1, description="share of new traces kept; a client's traceparent decides its own"
+    )
+    service_name: Name = Field(default="enginemeter", description="the service.name resource attribute")
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -235,7 +257,7 @@ class ConfigFile:
     """The YAML file. Every key is optional except ``engines`` when no ``--primary`` flag is given."""
 
     listen: Listen = Field(default=DEFAULT_LISTEN, description="HOST:PORT the proxy binds ([::1]:8080 for IPv6)")
-    api_keys: tuple[str, ...] = Field(default=(), description="client bearer keys; empty = no auth")
+    api_keys: tuple[Name, ...] = Field(default=(), description="client bearer keys (each non-empty); none = no auth")
     admin_key: str | None = Field(default=None, description="bearer key for /admin/*; none = admin endpoints off")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="larger request bodies get a 413")
     engines: tuple[EngineSettings, ...] = Field(default=(), description="the engines behind the proxy")
@@ -251,14 +273,23 @@ class ConfigFile:
     mirror: MirrorSettings = Field(default_factory=MirrorSettings, description="shadow copies, the comparison log")
     collectors: CollectorSettings = Field(default_factory=CollectorSettings, description="background pollers")
     metrics: MetricsSettings = Field(default_factory=MetricsSettings, description="histogram boundaries")
+    request_log: RequestLogSettings = Field(
+        default_factory=RequestLogSettings, description="one JSON line per attempt; off unless path is set"
+    )
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces; off")
+    add_timings: bool = Field(
+        default=False,
+        description="add a proxy-measured llama.cpp-shaped `timings` block where an engine sends none "
+        "(engines[].add_timings wins); docs/requests.md#the-timings-block",
+    )
 
 
-_ADAPTER: TypeAdapter[ConfigFile] = TypeAdapter(ConfigFile)
+CONFIG_ADAPTER: TypeAdapter[ConfigFile] = TypeAdapter(ConfigFile)
 
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of the YAML file (``docs/config.schema.json``), for editors and ``check-config``."""
-    schema = _ADAPTER.json_schema()
+    schema = CONFIG_ADAPTER.json_schema()
 
     def strip_titles(node: Any) -> None:  # pydantic's "Connect"/"Read" titles only repeat the key
         if isinstance(node, dict):
@@ -299,6 +330,10 @@ class Settings:
     mirror: MirrorSettings = Field(default_factory=MirrorSettings)
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    request_log: RequestLogSettings = Field(default_factory=RequestLogSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
+    #: add a proxy-measured ``timings`` block for engines that send none (``EngineSettings.add_timings`` wins)
+    add_timings: bool = False
     #: True when built from --primary/--shadow only: every client model name routes to the primary
     quick: bool = False
 
@@ -309,7 +344,7 @@ class Settings:
         raise KeyError(name)
 
 
-def _from_file(doc: ConfigFile) -> Settings:
+def from_config_file(doc: ConfigFile) -> Settings:
     host, port = split_listen(doc.listen)
     special = {"listen", "api_keys", "sampling_defaults"}
     same = {f.name: getattr(doc, f.name) for f in dataclasses.fields(doc) if f.name not in special}
@@ -321,342 +356,3 @@ def _from_file(doc: ConfigFile) -> Settings:
         api_keys=frozenset(doc.api_keys),
         sampling_defaults=doc.sampling_defaults.as_mapping(),
     )
-
-
-# --------------------------------------------------------------------------------------------- reading a file
-
-Loc = tuple[str | int, ...]
-
-
-class _Problems:
-    """Collects ``(loc, message)`` and renders each as ``SOURCE:LINE: path: message``."""
-
-    def __init__(self, source: str, lines: Mapping[Loc, int] | None = None) -> None:
-        self.source = source
-        self.lines = lines if lines is not None else {}
-        self.items: list[str] = []
-
-    def add(self, loc: Loc, message: str) -> None:
-        line = next((self.lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in self.lines), None)
-        where = f"{self.source}:{line}" if line is not None else self.source
-        self.items.append(f"{where}: {_path(loc)}: {message}" if loc else f"{where}: {message}")
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            raise SettingsError(*self.items)
-
-
-def _path(loc: Loc) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return repr(value)
-
-
-_EXPECTED = {
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "finite_number": "a finite number",
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "bool_type": "true or false",
-    "bool_parsing": "true or false",
-    "string_type": "a string",
-    "tuple_type": "a list",
-    "list_type": "a list",
-    "set_type": "a list",
-    "frozen_set_type": "a list",
-    "dict_type": "a mapping",
-    "mapping_type": "a mapping",
-    "dataclass_type": "a mapping",
-    "model_type": "a mapping",
-}
-
-
-def _keys_at(loc: Loc) -> list[str]:
-    """The keys the file may have at ``loc`` (for 'unknown key' messages), walked from ConfigFile's types."""
-    tp: Any = ConfigFile
-    for part in loc:
-        while typing.get_origin(tp) is Annotated:
-            tp = typing.get_args(tp)[0]
-        if isinstance(part, int):
-            tp = typing.get_args(tp)[0] if typing.get_args(tp) else Any
-        elif dataclasses.is_dataclass(tp):
-            tp = typing.get_type_hints(tp, include_extras=True).get(part, Any)
-        else:
-            return []
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            tp = next((a for a in typing.get_args(tp) if a is not type(None)), Any)
-    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
-
-
-def _describe(err: Any) -> tuple[Loc, str]:
-    loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
-    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
-    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        known = _keys_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return loc, f"unknown key{hint}; expected one of: {', '.join(known)}" if known else "unknown key"
-    if kind == "missing":
-        return loc, "required key missing"
-    if kind == "value_error":
-        return loc, str(ctx.get("error", err["msg"]))
-    if kind == "literal_error":
-        return loc, f"expected one of {ctx.get('expected', '?')}, got {_show(value)}"
-    if kind == "too_short":
-        return loc, f"expected at least {ctx.get('min_length', 1)} item(s), got {_show(value)}"
-    if kind in _EXPECTED:
-        return loc, f"expected {_EXPECTED[kind]}, got {_show(value)}"
-    msg = (
-        str(err["msg"]).replace("Input should be", "expected a value").replace("String should", "expected a string to")
-    )
-    return loc, f"{msg}, got {_show(value)}"
-
-
-def _read_yaml(path: Path) -> tuple[Any, dict[Loc, int]]:
-    """Parse once, keeping each key's line number (1-based) by its path; refuse duplicate keys."""
-    source = str(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SettingsError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SettingsError(f"{where}: not valid YAML: {problem}") from None
-    finally:
-        loader.dispose()
-    lines: dict[Loc, int] = {}
-    problems = _Problems(source, lines)
-
-    def walk(n: yaml.Node, loc: Loc) -> None:
-        lines.setdefault(loc, n.start_mark.line + 1)
-        if isinstance(n, yaml.MappingNode):
-            seen: set[str] = set()
-            for k, v in n.value:
-                key = str(k.value)
-                lines[(*loc, key)] = k.start_mark.line + 1
-                if key in seen:
-                    problems.add((*loc, key), "duplicate key")
-                seen.add(key)
-                walk(v, (*loc, key))
-        elif isinstance(n, yaml.SequenceNode):
-            for i, v in enumerate(n.value):
-                walk(v, (*loc, i))
-
-    if node is not None:
-        walk(node, ())
-    problems.raise_if_any()
-    return data, lines
-
-
-_REF = re.compile(r"\$(\$?)\{([^}]*)\}")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _substitute(data: Any, env: Mapping[str, str], problems: _Problems, loc: Loc = ()) -> Any:
-    """Replace ``${NAME}`` in every string value by the environment variable (``$${`` stays literal)."""
-    if isinstance(data, dict):
-        return {k: _substitute(v, env, problems, (*loc, str(k))) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_substitute(v, env, problems, (*loc, i)) for i, v in enumerate(data)]
-    if not isinstance(data, str) or "${" not in data:
-        return data
-
-    def one(m: re.Match[str]) -> str:
-        if m.group(1):
-            return "${" + m.group(2) + "}"
-        name = m.group(2)
-        if not _ENV_NAME.fullmatch(name):
-            problems.add(loc, f"${{{name}}} is not a valid environment variable reference")
-            return ""
-        if name not in env:
-            problems.add(loc, f"environment variable {name} is not set (referenced as ${{{name}}})")
-            return ""
-        return env[name]
-
-    return _REF.sub(one, data)
-
-
-def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Settings:
-    """Read, substitute, validate and cross-check one YAML file. Raises SettingsError with every problem."""
-    env = os.environ if env is None else env
-    path = Path(path)
-    data, lines = _read_yaml(path)
-    problems = _Problems(str(path), lines)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SettingsError(f"{path}:1: expected a mapping of settings at the top level, got {_show(data)}")
-    data = _substitute(data, env, problems)
-    problems.raise_if_any()
-    try:
-        # through JSON so strict mode reads YAML lists as the tuples and sets of the classes above
-        doc = _ADAPTER.validate_json(json.dumps(data, default=str), strict=True)
-    except ValidationError as exc:
-        for err in exc.errors(include_url=False):
-            problems.add(*_describe(err))
-        problems.raise_if_any()
-        raise  # unreachable: a ValidationError has at least one error
-    settings = _from_file(doc)
-    _cross_check(settings, problems)
-    problems.raise_if_any()
-    return settings
-
-
-def _cross_check(s: Settings, problems: _Problems) -> None:
-    """What one key's type cannot say: references between sections, duplicates."""
-    names = [e.name for e in s.engines]
-    known = ", ".join(names) or "none"
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            problems.add(("engines", i, "name"), f"duplicate engine name {name!r}")
-    for i, r in enumerate(s.routes):
-        refs: list[tuple[str, tuple[str, ...]]] = [("primary", (r.primary,)), ("shadows", r.shadows)]
-        refs += [("split", tuple(r.split)), ("pinnable", r.pinnable), ("fallback", r.fallback)]
-        for key, values in refs:
-            for ref in values:
-                if ref not in names:
-                    problems.add(("routes", i, key), f"unknown engine {ref!r} (engines: {known})")
-        if r.split and sum(r.split.values()) <= 0:
-            problems.add(("routes", i, "split"), "expected at least one weight above 0")
-    aliases = [m.alias for m in s.models]
-    for i, m in enumerate(s.models):
-        if m.alias in aliases[:i]:
-            problems.add(("models", i, "alias"), f"duplicate alias {m.alias!r}")
-        for ref in m.engines:
-            if ref not in names:
-                problems.add(("models", i, "engines", ref), f"unknown engine {ref!r} (engines: {known})")
-    if s.default_route is not None and s.default_route >= len(s.routes):
-        problems.add(("default_route",), f"expected an index below {len(s.routes)} (the number of routes)")
-
-
-# --------------------------------------------------------------------------------------------- load
-
-
-def load(
-    config: str | Path | None = None,
-    *,
-    primary: str | None = None,
-    shadow: str | None = None,
-    shadow_rate: float | None = None,
-    listen: str | None = None,
-    log: str | None = None,
-    env: Mapping[str, str] | None = None,
-    probe: Callable[[str], EngineKind | None] | None = None,
-) -> Settings:
-    """Parse file, then ``ENGINEMETER_*`` environment, then flags, into one validated Settings.
-
-    Environment: ENGINEMETER_CONFIG, ENGINEMETER_LISTEN, ENGINEMETER_PRIMARY, ENGINEMETER_SHADOW,
-    ENGINEMETER_SHADOW_RATE, ENGINEMETER_API_KEYS (comma-separated), ENGINEMETER_ADMIN_KEY,
-    ENGINEMETER_MAX_BODY_BYTES. ``primary``/``shadow`` are ``NAME=URL`` or a bare URL (see :func:`quick`);
-    ``log`` is the comparison log (``mirror.log_path``); ``probe`` names bare URLs by their engine kind.
-    """
-    env = os.environ if env is None else env
-    config = config or env.get("ENGINEMETER_CONFIG")
-    s = parse_file(config, env=env) if config else Settings(engines=(), routes=())
-    if v := env.get("ENGINEMETER_LISTEN"):
-        s = dataclasses.replace(s, **_host_port(v, "ENGINEMETER_LISTEN"))
-    if v := env.get("ENGINEMETER_API_KEYS"):
-        s = dataclasses.replace(s, api_keys=frozenset(k.strip() for k in v.split(",") if k.strip()))
-    if v := env.get("ENGINEMETER_ADMIN_KEY"):
-        s = dataclasses.replace(s, admin_key=v)
-    if v := env.get("ENGINEMETER_MAX_BODY_BYTES"):
-        if not v.isdigit() or int(v) < 1:
-            raise SettingsError(f"ENGINEMETER_MAX_BODY_BYTES: expected a positive integer, got {v!r}")
-        s = dataclasses.replace(s, max_body_bytes=int(v))
-    primary = primary or env.get("ENGINEMETER_PRIMARY")
-    shadow = shadow or env.get("ENGINEMETER_SHADOW")
-    if shadow_rate is None and (v := env.get("ENGINEMETER_SHADOW_RATE")):
-        try:
-            shadow_rate = float(v)
-        except ValueError:
-            raise SettingsError(f"ENGINEMETER_SHADOW_RATE: expected a number within [0, 1], got {v!r}") from None
-    if primary:
-        s = quick(s, primary=primary, shadow=shadow, shadow_rate=shadow_rate, probe=probe)
-    elif shadow:
-        raise SettingsError("--shadow: needs --primary (or ENGINEMETER_PRIMARY)")
-    if listen:
-        s = dataclasses.replace(s, **_host_port(listen, "--listen"))
-    if log:
-        s = dataclasses.replace(s, mirror=dataclasses.replace(s.mirror, log_path=log))
-    if not s.engines and config:
-        raise SettingsError(f"{config}: no engines configured: add an engines: list, or give --primary URL")
-    if not s.engines:
-        raise SettingsError("no engines configured: give --primary URL, or a config file with an engines: list")
-    return s
-
-
-def _host_port(value: str, source: str) -> dict[str, Any]:
-    try:
-        host, port = split_listen(value)
-    except ValueError as exc:
-        raise SettingsError(f"{source}: {exc}") from None
-    return {"host": host, "port": port}
-
-
-def engine_arg(value: str, source: str) -> tuple[str | None, str]:
-    """``NAME=URL`` or a bare ``URL`` -> (name or None, url); raises SettingsError naming ``source``."""
-    name: str | None = None
-    if not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", value) and "=" in value:
-        name, _, value = value.partition("=")
-        if not name:
-            raise SettingsError(f"{source}: expected NAME=URL or URL, got {'=' + value!r}")
-    try:
-        return name, _url(value)
-    except ValueError as exc:
-        raise SettingsError(f"{source}: {exc}") from None
-
-
-def quick(
-    s: Settings,
-    *,
-    primary: str,
-    shadow: str | None = None,
-    shadow_rate: float | None = None,
-    probe: Callable[[str], EngineKind | None] | None = None,
-) -> Settings:
-    """The quick form: one route for every model name, to ``primary`` (mirrored to ``shadow``).
-
-    Each engine is ``NAME=URL`` or a bare URL. A bare URL is named after its kind when ``probe`` recognises
-    one (``llamacpp``, ``sglang``, ``vllm``; ``llamacpp-1``/``llamacpp-2`` when both are the same), else
-    ``engine1``/``engine2`` — never ``primary``/``shadow``, which read like the ``role`` label.
-    """
-    given = [engine_arg(primary, "--primary")] + ([engine_arg(shadow, "--shadow")] if shadow else [])
-    kinds: list[EngineKind | None] = [None] * len(given)
-    if probe is not None:
-        kinds = [probe(url) if name is None else None for name, url in given]
-    names: list[str] = []
-    for i, ((name, _), kind) in enumerate(zip(given, kinds, strict=True)):
-        if name is None and kind is not None and kind != "openai":
-            twin = sum(1 for k in kinds if k == kind) > 1
-            name = f"{kind}-{i + 1}" if twin else kind
-        names.append(name or f"engine{i + 1}")
-    if len(names) == 2 and names[0] == names[1]:
-        raise SettingsError(f"--shadow: engine name {names[1]!r} is already the primary's")
-    engines = tuple(EngineSettings(name=n, url=u, kind=k) for n, (_, u), k in zip(names, given, kinds, strict=True))
-    rate = 1.0 if shadow_rate is None else shadow_rate
-    if not 0.0 <= rate <= 1.0:
-        raise SettingsError(f"--shadow-rate: expected a number within [0, 1], got {rate:g}")
-    shadows = tuple(names[1:])
-    route = RouteSettings(models=("*",), primary=names[0], shadows=shadows, pinnable=shadows, sample_rate=rate)
-    return dataclasses.replace(s, engines=engines, routes=(route,), models=(), quick=True)

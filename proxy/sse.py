@@ -7,6 +7,10 @@ Invariants:
 - comments (``:`` lines, e.g. llama.cpp's ``:\\n\\n`` keep-alive) are events with ``is_comment``.
 
 The common terminator is ``\\n\\n``; ``\\r\\n\\r\\n`` and ``\\r\\r`` are accepted too (SSE spec).
+
+One event may be at most ``max_event_bytes`` (``EventTooLarge``, a ``ValueError``, past it). An event longer
+than one read is collected as a list of reads and joined once a read holds a line break, so a big event costs
+linear time, not one copy of the whole buffer per read.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 DONE = b"[DONE]"
+#: the largest single event accepted from an engine (a big tool call or logprobs event is well under 1 MiB)
+MAX_EVENT_BYTES = 8 << 20
+
+
+class EventTooLarge(ValueError):
+    """An event grew past the framer's ``max_event_bytes`` before its terminator."""
 
 
 class Event(NamedTuple):
@@ -49,17 +59,31 @@ def _parse(raw: bytes) -> Event:
 class SSEFramer:
     """Feed it byte chunks as they arrive; it returns the events completed by each chunk."""
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_parts", "_size", "max_event_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._buf = b""
+        #: reads of an unfinished event, not yet joined (only when it is longer than one read)
+        self._parts: list[bytes] = []
+        self._size = 0
+        self.max_event_bytes = max_event_bytes
 
     @property
     def pending(self) -> bytes:
-        return self._buf
+        return b"".join(self._parts) if self._parts else self._buf
 
     def feed(self, chunk: bytes) -> list[Event]:
-        buf = self._buf + chunk if self._buf else chunk
+        if self._buf:
+            # an unfinished event: collect reads until one could end it (a line break), then join once
+            self._parts.append(chunk)
+            self._size += len(chunk)
+            if b"\n" not in chunk and b"\r" not in chunk:
+                if self._size > self.max_event_bytes:
+                    raise EventTooLarge(f"an SSE event exceeds {self.max_event_bytes} bytes")
+                return []
+            buf = b"".join(self._parts)
+        else:
+            buf = chunk
         events: list[Event] = []
         start = 0
         if b"\r" not in buf:
@@ -83,6 +107,10 @@ class SSEFramer:
                 events.append(_parse(buf[start : end + width]))
                 start = end + width
         self._buf = buf[start:] if start < len(buf) else b""
+        self._parts = [self._buf] if self._buf else []
+        self._size = len(self._buf)
+        if self._size > self.max_event_bytes:
+            raise EventTooLarge(f"an SSE event exceeds {self.max_event_bytes} bytes")
         return events
 
 

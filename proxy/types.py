@@ -11,6 +11,19 @@ from typing import Literal, get_args
 EngineKind = Literal["llamacpp", "sglang", "vllm", "openai"]
 #: generation endpoints the proxy times, normalizes and mirrors
 Endpoint = Literal["chat", "completions"]
+#: every other route the proxy passes through to an engine unchanged (``proxy/server/passthrough.py``): counted
+#: and timed end to end, never normalized or mirrored
+PassthroughEndpoint = Literal[
+    "embeddings",  # /v1/embeddings
+    "responses",  # /v1/responses and below
+    "rerank",  # /v1/rerank, /v1/score
+    "audio",  # /v1/audio/*
+    "tokenize",  # /tokenize, /v1/tokenize
+    "detokenize",  # /detokenize, /v1/detokenize
+    "other",  # any other /v1/* path
+]
+#: the ``endpoint`` label of a request: a generation endpoint or a pass-through one
+EndpointLabel = Literal[Endpoint, PassthroughEndpoint]
 #: the part an attempt plays in its request
 Role = Literal["primary", "shadow"]
 #: how an attempt ended; every attempt ends in exactly one
@@ -26,5 +39,7 @@ Outcome = Literal[
 
 ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
+PASSTHROUGH_ENDPOINTS: tuple[PassthroughEndpoint, ...] = get_args(PassthroughEndpoint)
+ENDPOINT_LABELS: tuple[EndpointLabel, ...] = (*ENDPOINTS, *PASSTHROUGH_ENDPOINTS)
 ROLES: tuple[Role, ...] = get_args(Role)
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)

@@ -281,8 +281,8 @@ def fake_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy import server
+    from proxy.configfile import load
     from proxy.server import nvml
-    from proxy.settings import load
 
     class FakeReader:
         def devices(self) -> list[nvml.DeviceReading]:

@@ -289,11 +289,13 @@ def start_proxy(stack: contextlib.ExitStack, settings: Settings, *, nvml: Opener
     ``nvml`` opens the GPU sampler's NVML reader (recorded readings); default: the real one.
     """
     from proxy.server import build_app
+    from proxy.server.guard import server_options
 
     registry = CollectorRegistry()
     app = build_app(settings, registry=registry, nvml=nvml)
     gateway: Gateway = app.state.gateway
-    url = stack.enter_context(run_uvicorn_app(app))
+    # the production connection limits (proxy.server.guard), as ``enginemeter serve`` runs it
+    url = stack.enter_context(run_uvicorn_app(app, **server_options()))
     client = stack.enter_context(httpx.Client(base_url=url, timeout=30))
     p = ProxyUnderTest(url=url, registry=registry, gateway=gateway, client=client)
     gateway.attempts.observers.append(p.results.append)

@@ -1,9 +1,11 @@
 """Engine dialects (``proxy.engines``) against the shapes each engine answers: fast, no engine process.
 
-Each fake engine is an ``httpx.MockTransport`` over a table of recorded answers: SGLang 0.5.17 and vLLM 0.26.0
-as seen on the H200 (shared/reference/gpu.md, 2026-12-02), SGLang 0.5.23 and vLLM 0.33.0 and llama.cpp as their
-sources answer (shared/reference/engines.md). What the dialects do against real processes (llama-server, the
-SGLang emulator) is in tests/test_enginestate.py.
+Each fake engine is an ``httpx.MockTransport`` over a table of answers: the real llama.cpp, SGLang 0.5.17 and
+vLLM 0.26.0 of the H200 run (issue 11, ``tests/fixtures/engines/<kind>-<version>/``, read by ``tests.captured``),
+a llama-server captured by scripts/capture_engine.py (``llamacpp-11434/``), and small hand-written tables for
+what no capture holds (SGLang 0.5.23 and vLLM 0.33.0 as their sources answer, shared/reference/engines.md;
+failures). What the dialects do against real processes (llama-server, the SGLang emulator) is in
+tests/test_enginestate.py; the proxy in front of the captures in tests/test_captured_live.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import httpx
 import pytest
 
 from proxy import engines
-from proxy.bench import runner
+from proxy.bench import config as bench_config
+from proxy.bench import engines as bench_engines
 from proxy.engines import quant_from_name, quant_key
 from proxy.engines.sglang import HEALTH_GENERATE_TIMEOUT_S
 from proxy.errors import normalize_engine_error
@@ -26,6 +29,8 @@ from proxy.server.upstream import Engine
 from proxy.settings import EngineSettings
 from proxy.stream import read_event
 from proxy.types import ENGINE_KINDS, EngineKind
+from tests import captured as captures
+from tests.captured import FIXTURES, GPU
 from tests.helpers import run_uvicorn_app
 
 T = TypeVar("T")
@@ -74,19 +79,30 @@ LLAMA_PROPS = {
 LLAMA_SLOTS = [{"id": 0, "n_ctx": 1024, "is_processing": True}, {"id": 1, "n_ctx": 1024, "is_processing": False}]
 MODELS_TINY = {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "llamacpp", "meta": {"ftype": 15}}]}  # fmt: skip
 
-#: SGLang 0.5.17 on the H200: server args at the top level, per-DP scheduler state without a running count
+#: SGLang 0.5.17 on the H200 (tests/fixtures/engines/sglang-0.5.17/, cut down): the command line's server args
+#: at the top level (max_running_requests null when not given), per-DP scheduler state with the effective value
+#: and no running count
 SGLANG_0517_INFO = {
     "model_path": "/tmp/m",
     "served_model_name": "tiny",
     "dtype": "bfloat16",
     "quantization": None,
     "context_length": 4096,
-    "max_running_requests": 4096,
+    "max_running_requests": None,
     "max_total_tokens": None,
     "enable_metrics": True,
+    "status": "ready",
     "max_total_num_tokens": 5_400_000,
     "max_req_input_len": 4090,
-    "internal_states": [{"attention_backend": "triton", "last_gen_throughput": 0.0, "memory_usage": {}}],
+    "internal_states": [
+        {
+            "attention_backend": "triton",
+            "max_running_requests": None,
+            "last_gen_throughput": 0.0,
+            "memory_usage": {"weight": 13.5, "kvcache": 13.1, "token_capacity": 5_400_000},
+            "effective_max_running_requests_per_dp": 4096,
+        }
+    ],
     "version": "0.5.17",
 }
 SGLANG_MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "sglang", "root": "tiny", "parent": None, "max_model_len": 4096}]}  # fmt: skip
@@ -534,55 +550,44 @@ def test_bench_probe_reads_slots_and_quantization_through_the_dialects() -> None
     sg.table[("POST", "/v1/tokenize")] = ok({"tokens": [1] * 9, "count": 9, "max_model_len": 4096})
     sg.table[("POST", "/flush_cache")] = httpx.Response(200, text="Cache flushed.\n")
     with serve(sg) as url:
-        t = runner.Target("sglang", url)
-        asyncio.run(runner.probe(t))
+        t = bench_config.Target("sglang", url)
+        asyncio.run(bench_engines.probe(t))
         assert (t.kind, t.model, t.slots) == ("sglang", "tiny", 4096)
-        assert (t.quantization, t.quantization_source) == ("bfloat16", "sglang report")
+        assert (t.quantization, t.quantization_source) == ("bfloat16", "engine info")
         assert t.info == {"model_path": "/tmp/m", "context_length": 4096, "build": "0.5.17"}
-        assert asyncio.run(runner.count_prompt_tokens(t, "tiny", MSGS)) == (9, "v1/tokenize")
-        assert asyncio.run(runner.flush_cache(t)) == "flush_cache HTTP 200"
+        assert asyncio.run(bench_engines.count_prompt_tokens(t, "tiny", MSGS)) == (9, "v1/tokenize")
+        assert asyncio.run(bench_engines.flush_cache(t)) == "flush_cache HTTP 200"
     with serve(vllm_0260()) as url:
-        t = runner.Target("vllm", url, quantization="BF16", quantization_source="declared")
-        asyncio.run(runner.probe(t))
+        t = bench_config.Target("vllm", url, quantization="BF16", quantization_source="declared")
+        asyncio.run(bench_engines.probe(t))
         assert (t.kind, t.model, t.slots, t.info["build"]) == ("vllm", "tinyllama", None, "0.26.0")
         assert (t.quantization, t.quantization_source) == ("BF16", "declared")  # a declaration wins
     llama = llama_cpp()
     llama.table[("GET", "/props")] = ok({k: v for k, v in LLAMA_PROPS.items() if k != "model_ftype"})
     llama.table[("GET", "/v1/models")] = ok({"data": [{"id": "tiny"}]})
     with serve(llama) as url:
-        t = runner.Target("llama", url)
-        asyncio.run(runner.probe(t))
+        t = bench_config.Target("llama", url)
+        asyncio.run(bench_engines.probe(t))
         # no ftype reported: the model file's name says Q4_K_M
         assert (t.kind, t.slots, t.quantization, t.quantization_source) == ("llamacpp", 2, "Q4_K_M", "model name")
 
 
-# ---- replay of captured engines (scripts/capture_engine.py -> tests/fixtures/engines/<engine>/) -----------
-
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "engines"
+# ---- replay of captured engines (tests/fixtures/engines/: the H200 run and scripts/capture_engine.py) ---------
 
 
 def captured() -> list[Path]:
-    return sorted(p.parent for p in FIXTURES.glob("*/answers.jsonl"))
+    return sorted([*(p.parent for p in FIXTURES.glob("*/answers.jsonl")), *GPU.values()])
 
 
-def _answer(status: int, content: bytes, headers: dict[str, str]) -> Callable[[httpx.Request], httpx.Response]:
-    return lambda request: httpx.Response(status, content=content, headers=headers)
+def fake_of(table: Mapping[tuple[str, str], captures.Answer]) -> FakeEngine:
+    def answer(a: captures.Answer) -> httpx.Response:
+        return httpx.Response(a.status, content=a.body, headers={"content-type": a.content_type or "text/plain"})
+
+    return FakeEngine({k: answer(a) for k, a in table.items() if a.status != 404})  # 404s: FakeEngine's own
 
 
-def replay(folder: Path) -> tuple[FakeEngine, dict[str, Any]]:
-    table: dict[tuple[str, str], Answer] = {}
-    for line in (folder / "answers.jsonl").read_text().splitlines():
-        a = json.loads(line)
-        if a["status"] == 404:
-            continue  # FakeEngine's own 404
-        content, headers = a["body"].encode(), {"content-type": a["content_type"] or "text/plain"}
-        table[(a["method"], a["path"])] = _answer(a["status"], content, headers)
-    meta_path = folder / "meta.json"
-    return FakeEngine(table), json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-
-
-def check_replay(folder: Path) -> None:
-    fake, meta = replay(folder)
+def check_replay(folder: Path) -> tuple[EngineKind, engines.Health, engines.Facts, engines.TokenCount | None]:
+    fake, meta = fake_of(captures.answers(folder)), captures.meta(folder)
     kind = fake.run(lambda c: engines.detect(c, 1.0))
     assert kind is not None and kind == (meta.get("kind") or kind)
     d = engines.dialect(kind)
@@ -594,14 +599,100 @@ def check_replay(folder: Path) -> None:
         assert f.slots, f
     if meta.get("version") and kind in ("sglang", "vllm"):
         assert f.build == meta["version"]
+    n = None
     if kind != "openai":
-        n = fake.run(lambda c: d.count_prompt_tokens(c, meta.get("model"), MSGS))
+        n = fake.run(lambda c: d.count_prompt_tokens(c, meta.get("model", "m7b"), captures.HI))
         assert n.tokens, n
+    return kind, h, f, n
 
 
 @pytest.mark.parametrize("folder", captured(), ids=lambda p: p.name)
 def test_replay_captured_engine(folder: Path) -> None:
     check_replay(folder)
+
+
+#: what the dialects must read from the real engines of the H200 run (values from the captures themselves)
+GPU_FACTS: dict[str, tuple[str, engines.Facts]] = {
+    # llama.cpp: /health; slots = -np 64, n_ctx per slot 8192, F16 GGUF, an sdist build
+    "llamacpp": ("/health", engines.Facts(
+        model="m7b", model_path="/tmp/w/m7b.gguf", context_length=8192, slots=64, busy_slots=0,
+        quantization="F16", build="b0-unknown",
+    )),
+    # SGLang 0.5.17: no /ready (404) -> /health; slots from internal_states[0].effective_max_running_requests_per_dp
+    # (the top-level max_running_requests is null); dtype float16; busy from sglang:num_running_reqs
+    "sglang": ("/health", engines.Facts(
+        model="m7b", model_path="/tmp/w/model/m7b", context_length=8192, slots=4096, busy_slots=0,
+        quantization="float16", build="0.5.17",
+    )),
+    # vLLM 0.26.0: /health; nothing reports max_num_seqs or the dtype; build from /version
+    "vllm": ("/health", engines.Facts(
+        model="m7b", model_path="/tmp/w/model/m7b", context_length=8192, slots=None, busy_slots=0,
+        quantization=None, build="0.26.0",
+    )),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(GPU))
+def test_dialects_read_the_real_engines_of_the_h200_run(kind: EngineKind) -> None:
+    """Detection, health, state and token counting against the answers real llama.cpp, SGLang 0.5.17 and vLLM
+    0.26.0 gave on the H200 (issue 11): kind, health path, every fact, and the token count of parity.json's
+    "hi" equal to the ``usage.prompt_tokens`` a real chat completion reported."""
+    got_kind, health, facts, n = check_replay(GPU[kind])
+    path, want = GPU_FACTS[kind]
+    assert (got_kind, health.path, health.error) == (kind, path, None)
+    assert facts == want
+    parity = json.loads((GPU[kind] / "parity.json").read_text())["hi"]
+    assert n is not None and n.tokens == parity["prompt_tokens"] == 9
+
+
+def test_sglang_0517_answers_404_on_ready_and_health_decides() -> None:
+    fake = fake_of(captures.answers(GPU["sglang"]))
+    h = fake.run(lambda c: engines.dialect("sglang").health(c, 1.0))
+    assert (h.up, h.path) == (True, "/health")
+    assert fake.paths() == ["/ready", "/health"]
+    assert captures.endpoints(GPU["sglang"])["/ready"].status == 404  # the capture says so, not the fake
+    # quantization keys: SGLang's dtype and llama.cpp's ftype name one format
+    assert quant_key(GPU_FACTS["sglang"][1].quantization) == quant_key(GPU_FACTS["llamacpp"][1].quantization) == "f16"
+
+
+@pytest.mark.parametrize("kind", list(GPU))
+@pytest.mark.parametrize("name", ["overflow_nonstream.txt", "overflow_stream.txt", "overflow_max_tokens_nonstream.txt", "bad_request.txt"])  # fmt: skip
+def test_captured_error_bodies_come_out_nested(kind: EngineKind, name: str) -> None:
+    """Every error body the real engines sent, through ``normalize_error``: one OpenAI shape with the engine's
+    message, type and code; nested bodies (llama.cpp, vLLM) pass byte for byte, SGLang's flat one is nested."""
+    rec = captures.http_record(GPU[kind] / name)
+    if rec.status == 200:  # llama.cpp stops at the context instead of refusing prompt + max_tokens
+        assert (kind, name) == ("llamacpp", "overflow_max_tokens_nonstream.txt")
+        assert rec.json()["choices"][0]["finish_reason"] == "length"
+        return
+    assert rec.status == 400 and rec.headers["content-type"].startswith("application/json")
+    out = engines.normalize_error(rec.body, rec.status, kind)
+    err = json.loads(out)["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["code"] == 400
+    if kind == "sglang":
+        flat = rec.json()
+        assert flat["object"] == "error" and err == {k: v for k, v in flat.items() if k != "object"}
+        assert normalize_engine_error(rec.body, rec.status) == out  # the relay nests it without knowing the kind
+    else:
+        assert out is rec.body
+    if name.startswith("overflow"):
+        assert "8192" in err["message"]
+
+
+def test_vllm_stream_reads_finish_on_the_last_content_chunk() -> None:
+    """vLLM 0.26.0's captured stream: no separate finish chunk; the last content event carries finish_reason,
+    the usage event follows; SGLang 0.5.17's has a separate finish chunk; both count every content token."""
+    for kind, finish_on_content in (("vllm", True), ("sglang", False), ("llamacpp", False)):
+        events = captures.sse_events(GPU[kind] / "stream.sse")
+        assert events[-1] == "[DONE]"
+        infos = [read_event(json.loads(e)) for e in events[:-1]]
+        tokens = [i for i in infos if i.token]
+        finish = [i for i in infos if i.finish_reason]
+        assert len(finish) == 1 and finish[0].finish_reason == "length"
+        assert (finish[0] is tokens[-1]) == finish_on_content, kind
+        usage = infos[-1].usage
+        assert usage is not None and usage.completion_tokens == 24 and usage.prompt_tokens == 16
+        assert sum(1 for i in tokens) <= 24
 
 
 def test_replay_reads_what_the_capture_script_writes(tmp_path: Path) -> None:

@@ -82,8 +82,8 @@ def sglang_emulator() -> Iterator[Callable[..., str]]:
         )  # fmt: skip
         procs.append(p)
         url = f"http://127.0.0.1:{port}"
-        ready = "/health" if "--no-ready" in extra else "/ready"
-        wait_until(lambda: p.poll() is None and httpx.get(f"{url}{ready}", timeout=5).status_code == 200, timeout=60)
+        # /v1/models: served by every emulated version (0.5.17, the default, has no /ready)
+        wait_until(lambda: p.poll() is None and httpx.get(f"{url}/v1/models", timeout=5).status_code == 200, timeout=60)
         return url
 
     yield start
@@ -186,7 +186,8 @@ def test_sglang_server_info_model_info_models(
     sglang_emulator: Callable[..., str],
     proxy_with_state: Callable[[Settings], Running],
 ) -> None:
-    url = sglang_emulator(llama_server.url, "Qwen/Tiny-Instruct")
+    # busy slots: SGLang 0.5.17 reports no running count in /server_info, only sglang:num_running_reqs
+    url = sglang_emulator(llama_server.url, "Qwen/Tiny-Instruct", "--enable-metrics")
     p = proxy_with_state(settings({"sglang": url}))
     assert p.value("enginemeter_engine_up", engine="sglang") == 1
     backend = httpx.get(f"{llama_server.url}/props", timeout=10).json()

@@ -1,5 +1,6 @@
 """The fake engines themselves: the fault engine against llama.cpp's wire shapes (engines.md §1), the SGLang
-emulator against SGLang 0.5.23's (§2), over real sockets. Emulator tests use the fault engine as backend where
+emulator (0.5.17 by default; the captured real 0.5.17 is replayed against it in tests/test_emulator_fidelity.py)
+over real sockets. Emulator tests use the fault engine as backend where
 timing or failures must be controlled, and a real llama-server (tests/conftest.py) for real tokens.
 """
 
@@ -467,8 +468,7 @@ def test_emulator_chat_stream_matches_sglang_event_by_event(llama_server: LlamaS
         "completion_tokens": 8,
         "prompt_tokens_details": None,
         "reasoning_tokens": 0,
-        "completion_tokens_details": None,
-    }
+    }  # 0.5.17 sends no completion_tokens_details
 
 
 def test_emulator_non_stream_chat_and_completions(llama_server: LlamaServer) -> None:
@@ -577,12 +577,16 @@ def test_emulator_info_endpoints_and_metrics(llama_server: LlamaServer) -> None:
     with emulate(llama_server.url, enable_metrics=True) as url:
         health = httpx.get(f"{url}/health", timeout=30)
         assert (health.status_code, health.content) == (200, b"")
-        assert httpx.get(f"{url}/ready").status_code == 200
+        assert httpx.get(f"{url}/ready").status_code == 404  # 0.5.17
         info = httpx.get(f"{url}/server_info").json()
-        assert info["version"] == "0.5.23" and info["served_model_name"] == "tiny"
-        assert info["context_length"] > 0 and isinstance(info["internal_states"], list)
-        assert httpx.get(f"{url}/get_server_info").json()["version"] == "0.5.23"
-        assert httpx.get(f"{url}/model_info").json()["served_model_name"] == "tiny"
+        assert info["version"] == "0.5.17" and info["served_model_name"] == "tiny"
+        assert info["context_length"] is None and info["max_running_requests"] is None  # not on the command line
+        (state,) = info["internal_states"]
+        backend = httpx.get(f"{llama_server.url}/props").json()
+        assert state["effective_max_running_requests_per_dp"] == backend["total_slots"]
+        assert info["max_total_num_tokens"] == backend["default_generation_settings"]["n_ctx"] * backend["total_slots"]
+        assert httpx.get(f"{url}/get_server_info").json()["version"] == "0.5.17"
+        assert httpx.get(f"{url}/model_info").json()["model_path"] == backend["model_path"]
         assert httpx.get(f"{url}/v1/models").json() == {
             "object": "list",
             "data": [
@@ -593,7 +597,7 @@ def test_emulator_info_endpoints_and_metrics(llama_server: LlamaServer) -> None:
                     "owned_by": "sglang",
                     "root": "tiny",
                     "parent": None,
-                    "max_model_len": info["context_length"],
+                    "max_model_len": backend["default_generation_settings"]["n_ctx"],
                 }
             ],
         }
@@ -654,15 +658,15 @@ def test_emulator_queue_counts_running_and_waiting_requests(slow_backend: str) -
                     )
                 )
                 assert resp.status_code == 200
-            states = httpx.get(f"{url}/server_info").json()["internal_states"][0]
-            assert (states["num_running_reqs"], states["num_queue_reqs"]) == (1, 1)
+            state = httpx.get(f"{url}/_emulator/state").json()
+            assert (state["running"], state["waiting"]) == (1, 1)
             full = httpx.post(f"{url}/v1/chat/completions", json=sglang_body())
             assert full.status_code == 503 and full.json()["message"] == "The request queue is full."
             raw = raw_post(url, "/v1/chat/completions", sglang_body(stream=True))
             assert raw.status == 200 and raw.json_events()[0]["error"]["code"] == 503
         # the clients left: their backend requests are cancelled and the queue drains
         wait_until(lambda: stats(slow_backend)["cancelled"] == 2, timeout=10)
-        wait_until(lambda: httpx.get(f"{url}/server_info").json()["internal_states"][0]["num_running_reqs"] == 0)
+        wait_until(lambda: httpx.get(f"{url}/_emulator/state").json()["inflight"] == 0)
         assert httpx.post(f"{url}/v1/chat/completions", json=sglang_body()).status_code == 200
 
 

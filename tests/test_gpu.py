@@ -7,6 +7,7 @@ device used 16.03 GB of 150.75 GB, the engine's process 15.37 GB.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from proxy.server import attribution, nvml
 from proxy.server.gpu import GpuMonitor
 from proxy.server.nvml import DeviceReading, NvmlUnavailable, ProcReading
-from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings
+from proxy.settings import CollectorSettings, EngineSettings, MirrorSettings, RouteSettings, Settings
 from tests.helpers import start_proxy, wait_until
 
 GB = 10**9
@@ -434,3 +435,50 @@ def test_the_app_feeds_metrics_and_health(child: subprocess.Popen[bytes]) -> Non
     # lifespan exit stopped the thread and closed NVML
     assert reader.closed
     assert mon._thread is None
+
+
+@pytest.mark.parametrize(("shadow_gpu", "contended"), [(0, True), (1, False)])
+def test_mirrored_pairs_say_whether_primary_and_shadow_share_a_gpu(
+    tmp_path: Path, shadow_gpu: int, contended: bool
+) -> None:
+    """Two engines on one GPU compete: the comparison record and enginemeter_pair_contended say so (and say
+    "not contended" when the NVML attribution puts them on different GPUs)."""
+    from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+
+    a = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    b = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = {0: [ProcReading(a.pid, 15 * GB)], 1: []}
+    procs[shadow_gpu].append(ProcReading(b.pid, 20 * GB))
+    reader = RecordedReader([([dev(0), dev(1)], procs)])
+    log = tmp_path / "pairs.jsonl"
+    try:
+        with (
+            run_in_thread(FaultEngineConfig(model="m", knobs=Knobs(tokens=3, cadence_ms=1))) as p_url,
+            run_in_thread(FaultEngineConfig(model="m", knobs=Knobs(tokens=3, cadence_ms=1))) as s_url,
+            ExitStack() as stack,
+        ):
+            settings = Settings(
+                engines=(
+                    EngineSettings(name="llama", url=p_url, kind="llamacpp", model="m", pid=a.pid),
+                    EngineSettings(name="sglang", url=s_url, kind="llamacpp", model="m", pid=b.pid),
+                ),
+                routes=(RouteSettings(primary="llama", shadows=("sglang",)),),
+                collectors=CollectorSettings(gpu=True, gpu_interval=0.02, engine_interval=60),
+                mirror=MirrorSettings(log_path=str(log)),
+            )
+            p = start_proxy(stack, settings, nvml=lambda: reader)
+            gpu = p.gateway.gpu
+            assert gpu is not None
+            wait_until(lambda: gpu.status.samples >= 1)
+            body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+            assert p.client.post("/v1/chat/completions", json=body).status_code == 200
+            wait_until(lambda: log.exists() and log.read_text().count("\n") >= 1)
+            gauge = p.value("enginemeter_pair_contended", primary="llama", shadow="sglang")
+    finally:
+        for proc in (a, b):
+            proc.kill()
+            proc.wait()
+    record = json.loads(log.read_text().splitlines()[0])
+    assert record["contended"] is contended
+    assert record["gpus"] == {"primary": [0], "shadow": [shadow_gpu]}
+    assert gauge == (1 if contended else 0)

@@ -8,9 +8,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from proxy.configfile import load
 from proxy.server.metrics import DEFAULT_BUCKETS, Metrics, configured_pairs, finish_label, observe
 from proxy.server.result import Result
-from proxy.settings import BUCKET_KEYS, SettingsError, load
+from proxy.settings import BUCKET_KEYS, SettingsError
 from proxy.timing import EngineTimings, StreamTiming, Usage
 from proxy.types import Outcome
 

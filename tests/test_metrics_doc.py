@@ -11,7 +11,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.settings import load
+from proxy.configfile import load
 from tests.helpers import ProxyFactory, wait_until
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -71,6 +71,7 @@ def test_every_documented_metric_is_exported_and_vice_versa(proxy_factory: Proxy
         r = httpx.post(f"{url}/v1/completions", json={"model": "p", "prompt": "hi", "max_tokens": 8, "stream": True})
         assert r.status_code == 200
         httpx.post(f"{url}/v1/chat/completions", content=b"{bad")  # a rejected request
+        assert httpx.post(f"{url}/tokenize", json={"content": "hi"}).status_code == 200  # a pass-through request
 
         def have_pairs() -> bool:
             # the pair's counter exists from start-up (primed at 0): wait for a compared pair

@@ -472,7 +472,7 @@ def test_a_lost_half_expires_as_unpaired() -> None:
 
 
 def test_quick_flags_mirror_every_request(proxy_factory: ProxyFactory) -> None:
-    from proxy.settings import load
+    from proxy.configfile import load
 
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary,

@@ -33,8 +33,8 @@ import pytest
 import yaml
 
 from fakes import vllm_metrics as vllm_metrics_fake
+from proxy.configfile import load
 from proxy.server.nvml import DeviceReading, ProcReading
-from proxy.settings import load
 from tests.helpers import free_port, start_proxy, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

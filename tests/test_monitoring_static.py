@@ -22,8 +22,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from proxy.configfile import load
 from proxy.server.metrics import Metrics
-from proxy.settings import load
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from proxy import normalize
+from proxy.configfile import load, parse_file
 from proxy.settings import (
     ConfigFile,
     EngineSettings,
@@ -22,8 +23,6 @@ from proxy.settings import (
     SettingsError,
     Timeouts,
     json_schema,
-    load,
-    parse_file,
 )
 from proxy.types import EngineKind
 from tests.helpers import REPO
@@ -153,14 +152,15 @@ BAD = [
     (ENGINE + "default_route: 2\n", "bad.yaml:2: default_route: expected an index below 1 (the number of routes)"),
     (ENGINE + "engines: []\n", "bad.yaml:2: engines: duplicate key"),
     (ENGINE + "max_body_bytes: 1e6\n", "bad.yaml:2: max_body_bytes: expected an integer, got '1e6'"),
+    (ENGINE + "api_keys: ['']\n", "bad.yaml:2: api_keys[0]: expected a string to have at least 1 character, got ''"),
     ("engines: [{name: a, url: 'http://x:1'}, {name: a, url: 'http://x:2'}]\n",
      "bad.yaml:1: engines[1].name: duplicate engine name 'a'"),
     ("engines: [{name: a, url: 'http://x:1', colour: red}]\n",
      "bad.yaml:1: engines[0].colour: unknown key; expected one of: name, url, kind, model, api_key, timeouts, "
-     "max_connections, pid, pid_file"),
+     "max_connections, pid, pid_file, add_timings"),
     (ENGINE + "mirrors: {}\n", "bad.yaml:2: mirrors: unknown key (did you mean 'mirror'?); expected one of: listen, "
      "api_keys, admin_key, max_body_bytes, engines, models, routes, default_route, sampling_defaults, pin_header, "
-     "mirror, collectors, metrics"),
+     "mirror, collectors, metrics, request_log, tracing, add_timings"),
     ("engines: [{name: a, url: 'http://x:1'}\n", "bad.yaml:2: not valid YAML: expected ',' or ']', but got '<stream end>'"),
     ("- a\n", "bad.yaml:1: expected a mapping of settings at the top level, got a list"),
     ("routes: []\n", "bad.yaml: no engines configured: add an engines: list, or give --primary URL"),

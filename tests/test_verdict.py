@@ -1,288 +1,356 @@
-"""The verdict on crafted results: every inconclusive path, and wins only beyond the run-to-run spread."""
+"""The verdict on crafted results: the gates in order, the paired statistics against the A/A noise floor, and
+every way a verdict stops. Pure: no engine, no clock."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
+import statistics
 from collections.abc import Sequence
 
 import pytest
 
-from proxy.bench.verdict import Cell, Comparison, EngineInfo, Results, Sample, Verdict, decide, decide_all
+from proxy.bench.engines import quant_key
+from proxy.bench.gates import cache_flags
+from proxy.bench.model import Cell, EngineInfo, Req, Results, Sample
+from proxy.bench.stats import paired_bootstrap, variation
+from proxy.bench.verdict import Verdict, decide, decide_all
 
 SAMPLING = {"temperature": 0, "top_p": 1, "top_k": "off", "seed": 1, "ignore_eos": True}
 C1 = Cell("cold", 1, 64, "medium")
 C8 = Cell("cold", 8, 64, "medium")
 LONG = Cell("cold", 1, 64, "long")
+GiB = 2**30
 
 
-def engines(**over: object) -> tuple[EngineInfo, EngineInfo]:
-    a = EngineInfo("llama", "llamacpp", "m", "Q4_K_M", dict(SAMPLING), (64,))
-    b = EngineInfo("sglang", "sglang", "m", "Q4_K_M", dict(SAMPLING), (64,))
-    return a, dataclasses.replace(b, **over)  # type: ignore[arg-type]
+def engines(**over: object) -> tuple[EngineInfo, EngineInfo, EngineInfo]:
+    a = EngineInfo("llama", "llamacpp", "m", "Q4_K_M", dict(SAMPLING), (64,), (), 4096, 8)
+    b = EngineInfo("sglang", "sglang", "m", "Q4_K_M", dict(SAMPLING), (64,), (), 4096, 8)
+    aa = dataclasses.replace(a, name="llama-aa", aa_of="llama")
+    return a, dataclasses.replace(b, **over), aa  # type: ignore[arg-type]
 
 
-def samples(
+def run(
     engine: str,
     cell: Cell,
     *,
-    decode: Sequence[float] = (100, 101, 102),
-    tps: Sequence[float] | None = None,
-    ttft: Sequence[float] | None = None,
+    tpot: float = 0.010,
+    ttft: float = 0.100,
+    tps: float | None = None,
+    noise: float = 0.02,
+    drift: Sequence[float] = (1.0, 1.0, 1.0),
+    n: int = 8,
     n_err: int = 0,
     tokens: float = 64,
     mem: int | None = None,
-) -> list[Sample]:
-    out = []
-    for i, d in enumerate(decode):
-        out.append(
+    mem_source: str = "proxy engine gauge",
+    gpus: tuple[int, ...] = (0,),
+    total: int | None = None,
+    cached: int | None = None,
+    seed: int = 0,
+) -> tuple[list[Sample], list[Req]]:
+    """Per-request figures around ``tpot``/``ttft`` with ``noise`` (relative, uniform) and a per-repeat ``drift``."""
+    rng = random.Random(f"{engine}{cell}{seed}")
+    samples, reqs = [], []
+    for rep, d in enumerate(drift):
+        mine = []
+        for i in range(n):
+            f = d * (1 + rng.uniform(-noise, noise))
+            q = Req(engine, cell, rep, i, True, ttft * f, tpot * f, 1 / (tpot * f), 1.0, 100, cached)
+            mine.append(q)
+        reqs += mine
+        samples.append(
             Sample(
-                engine=engine,
-                cell=cell,
-                repeat=i,
-                n_ok=cell.concurrency,
-                n_err=n_err,
-                ttft_s=ttft[i] if ttft else 0.1,
-                tpot_s=1 / d,
-                decode_tps=d,
-                e2e_s=1.0,
-                completion_tokens=tokens,
-                output_tps=tps[i] if tps else d * cell.concurrency * 0.9,
-                gpu_mem_peak_bytes=mem,
-                errors=("HTTP 500: boom",) if n_err else (),
+                engine=engine, cell=cell, repeat=rep, n_ok=n, n_err=n_err,
+                ttft_s=statistics.median(q.ttft_s or 0 for q in mine),
+                tpot_s=statistics.median(q.tpot_s or 0 for q in mine),
+                decode_tps=statistics.median(q.decode_tps or 0 for q in mine), e2e_s=1.0,
+                completion_tokens=tokens, output_tps=(tps if tps is not None else cell.concurrency / tpot) / d,
+                gpu_mem_peak_bytes=mem, errors=("HTTP 500: boom",) if n_err else (), gpu_mem_source=mem_source,
+                gpus=gpus, gpu_mem_total_bytes=total,
             )
-        )
-    return out
+        )  # fmt: skip
+    return samples, reqs
 
 
-def prompt_tokens(a: int = 100, b: int = 100) -> dict[str, dict[str, int]]:
-    return {"llama": {"tokenizer:en": 100, "tokenizer:zh": a}, "sglang": {"tokenizer:en": 100, "tokenizer:zh": b}}
-
-
-def results(ss: Sequence[Sample], **over: object) -> Results:
+def results(*runs: tuple[list[Sample], list[Req]], **over: object) -> Results:
     r = Results(
         engines=engines(),
         baseline="llama",
-        samples=tuple(ss),
-        prompt_tokens=prompt_tokens(),
+        samples=tuple(s for ss, _ in runs for s in ss),
+        requests=tuple(q for _, qs in runs for q in qs),
+        prompt_tokens={"llama": {"tokenizer:en": 100}, "sglang": {"tokenizer:en": 100}},
         base_max_tokens=64,
         base_prompt_len="medium",
     )
     return dataclasses.replace(r, **over)  # type: ignore[arg-type]
 
 
-def equal_runs() -> list[Sample]:
-    return [*samples("llama", C1), *samples("sglang", C1)]
+def trio(cell: Cell = C1, **cand: object) -> list[tuple[list[Sample], list[Req]]]:
+    """Baseline, its A/A pass and the candidate on one cell."""
+    return [run("llama", cell), run("llama-aa", cell, seed=1), run("sglang", cell, **cand)]  # type: ignore[arg-type]
 
 
 def reasons(v: Verdict, outcome: str) -> list[str]:
     return [x.text for x in v.reasons if x.outcome == outcome]
 
 
-# ---- decisive paths ----------------------------------------------------------------------------------
+# ---- decisive paths --------------------------------------------------------------------------------------
 
 
-def test_equal_engines_stay_decode_bound() -> None:
-    v = decide(results(equal_runs()), "sglang")
-    assert v.decision == "stay"
+def test_equal_engines_tie_inside_the_noise_floor() -> None:
+    v = decide(results(*trio()), "sglang")
+    assert v.decision == "stay", v.summary
     assert "decode-bound, switching engines won't fix it" in v.summary
     (tie,) = reasons(v, "tie")
-    assert "100" in tie and "102" in tie  # the numbers are in the reason
-    assert not reasons(v, "inconclusive")
+    assert "95% CI" in tie and "noise floor ±" in tie and "A/A: llama-aa vs llama" in tie
+    assert v.stopped_at is None
 
 
-def test_faster_beyond_spread_is_switch() -> None:
-    ss = [*samples("llama", C1), *samples("sglang", C1, decode=(120, 121, 123))]
-    v = decide(results(ss), "sglang")
-    assert v.decision == "switch", v
-    (win,) = reasons(v, "win")
-    assert "sglang is faster" in win and "Δ +19.8%" in win
+def test_faster_beyond_the_floor_is_switch_with_its_interval() -> None:
+    v = decide(results(*trio(tpot=0.008)), "sglang")  # 20 % less time per token
+    assert v.decision == "switch", v.summary
+    (c,) = v.comparisons
+    assert c.outcome == "win" and c.metric == "tpot_s"
+    assert -0.23 < c.stats.lo < c.stats.rel < c.stats.hi < -0.17  # lower is better: the interval sits near -20 %
+    assert c.stats.effect is not None and c.stats.effect < -3
+    assert "Δ -20." in reasons(v, "win")[0]
 
 
-def test_slower_beyond_spread_is_stay() -> None:
-    ss = [*samples("llama", C1), *samples("sglang", C1, decode=(80, 81, 82))]
-    v = decide(results(ss), "sglang")
+def test_slower_beyond_the_floor_is_stay() -> None:
+    v = decide(results(*trio(tpot=0.0125)), "sglang")
     assert v.decision == "stay"
     assert reasons(v, "loss")
 
 
-def test_a_difference_inside_the_spread_is_never_a_win() -> None:
-    # medians differ by 10%, but the ranges overlap: 95..110 vs 104..115
-    ss = [*samples("llama", C1, decode=(95, 100, 110)), *samples("sglang", C1, decode=(104, 110, 115))]
-    v = decide(results(ss), "sglang")
-    assert v.decision == "stay"
+def test_a_difference_inside_the_floor_is_never_a_win() -> None:
+    # the A/A pass itself differs by ~4 %: a 3 % gain is not a win, whatever its own interval
+    base, aa = run("llama", C1), run("llama-aa", C1, tpot=0.0104, seed=1)
+    v = decide(results(base, aa, run("sglang", C1, tpot=0.0097)), "sglang")
     assert not reasons(v, "win")
-    assert reasons(v, "tie")
+    assert v.decision in ("stay", "inconclusive")
+    (c,) = v.comparisons
+    assert c.floor > 0.03
 
 
-def test_ttft_lower_is_better() -> None:
-    c = Comparison("ttft_s", "s", False, (0.5, 0.51, 0.52), (0.3, 0.31, 0.32))
-    assert c.outcome == "win"
-    assert dataclasses.replace(c, cand=(0.7, 0.71, 0.72)).outcome == "loss"
+def test_interval_across_the_floor_is_unresolved_and_stops_the_verdict() -> None:
+    v = decide(results(*trio(tpot=0.0098, noise=0.25), run("llama", C8), run("sglang", C8, tps=2000)), "sglang")
+    assert v.decision == "inconclusive"
+    assert v.stopped_at == "decode"
+    assert reasons(v, "unresolved")
+    later = [x for x in v.reasons if x.step == "throughput"]
+    assert later and all(not x.decisive for x in later)  # shown, marked not decisive
 
 
-def test_throughput_and_long_context_are_judged() -> None:
-    ss = [
-        *samples("llama", C1),
-        *samples("sglang", C1),
-        *samples("llama", C8, tps=(400, 410, 405)),
-        *samples("sglang", C8, tps=(900, 910, 905)),
-        *samples("llama", LONG, ttft=(1.0, 1.01, 1.02)),
-        *samples("sglang", LONG, ttft=(1.0, 1.01, 1.02)),
-    ]
-    v = decide(results(ss), "sglang")
-    steps = {x.step: x.outcome for x in v.reasons if x.outcome in ("win", "tie", "loss")}
-    assert steps == {"decode": "tie", "throughput": "win", "long-context": "tie"}
+def test_run_to_run_variation_above_20_percent_is_refused() -> None:
+    v = decide(results(*trio(drift=(0.7, 1.0, 1.35))), "sglang")
+    assert v.decision == "inconclusive" and v.stopped_at == "decode"
+    assert "exceeds 20%" in v.summary and "refused" in v.summary
+
+
+def test_without_an_aa_pass_the_run_to_run_variation_is_the_floor() -> None:
+    r = results(run("llama", C1, drift=(1.0, 1.05, 0.95)), run("sglang", C1, tpot=0.0097))
+    r = dataclasses.replace(r, engines=r.engines[:2])
+    (c,) = decide(r, "sglang").comparisons
+    assert c.floor_source == "no A/A pass: run-to-run variation"
+    assert c.floor == pytest.approx(max(v for v in c.variation.values() if v is not None))
+
+
+def test_throughput_and_long_context_are_judged_in_order() -> None:
+    v = decide(
+        results(*trio(), run("llama", C8, tps=400), run("llama-aa", C8, tps=400, seed=1),
+                run("sglang", C8, tps=900, ttft=0.05), *trio(LONG)),
+        "sglang",
+    )  # fmt: skip
+    steps = {(x.step, x.outcome) for x in v.reasons if x.outcome in ("win", "tie", "loss")}
+    assert ("decode", "tie") in steps and ("throughput", "win") in steps and ("long-context", "tie") in steps
     assert v.decision == "switch"
-    assert "c=8" in reasons(v, "win")[0]
-
-
-def test_memory_that_does_not_fit_is_stay() -> None:
-    ss = [*samples("llama", C1, mem=20 * 2**30), *samples("sglang", C1, decode=(150, 151, 152), mem=90 * 2**30)]
-    v = decide(results(ss, memory_budget_bytes=80 * 2**30), "sglang")
-    assert v.decision == "stay"
-    assert "does not fit" in v.summary and "90.00 GiB" in v.summary
-
-
-def test_memory_unknown_is_a_note_not_a_blocker() -> None:
-    v = decide(results(equal_runs()), "sglang")
-    (mem,) = [x for x in v.reasons if x.step == "memory"]
-    assert mem.outcome == "note" and "unknown" in mem.text
-
-
-def test_quantization_differs_is_a_note() -> None:
-    r = results(equal_runs(), engines=engines(quantization="FP8"))
-    v = decide(r, "sglang")
-    assert v.decision == "stay"
-    assert any("quantization differs" in t for t in reasons(v, "note"))
-
-
-def test_warm_cache_alone_is_judged_and_cold_preferred() -> None:
-    warm = Cell("warm", 1, 64, "medium")
-    ss = [*samples("llama", warm), *samples("sglang", warm, decode=(150, 151, 152))]
-    assert decide(results(ss), "sglang").decision == "switch"
-    # with both phases the cold phase decides: here a tie
-    v = decide(results([*ss, *equal_runs()]), "sglang")
-    assert v.decision == "stay"
-
-
-def test_decide_all_one_verdict_per_candidate() -> None:
-    third = EngineInfo("vllm", "vllm", "m", "Q4_K_M", dict(SAMPLING), (64,))
-    r = results([*equal_runs(), *samples("vllm", C1)], engines=(*engines(), third))
-    r = dataclasses.replace(r, prompt_tokens={**r.prompt_tokens, "vllm": {"tokenizer:en": 100}})
-    vs = decide_all(r)
-    assert [(v.baseline, v.candidate) for v in vs] == [("llama", "sglang"), ("llama", "vllm")]
-
-
-# ---- every inconclusive path ---------------------------------------------------------------------------
-
-
-def assert_inconclusive(v: Verdict, needle: str) -> None:
-    assert v.decision == "inconclusive", v
-    assert any(needle in t for t in reasons(v, "inconclusive")), reasons(v, "inconclusive")
-
-
-def test_prompt_token_mismatch() -> None:
-    v = decide(results(equal_runs(), prompt_tokens=prompt_tokens(100, 103)), "sglang")
-    assert_inconclusive(v, "prompt tokens differ")
-    assert "100 vs 103" in v.summary
-
-
-def test_prompt_tokens_unknown() -> None:
-    assert_inconclusive(decide(results(equal_runs(), prompt_tokens={}), "sglang"), "parity unknown")
-
-
-def test_sampling_differs() -> None:
-    r = results(equal_runs(), engines=engines(sampling={**SAMPLING, "top_p": 0.95}))
-    v = decide(r, "sglang")
-    assert_inconclusive(v, "sampling differs")
-    assert "top_p: 1 vs 0.95" in v.summary
-
-
-def test_sampling_not_recorded() -> None:
-    assert_inconclusive(decide(results(equal_runs(), engines=engines(sampling={})), "sglang"), "not recorded")
-
-
-def test_max_tokens_differ() -> None:
-    v = decide(results(equal_runs(), engines=engines(max_tokens=(128,))), "sglang")
-    assert_inconclusive(v, "max tokens differ")
-
-
-def test_output_lengths_differ() -> None:
-    ss = [*samples("llama", C1), *samples("sglang", C1, tokens=20)]
-    assert_inconclusive(decide(results(ss), "sglang"), "output lengths differ")
-
-
-def test_quantization_undeclared() -> None:
-    v = decide(results(equal_runs(), engines=engines(quantization=None)), "sglang")
-    assert_inconclusive(v, "quantization not declared for sglang")
-
-
-def test_difference_within_wide_noise_is_inconclusive() -> None:
-    # spread 60% of the median on the candidate: too noisy to call anything, even "no difference"
-    ss = [*samples("llama", C1), *samples("sglang", C1, decode=(80, 100, 140))]
-    v = decide(results(ss), "sglang")
-    assert v.decision == "inconclusive"
-    assert "too noisy" in v.summary
-    assert reasons(v, "noisy")
-
-
-def test_too_few_repeats() -> None:
-    ss = [*samples("llama", C1, decode=(100, 101)), *samples("sglang", C1, decode=(150, 151))]
-    v = decide(results(ss), "sglang")
-    assert_inconclusive(v, "too few repeats")
-    assert not reasons(v, "win")  # 2 repeats never make a win, however far apart
-
-
-def test_errors() -> None:
-    ss = [*samples("llama", C1), *samples("sglang", C1, n_err=1)]
-    v = decide(results(ss), "sglang")
-    assert_inconclusive(v, "3 of 6 requests failed")
-    assert "HTTP 500: boom" in v.summary
-
-
-def test_no_successful_requests() -> None:
-    bad = [dataclasses.replace(s, n_ok=0, n_err=1, decode_tps=None) for s in samples("sglang", C1)]
-    assert_inconclusive(decide(results([*samples("llama", C1), *bad]), "sglang"), "no successful requests")
-
-
-def test_no_common_cell() -> None:
-    ss = [*samples("llama", C1), *samples("sglang", C8)]
-    assert_inconclusive(decide(results(ss), "sglang"), "share no measured cell")
-
-
-def test_engine_without_results() -> None:
-    v = decide(results(equal_runs()), "vllm")
-    assert v.decision == "inconclusive"
-    assert "vllm" in v.summary
+    assert any("c=8" in t and "TTFT under load" in t for t in reasons(v, "win"))
+    assert [c.step for c in v.comparisons] == ["decode", "throughput", "throughput", "long-context", "long-context"]
 
 
 def test_mixed_wins_and_losses() -> None:
-    ss = [
-        *samples("llama", C1),
-        *samples("sglang", C1, decode=(80, 81, 82)),
-        *samples("llama", C8, tps=(400, 410, 405)),
-        *samples("sglang", C8, tps=(900, 910, 905)),
-    ]
-    v = decide(results(ss), "sglang")
+    v = decide(
+        results(*trio(tpot=0.0125), run("llama", C8, tps=400), run("llama-aa", C8, tps=400, seed=1),
+                run("sglang", C8, tps=900, tpot=0.0125)),
+        "sglang",
+    )  # fmt: skip
     assert v.decision == "inconclusive"
     assert "mixed" in v.summary and "throughput" in v.summary and "decode" in v.summary
 
 
-def test_nothing_comparable() -> None:
-    # cells in common but no figures: nothing judged
-    empty = [dataclasses.replace(s, decode_tps=None, output_tps=None, ttft_s=None) for s in equal_runs()]
-    v = decide(results(empty), "sglang")
-    assert v.decision == "inconclusive"
-    assert "nothing comparable" in v.summary
+# ---- gates: parity ---------------------------------------------------------------------------------------
+
+
+def assert_stopped(v: Verdict, gate: str, check: str, needle: str) -> None:
+    assert v.decision == "inconclusive", v
+    assert (v.stopped_at, v.stopped_check) == (gate, check), v.summary
+    assert needle in v.summary, v.summary
+    assert all(not x.decisive for x in v.reasons if x.step in ("decode", "throughput", "long-context"))
+
+
+def test_context_per_slot_differs_stops_at_parity() -> None:
+    r = results(*trio(tpot=0.008), engines=engines(context_per_slot=2048))
+    v = decide(r, "sglang")
+    assert_stopped(v, "parity", "context", "context per slot differs: llama 4096 vs sglang 2048")
+    assert reasons(v, "win")  # the later step is still computed and shown
+
+
+def test_quantization_is_normalized_and_a_difference_stops() -> None:
+    same = results(*trio(), engines=engines(quantization="q4_k_m"))
+    assert decide(same, "sglang").decision == "stay"
+    a, b, aa = engines(quantization="FP16")
+    fp = dataclasses.replace(same, engines=(dataclasses.replace(a, quantization="F16"), b, aa))
+    assert any("quantization equal" in t for t in reasons(decide(fp, "sglang"), "ok"))
+    q8 = dataclasses.replace(
+        same, engines=(dataclasses.replace(a, quantization="F16"), engines(quantization="Q8_0")[1], aa)
+    )
+    assert_stopped(decide(q8, "sglang"), "parity", "quantization", "quantization differs: llama F16")
+    bf = dataclasses.replace(
+        same, engines=(dataclasses.replace(a, quantization="F16"), engines(quantization="bfloat16")[1], aa)
+    )
+    assert "bf16 ≠ f16" in decide(bf, "sglang").summary
+
+
+def test_quantization_unknown_stops() -> None:
+    v = decide(results(*trio(), engines=engines(quantization=None)), "sglang")
+    assert_stopped(v, "parity", "quantization", "quantization unknown for sglang")
 
 
 @pytest.mark.parametrize(
-    ("base", "cand", "outcome"),
-    [
-        ((1, 2, 3), (4, 5, 6), "win"),
-        ((1, 2, 3), (3, 5, 6), "tie"),  # touching ranges overlap
-        ((4, 5, 6), (1, 2, 3), "loss"),
-    ],
-)
-def test_comparison_ranges(base: tuple[float, ...], cand: tuple[float, ...], outcome: str) -> None:
-    assert Comparison("decode_tps", "tok/s", True, base, cand, max_noise=10).outcome == outcome
+    ("q", "key"),
+    [("F16", "f16"), ("FP16", "f16"), ("float16", "f16"), ("half", "f16"), ("BF16", "bf16"), ("bfloat16", "bf16"),
+     ("Q4_K_M", "q4_k_m"), ("MOSTLY_Q8_0", "q8_0"), (" awq ", "awq"), (None, None)],
+)  # fmt: skip
+def test_quant_key(q: str | None, key: str | None) -> None:
+    assert quant_key(q) == key
+
+
+def test_sampling_dropped_by_the_mapping_stops() -> None:
+    v = decide(results(*trio(), engines=engines(dropped=("min_p",))), "sglang")
+    assert_stopped(v, "parity", "sampling", "sglang (sglang) had min_p dropped")
+
+
+def test_effective_sampling_differs_stops() -> None:
+    v = decide(results(*trio(), engines=engines(sampling={**SAMPLING, "top_p": 0.95})), "sglang")
+    assert_stopped(v, "parity", "sampling", "top_p: 1 vs 0.95")
+
+
+def test_prompt_tokens_differ_stops() -> None:
+    pt = {"llama": {"tokenizer:zh": 100}, "sglang": {"tokenizer:zh": 103}}
+    v = decide(results(*trio(), prompt_tokens=pt), "sglang")
+    assert_stopped(v, "parity", "prompt tokens", "100 vs 103")
+
+
+def test_max_tokens_and_output_lengths() -> None:
+    assert_stopped(
+        decide(results(*trio(), engines=engines(max_tokens=(128,))), "sglang"),
+        "parity",
+        "max tokens",
+        "max tokens differ",
+    )
+    assert_stopped(decide(results(*trio(tokens=20)), "sglang"), "parity", "output length", "output lengths differ")
+
+
+def test_fewer_slots_than_the_offered_concurrency_is_stated() -> None:
+    r = results(*trio(), run("llama", C8, tps=400), run("llama-aa", C8, tps=400, seed=1), run("sglang", C8, tps=400),
+                engines=engines(slots=4))  # fmt: skip
+    v = decide(r, "sglang")
+    assert any("sglang has 4 slot(s) for an offered concurrency of 8" in t for t in reasons(v, "note"))
+    assert v.stopped_at is None
+
+
+# ---- gates: data, cache, memory -------------------------------------------------------------------------
+
+
+def test_errors_and_too_few_repeats_stop_at_data() -> None:
+    v = decide(results(*trio(n_err=1)), "sglang")
+    assert (v.stopped_at, v.stopped_check) == ("data", "errors") and "HTTP 500: boom" in v.summary
+    v = decide(results(*trio(drift=(1.0, 1.0))), "sglang")
+    assert (v.stopped_at, v.stopped_check) == ("data", "repeats")
+
+
+def test_no_common_cell_and_unknown_engine() -> None:
+    v = decide(results(run("llama", C1), run("sglang", C8)), "sglang")
+    assert v.decision == "inconclusive" and "share no measured cell" in v.summary
+    assert decide(results(*trio()), "vllm").decision == "inconclusive"
+
+
+def test_cold_cells_served_from_cache_stop_at_data() -> None:
+    v = decide(results(run("llama", C1), run("llama-aa", C1, seed=1), run("sglang", C1, cached=90)), "sglang")
+    assert (v.stopped_at, v.stopped_check) == ("data", "cache")
+    assert "90 of 100 prompt tokens cached" in v.summary
+
+
+def test_warm_cells_must_show_cached_tokens() -> None:
+    warm = Cell("warm", 1, 64, "medium")
+    ok = [run("llama", warm, cached=95)[1], run("sglang", warm, cached=95)[1]]
+    assert cache_flags([q for qs in ok for q in qs]) == {}
+    miss = run("sglang", warm, cached=None)[1]
+    flags = cache_flags(miss)
+    assert "report no cached prompt tokens" in flags[("sglang", warm)]
+    # warm is judged only when there is no cold phase: then a flagged warm cell stops the verdict
+    v = decide(results(run("llama", warm, cached=95), run("sglang", warm, cached=None)), "sglang")
+    assert (v.stopped_at, v.stopped_check) == ("data", "cache")
+
+
+def test_memory_that_does_not_fit_the_budget_is_stay() -> None:
+    r = results(*trio(mem=90 * GiB), memory_budget_bytes=80 * GiB)
+    v = decide(r, "sglang")
+    assert v.decision == "stay" and v.stopped_at == "memory"
+    assert "does not fit" in v.summary and "90.00 GiB" in v.summary
+
+
+def test_memory_against_the_gpu_total_only_when_held_alone() -> None:
+    base, aa = run("llama", C1, mem=20 * GiB, gpus=(0,), total=80 * GiB), run("llama-aa", C1, seed=1)
+    alone = decide(results(base, aa, run("sglang", C1, mem=90 * GiB, gpus=(1,), total=80 * GiB)), "sglang")
+    assert alone.decision == "stay" and "its GPU's total" in alone.summary
+    shared = decide(results(base, aa, run("sglang", C1, mem=30 * GiB, gpus=(0,), total=80 * GiB)), "sglang")
+    (mem,) = [x for x in shared.reasons if x.step == "memory"]
+    assert mem.outcome == "note" and "both engines hold memory on GPU [0]" in mem.text
+
+
+def test_device_wide_memory_is_not_judged() -> None:
+    v = decide(results(*trio(mem=90 * GiB, mem_source="NVML (whole device)"), memory_budget_bytes=80 * GiB), "sglang")
+    (mem,) = [x for x in v.reasons if x.step == "memory"]
+    assert mem.outcome == "note" and "not attributed per engine" in mem.text
+    assert v.decision == "stay"  # a tie, not a memory stop
+
+
+# ---- the record ------------------------------------------------------------------------------------------
+
+
+def test_decide_all_skips_the_aa_pass_and_to_json_names_the_gate() -> None:
+    third = EngineInfo("vllm", "vllm", "m", "Q4_K_M", dict(SAMPLING), (64,), (), 4096, 8)
+    r = results(*trio(), run("vllm", C1), engines=(*engines(), third))
+    r = dataclasses.replace(r, prompt_tokens={**r.prompt_tokens, "vllm": {"tokenizer:en": 100}})
+    vs = decide_all(r)
+    assert [(v.baseline, v.candidate) for v in vs] == [("llama", "sglang"), ("llama", "vllm")]
+    doc = decide(results(*trio(), engines=engines(context_per_slot=1024)), "sglang").to_json()
+    assert doc["stopped_at"] == {"gate": "parity", "check": "context"}
+    assert doc["comparisons"][0]["ci95"][0] <= doc["comparisons"][0]["rel"] <= doc["comparisons"][0]["ci95"][1]
+    assert {"gate", "check", "outcome", "decisive", "text"} <= set(doc["reasons"][0])
+
+
+# ---- statistics ------------------------------------------------------------------------------------------
+
+
+def test_paired_bootstrap_is_deterministic_and_covers_the_truth() -> None:
+    rng = random.Random(3)
+    groups = [[(b, b * 1.1 * (1 + rng.uniform(-0.05, 0.05))) for b in (rng.uniform(1, 2) for _ in range(20))]
+              for _ in range(3)]  # fmt: skip
+    p = paired_bootstrap(groups)
+    assert p is not None and p == paired_bootstrap(groups)
+    assert p.lo < 0.10 < p.hi and p.hi - p.lo < 0.05
+    assert p.effect is not None and p.effect > 2 and (p.n_pairs, p.n_groups) == (60, 3)
+    assert paired_bootstrap([]) is None
+    assert variation([1.0]) is None and variation([1.0, 1.0]) == 0
+    assert variation([0.8, 1.2]) == pytest.approx(0.2828, abs=1e-3)
+
+
+def test_a_repeat_that_drifts_widens_the_interval() -> None:
+    steady = [[(1.0, 1.0)] * 10 for _ in range(3)]
+    drifting = [[(1.0, 1.0)] * 10, [(1.0, 1.3)] * 10, [(1.0, 0.8)] * 10]
+    a, b = paired_bootstrap(steady), paired_bootstrap(drifting)
+    assert a is not None and b is not None
+    assert a.hi - a.lo == 0 and b.hi - b.lo > 0.2

@@ -58,6 +58,12 @@ class Knobs:
     hang_before_headers: bool = False  # no status line at all, until the client leaves
     status: int | None = None  # answer with this HTTP status and a llama.cpp error body
     error_type: str | None = None  # the error body's type (default: llama.cpp's type for the status)
+    location: str | None = None  # with status (a 3xx): the Location header to send
+    drop: bool = False  # read the request, then close the connection without a byte of answer
+    spaced: bool = False  # JSON written with spaces after ':' and ',' ("model": "x"), non-stream bodies too
+    nodata_after: int | None = None  # an SSE event with no data field ("event: ping") after K token events
+    deep_after: int | None = None  # an event nested 5,000 arrays deep after K token events
+    big_event_after: int | None = None  # one 10 MiB event (in 64 KiB writes) after K token events
 
     def merged(self, header: str) -> Knobs:
         """These knobs overridden by an ``x-fault`` header value."""
@@ -100,6 +106,12 @@ _KNOB_TYPES: Final[dict[str, Callable[[str], Any]]] = {
     "hang_before_headers": _flag,
     "status": int,
     "error_type": str,
+    "location": str,
+    "drop": _flag,
+    "spaced": _flag,
+    "nodata_after": int,
+    "deep_after": int,
+    "big_event_after": int,
 }
 assert set(_KNOB_TYPES) == {f.name for f in fields(Knobs)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import socket
 import struct
 from typing import Any
@@ -69,6 +70,11 @@ async def produce(conn: _Conn, plan: _Plan, n_ctx: int) -> _Outcome:
         await asyncio.sleep(k.queue_ms / 1e3)
     if k.hang_before_headers or (k.hang and not plan.stream):
         await _forever()
+    if k.drop:
+        return await _die(conn, rst=False)
+    if k.status is not None and k.location is not None:
+        await conn.send(_head(k.status, [("Location", k.location), ("Content-Length", "0")]))
+        return _Outcome.REJECTED
     if k.status is not None:
         extra: dict[str, Any] = {}
         message = f"fault injected: status {k.status}"
@@ -143,6 +149,15 @@ async def _produce_stream(conn: _Conn, plan: _Plan, clock: _Clock) -> _Outcome:
         await conn.send(_chunk(plan.token_events(text, events == 1, last + 1, clock)))
         if k.malformed_after == events:
             await conn.send(_chunk(b"data: {not json\n\n"))
+        if k.nodata_after == events:
+            await conn.send(_chunk(b"event: ping\n\n"))
+        if k.deep_after == events:
+            await conn.send(_chunk(b"data: " + b"[" * 5000 + b"]" * 5000 + b"\n\n"))
+        if k.big_event_after == events:
+            await conn.send(_chunk(b'data: {"pad":"'))
+            for _ in range(160):  # 10 MiB
+                await conn.send(_chunk(b"x" * 65536))
+            await conn.send(_chunk(b'"}\n\n'))
         if k.die_after == events:
             return await _die(conn, k.rst)
         if k.error_after == events:
@@ -189,5 +204,10 @@ async def _produce_whole(conn: _Conn, plan: _Plan, clock: _Clock) -> _Outcome:
         head = [("Content-Type", "application/json; charset=utf-8"), ("Content-Length", str(len(raw)))]
         await conn.send(_head(200, head) + raw)
         return _Outcome.FAILED
+    if k.spaced:
+        raw = json.dumps(plan.whole_response(clock), ensure_ascii=False).encode()  # ", " and ": "
+        head = [("Content-Type", "application/json; charset=utf-8"), ("Content-Length", str(len(raw)))]
+        await conn.send(_head(200, head) + raw)
+        return _Outcome.COMPLETED
     await conn.send(_json_response(200, plan.whole_response(clock)))
     return _Outcome.COMPLETED

@@ -59,8 +59,10 @@ class _Stats:
     failed: int = 0
     rejected: int = 0
     requests: int = 0
+    #: when the last cancellation was noticed (``time.monotonic()``, same host: tests compare it with theirs)
+    last_cancel_at: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -364,6 +366,7 @@ class FaultEngine:
             self.stats.completed += 1
         elif outcome is _Outcome.CANCELLED:
             self.stats.cancelled += 1
+            self.stats.last_cancel_at = time.monotonic()
         elif outcome is _Outcome.REJECTED:
             self.stats.rejected += 1
         else:

@@ -4,32 +4,99 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from http import HTTPStatus
+from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fakes.sglang_emulator.config import FLUSHED, SGLANG_VERSION, EmulatorConfig
+from fakes.sglang_emulator.config import FLUSHED, EmulatorConfig
 from fakes.sglang_emulator.engine import SGLangEmulator
-from fakes.sglang_emulator.metrics import THROUGHPUT_WINDOW_S
 from fakes.sglang_emulator.serving import _Serving
+
+#: what real SGLang 0.5.17 answered on the H200 (tests/fixtures/engines/sglang-0.5.17/endpoints.json): its server
+#: args as given, the scheduler-only keys of internal_states[0], /model_info's embedding block
+TEMPLATE_0517 = Path(__file__).with_name("sglang-0.5.17.json")
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _template() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(TEMPLATE_0517.read_text())
+    return doc
+
+
+def server_info(engine: SGLangEmulator, template: dict[str, Any]) -> dict[str, Any]:
+    """``/server_info`` as 0.5.17 builds it: every server arg as given on the command line (``max_running_requests``
+    ``null`` unless set), then ``status``, the KV pool, ``max_req_input_len``, ``startup_time``, ``internal_states``
+    (the args again, plus memory, throughput and the effective running-request limit), ``version``."""
+    config = engine.config
+    args = dict(template["server_args"])
+    args.update(
+        model_path=engine.model_path,
+        tokenizer_path=engine.model_path,
+        served_model_name=engine.served_model_name,
+        host=config.host,
+        port=config.port,
+        context_length=config.context_length,
+        max_running_requests=config.max_running_requests,
+        max_queued_requests=config.max_queued_requests,
+        load_format="auto",
+        dtype="auto",
+        enable_metrics=config.enable_metrics,
+        enable_cache_report=config.enable_cache_report,
+        stream_response_default_include_usage=config.stream_response_default_include_usage,
+        skip_server_warmup=False,
+        kv_events=None,
+    )
+    kv_events = args.pop("kv_events")
+    startup = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0, "cuda_graph": {}}
+    graph = dict.fromkeys(("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"), 0.0)
+    startup["cuda_graph"] = graph
+    state = {k: v for k, v in args.items() if k != "custom_sigquit_handler"}
+    state.update(template["state_overrides"], startup_time=startup)
+    state.update(template["state_only"])
+    state.update(
+        last_gen_throughput=engine.metrics.recent_throughput() if engine.metrics is not None else 0.0,
+        memory_usage={
+            "weight": 0.0,
+            "kvcache": 0.0,
+            "startup_available": 0.0,
+            "token_capacity": engine.max_total_num_tokens,
+            "token_capacity_swa": None,
+            "graph": graph,
+        },
+        effective_max_running_requests_per_dp=engine.max_running_requests,
+    )
+    return {
+        **args,
+        "status": "ready",
+        "max_total_num_tokens": engine.max_total_num_tokens,
+        "max_req_input_len": engine.max_req_input_len,
+        "startup_time": {**startup, "tokenizer_e2e": 0.0},
+        "internal_states": [state],
+        "version": config.version,
+        "kv_events": kv_events,
+    }
 
 
 def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
     """The emulator as an ASGI app; its lifespan waits for the backend and reads its /props."""
     engine = SGLangEmulator(config)
     serving = _Serving(engine)
+    template = _template()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -40,84 +107,50 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
             await engine.stop()
 
     async def health(request: Request) -> Response:
-        # http_server.health_generate: a real 1-token generation; answered at once when busy
+        # http_server.health_generate: a real 1-token generation; answered at once when busy. Real SGLang waits
+        # for the scheduler's output checking once a second (0.5.17 on the H200: ~1.0 s): health_idle_s
         if engine.inflight > 0:
             return Response(status_code=200)
         body = {"prompt": [0], "n_predict": 1, "temperature": 0.0, "cache_prompt": False}
+        t0 = time.monotonic()
         try:
             resp = await asyncio.wait_for(engine.http.post("/completion", json=body), timeout=20.0)
         except (httpx.HTTPError, TimeoutError):
             return Response(status_code=503)
-        return Response(status_code=200 if resp.status_code == 200 else 503)
+        if resp.status_code != 200:
+            return Response(status_code=503)
+        await asyncio.sleep(max(0.0, config.health_idle_s - (time.monotonic() - t0)))
+        return Response(status_code=200)
 
-    async def ready(request: Request) -> Response:
+    async def empty_200(request: Request) -> Response:
         return Response(status_code=200)
 
     async def model_info(request: Request) -> Response:
-        return JSONResponse(
-            {
-                "model_path": engine.model_path,
-                "served_model_name": engine.served_model_name,
-                "tokenizer_path": engine.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "load_format": "auto",
-                "reasoning_parser": None,
-                "tool_call_parser": None,
-                "disaggregation_mode": "null",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-            }
-        )
+        info: dict[str, Any] = {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+        }
+        if config.v0517:
+            return JSONResponse(info | {"embedding": template["model_info_embedding"]})
+        # 0.5.23 as its source reads (shared/reference/engines.md §2.5)
+        newer = {"served_model_name": engine.served_model_name, "load_format": "auto", "reasoning_parser": None,
+                 "tool_call_parser": None, "disaggregation_mode": "null"}  # fmt: skip
+        return JSONResponse(info | newer)
 
-    async def server_info(request: Request) -> Response:
-        m = engine.metrics
-        throughput = 0.0
-        if m is not None:
-            m._trim(time.monotonic())
-            throughput = sum(n for _, n in m.recent_tokens) / THROUGHPUT_WINDOW_S
-        return JSONResponse(
-            {
-                "model_path": engine.model_path,
-                "tokenizer_path": engine.model_path,
-                "served_model_name": engine.served_model_name,
-                "host": config.host,
-                "port": config.port,
-                "context_length": engine.context_length,
-                "max_running_requests": engine.max_running_requests,
-                "max_queued_requests": config.max_queued_requests,
-                "max_total_tokens": engine.context_length * engine.max_running_requests,
-                "tp_size": 1,
-                "dp_size": 1,
-                "pp_size": 1,
-                "stream_interval": 1,
-                "stream_output": False,
-                "schedule_policy": "fcfs",
-                "sampling_defaults": "model",
-                "enable_metrics": config.enable_metrics,
-                "enable_cache_report": config.enable_cache_report,
-                "stream_response_default_include_usage": config.stream_response_default_include_usage,
-                "allow_auto_truncate": False,
-                "enable_lora": False,
-                "skip_server_warmup": True,
-                "backend": config.backend,  # emulator only: where tokens come from
-                "launch_command": "python -m fakes.sglang_emulator",
-                "startup_time": engine.startup_time,
-                "internal_states": [
-                    {
-                        "last_gen_throughput": throughput,
-                        "num_running_reqs": min(engine.inflight, engine.max_running_requests),
-                        "num_queue_reqs": max(0, engine.inflight - engine.max_running_requests),
-                        "avg_spec_accept_length": None,
-                    }
-                ],
-                "version": SGLANG_VERSION,
-                "frontend": "python",
-            }
-        )
+    async def get_server_info(request: Request) -> Response:
+        return JSONResponse(server_info(engine, template))
+
+    async def emulator_state(request: Request) -> Response:
+        """Test hook (not SGLang): the live counts behind the published gauges."""
+        running = min(engine.inflight, engine.max_running_requests)
+        return JSONResponse({"inflight": engine.inflight, "running": running, "waiting": engine.inflight - running})
 
     async def models(request: Request) -> Response:
         card = {
@@ -155,11 +188,13 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
     async def flush_cache(request: Request) -> Response:
         if engine.inflight > 0:
             return Response("Flush cache failed.\n", status_code=400)
+        engine.prefix_cache.clear()
         return Response(FLUSHED, status_code=200)
 
     async def metrics(request: Request) -> Response:
         assert engine.registry is not None
-        return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
+        # SGLang's multiprocess exposition: the 0.0.4 text format (real 0.5.17's content type)
+        return Response(generate_latest(engine.registry), media_type=METRICS_CONTENT_TYPE)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 404
@@ -174,14 +209,16 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         Route("/health_generate", health, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
-        Route("/server_info", server_info, methods=["GET"]),
-        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/server_info", get_server_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/ping", empty_200, methods=["GET"]),
+        Route("/_emulator/state", emulator_state, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_card, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     ]
-    if config.ready_endpoint:
-        routes.append(Route("/ready", ready, methods=["GET"]))
+    if config.has_ready:
+        routes.append(Route("/ready", empty_200, methods=["GET"]))
     if config.enable_metrics:
         routes.append(Route("/metrics", metrics, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})

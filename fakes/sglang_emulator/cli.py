@@ -7,9 +7,9 @@ import signal
 import threading
 
 from fakes.sglang_emulator.app import run_in_thread
-from fakes.sglang_emulator.config import EmulatorConfig
+from fakes.sglang_emulator.config import DEFAULT_VERSION, SGLANG_VERSIONS, EmulatorConfig
 
-DESCRIPTION = "An SGLang 0.5.23 HTTP front end whose tokens come from a real llama.cpp ``llama-server``."
+DESCRIPTION = "An SGLang HTTP front end (0.5.17 as captured, or 0.5.23) whose tokens come from a llama-server."
 
 
 def _parse_args(argv: list[str] | None) -> EmulatorConfig:
@@ -24,7 +24,11 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
-    p.add_argument("--no-ready", action="store_true", help="no /ready endpoint (404), as SGLang 0.5.17")
+    p.add_argument("--sglang-version", choices=SGLANG_VERSIONS, default=DEFAULT_VERSION, help="the wire to speak")
+    ready = p.add_mutually_exclusive_group()
+    ready.add_argument("--ready", dest="ready", action="store_const", const=True, help="serve /ready (0.5.23 has it)")
+    ready.add_argument("--no-ready", dest="ready", action="store_const", const=False, help="no /ready (404, as 0.5.17)")
+    p.add_argument("--health-idle-s", type=float, default=0.0, help="/health's time when idle (real 0.5.17: ~1.0)")
     p.add_argument("--stream-response-default-include-usage", action="store_true")
     a = p.parse_args(argv)
     return EmulatorConfig(
@@ -36,7 +40,9 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
         max_queued_requests=a.max_queued_requests,
         enable_metrics=a.enable_metrics,
         enable_cache_report=a.enable_cache_report,
-        ready_endpoint=not a.no_ready,
+        version=a.sglang_version,
+        ready_endpoint=a.ready,
+        health_idle_s=a.health_idle_s,
         stream_response_default_include_usage=a.stream_response_default_include_usage,
         host=a.host,
         port=a.port,

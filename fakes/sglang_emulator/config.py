@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-SGLANG_VERSION: Final = "0.5.23"
+#: the SGLang versions whose wire the emulator speaks: 0.5.17 as captured from a real server on the H200
+#: (tests/fixtures/engines/sglang-0.5.17/), 0.5.23 as its source reads (shared/reference/engines.md §2)
+SGLANG_VERSIONS: Final = ("0.5.17", "0.5.23")
+DEFAULT_VERSION: Final = "0.5.17"
+#: SGLang's server warm-up request (http_server._execute_server_warmup): its tokens sit in the radix cache
+WARMUP_TEXT: Final = "The capital city of France is"
 DEFAULT_MODEL_NAME: Final = "default"  # protocol.py: the request's `model` when it sends none
 QUEUE_FULL: Final = "The request queue is full."
 FLUSHED: Final = (
@@ -25,7 +30,24 @@ class EmulatorConfig:
     enable_metrics: bool = False
     enable_cache_report: bool = False
     stream_response_default_include_usage: bool = False
-    ready_endpoint: bool = True  # False: no /ready (404), as SGLang 0.5.17, whose readiness is /health
+    version: str = DEFAULT_VERSION  # one of SGLANG_VERSIONS: /server_info's version and the shapes that differ
+    ready_endpoint: bool | None = None  # None: as the version has it (0.5.17: no /ready, 404; 0.5.23: 200)
+    health_idle_s: float = 0.0  # /health's time when idle: real 0.5.17 took ~1.0 s (it polls once a second)
+    decode_log_interval: int = 40  # scheduler gauges are published every this many decode steps (and at prefill)
+    idle_metrics_s: float = 30.0  # ... and when idle, at most this often (SGLang's check_memory: 30 s)
     host: str = "127.0.0.1"  # reported by /server_info; run_in_thread binds it
     port: int = 30000
     backend_wait_s: float = 60.0  # how long startup waits for the backend's /health
+
+    def __post_init__(self) -> None:
+        if self.version not in SGLANG_VERSIONS:
+            raise ValueError(f"SGLang version {self.version!r} is not emulated; one of {', '.join(SGLANG_VERSIONS)}")
+
+    @property
+    def has_ready(self) -> bool:
+        return self.version != "0.5.17" if self.ready_endpoint is None else self.ready_endpoint
+
+    @property
+    def v0517(self) -> bool:
+        """The 0.5.17 shapes: no ``completion_tokens_details``, the full server-args ``/server_info``."""
+        return self.version == "0.5.17"

@@ -1,14 +1,18 @@
 """Generation: one backend ``/completion`` stream per request, turned into SGLang engine outputs, plus the
-live state (in flight, tokens in use) that admission, ``/server_info`` and the metrics read."""
+live state (in flight, tokens in use) that admission reads, the scheduler stats that ``/metrics`` shows as SGLang
+publishes them (at each prefill and every ``decode_log_interval`` decode steps, when idle every
+``idle_metrics_s``), and a radix-cache stand-in for ``cached_tokens``."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import ssl
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -16,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.registry import CollectorRegistry
 
-from fakes.sglang_emulator.config import DEFAULT_MODEL_NAME, QUEUE_FULL, EmulatorConfig
+from fakes.sglang_emulator.config import DEFAULT_MODEL_NAME, QUEUE_FULL, WARMUP_TEXT, EmulatorConfig
 from fakes.sglang_emulator.metrics import _Metrics
 from fakes.sglang_emulator.protocol import _APIError
 
@@ -53,13 +57,81 @@ def _abort(code: HTTPStatus, message: str, prompt_tokens: int, completion_tokens
     return _Output("", completion_tokens, prompt_tokens, finish=finish)
 
 
+class _PrefixCache:
+    """SGLang's radix cache as ``cached_tokens`` shows it: the longest prefix a new prompt shares with any prompt
+    still held, never the whole prompt (the last token is always computed). A template prefix earlier requests
+    shared counts on a never-seen prompt (real 0.5.17: 1-6 tokens), a repeat counts all but its last token
+    (900 of 901). Prompts are held least-recently-used first out, within the KV pool's token budget.
+
+    Every held prefix is one chained hash (``hash((previous, token))``) with a count of the prompts holding it,
+    so a lookup walks the new prompt once, whatever is held."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = max(1, capacity_tokens)
+        self._held: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()  # prompt -> its prefix hashes
+        self._prefixes: dict[int, int] = {}  # prefix hash -> prompts holding it
+        self._tokens = 0
+
+    def match_and_insert(self, ids: Sequence[int]) -> int:
+        """Cached tokens for a prompt of ``ids``; the prompt is held from now on."""
+        key = tuple(ids)
+        hashes = self._held.get(key)
+        if hashes is None:
+            hashes, h = [], 0
+            for t in key:
+                h = hash((h, t))
+                hashes.append(h)
+        shared = 0
+        for h in hashes:
+            if h not in self._prefixes:
+                break
+            shared += 1
+        if key in self._held:
+            self._held.move_to_end(key)
+        else:
+            self._held[key] = hashes
+            self._tokens += len(key)
+            for h in hashes:
+                self._prefixes[h] = self._prefixes.get(h, 0) + 1
+            while self._tokens > self.capacity_tokens and len(self._held) > 1:
+                self._evict()
+        return min(shared, max(len(key) - 1, 0))
+
+    def _evict(self) -> None:
+        old, hashes = self._held.popitem(last=False)
+        self._tokens -= len(old)
+        for h in hashes:
+            n = self._prefixes[h] - 1
+            if n:
+                self._prefixes[h] = n
+            else:
+                del self._prefixes[h]
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._prefixes.clear()
+        self._tokens = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Published:
+    """The scheduler's gauges as last published (SGLang sets them when it logs stats, not per request)."""
+
+    running: int = 0
+    queued: int = 0
+    used_tokens: int = 0
+    gen_throughput: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+
 class _ShardedTransport(httpx.AsyncBaseTransport):
     """Round-robin over small connection pools: httpcore scans its whole pool for every request, which
     costs seconds of TTFT at a few hundred concurrent streams in one pool."""
 
     def __init__(self, shards: int = 16, per_shard: int = 64) -> None:
         limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
-        self._shards = [httpx.AsyncHTTPTransport(limits=limits) for _ in range(shards)]
+        tls = ssl.create_default_context()  # one for all: building one takes ~50 ms (16 made start-up 1.2 s)
+        self._shards = [httpx.AsyncHTTPTransport(limits=limits, verify=tls) for _ in range(shards)]
         self._next = itertools.count()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -84,7 +156,9 @@ class SGLangEmulator:
         self.eos_token_id: int | None = None
         self.inflight = 0
         self.live_tokens = 0
-        self.startup_time = time.time()
+        self.prefix_cache = _PrefixCache(0)
+        self.published = _Published()
+        self._decode_steps = 0.0
         self.metrics = _Metrics(self) if config.enable_metrics else None
         self.registry: CollectorRegistry | None = None
         if self.metrics is not None:
@@ -127,6 +201,40 @@ class SGLangEmulator:
             tokens = (await self.http.post("/tokenize", json={"content": eos, "parse_special": True})).json()
             ids = tokens.get("tokens") or []
             self.eos_token_id = ids[0] if len(ids) == 1 and isinstance(ids[0], int) else None
+        self.prefix_cache = _PrefixCache(self.max_total_num_tokens)
+        self.prefix_cache.match_and_insert(await self.tokenize(WARMUP_TEXT))  # SGLang warms up before it serves
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        """The KV pool in tokens: the backend's whole context (llama.cpp ``-c``)."""
+        return self.context_length * self.max_running_requests
+
+    @property
+    def max_req_input_len(self) -> int:
+        # scheduler.py: max_req_len = min(context_len - 1, max_total_num_tokens - 1); input 5 short of it
+        return min(self.context_length - 1, self.max_total_num_tokens - 1) - 5
+
+    # -- scheduler stats, published as SGLang does ----------------------------------------------------------
+
+    def publish(self, *, running_before: int | None = None) -> None:
+        running = min(self.inflight, self.max_running_requests) if running_before is None else running_before
+        throughput = 0.0
+        if self.metrics is not None:
+            throughput = self.metrics.recent_throughput()
+        self.published = _Published(running, max(0, self.inflight - running), self.live_tokens, throughput)
+
+    def published_now(self) -> _Published:
+        """The published gauges; an idle scheduler republishes at most every ``idle_metrics_s``."""
+        if self.inflight == 0 and time.monotonic() - self.published.at >= self.config.idle_metrics_s:
+            self.publish()
+        return self.published
+
+    def _on_decode(self, new_tokens: int) -> None:
+        # one decode step gives every running request a token: steps ~ tokens / running
+        before = int(self._decode_steps) // self.config.decode_log_interval
+        self._decode_steps += new_tokens / max(1, min(self.inflight, self.max_running_requests))
+        if int(self._decode_steps) // self.config.decode_log_interval != before:
+            self.publish()
 
     async def stop(self) -> None:
         if self.client is not None:
@@ -167,11 +275,17 @@ class SGLangEmulator:
                 "using --lora-paths or /load_lora_adapter endpoint."
             )
 
-    def check_length(self, input_ids: list[int]) -> None:
-        if len(input_ids) >= self.context_length:
+    def check_length(self, input_ids: list[int], max_new_tokens: int | None) -> None:
+        n, ctx = len(input_ids), self.context_length
+        if n >= ctx:
+            raise _APIError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+        if max_new_tokens is not None and n + max_new_tokens > ctx:
+            # real 0.5.17 (captured): prompt + max_tokens over the context is refused, not cut short
             raise _APIError(
-                f"The input ({len(input_ids)} tokens) is longer than the "
-                f"model's context length ({self.context_length} tokens)."
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {n + max_new_tokens} tokens: {n} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
             )
 
     def job(self, body: Mapping[str, Any], input_ids: list[int], fault: str | None) -> _Job:
@@ -223,6 +337,8 @@ class SGLangEmulator:
                 self.metrics.num_aborted.inc(self.metrics.base)
             yield _abort(HTTPStatus.SERVICE_UNAVAILABLE, QUEUE_FULL, prompt_n)
             return
+        self.publish(running_before=min(self.inflight, self.max_running_requests))  # log_prefill_stats
+        cached = self.prefix_cache.match_and_insert(job.input_ids)
         self.inflight += 1
         self.live_tokens += prompt_n
         generated = 0
@@ -249,6 +365,7 @@ class SGLangEmulator:
                     n = int(data.get("tokens_predicted", generated))
                     new_tokens, generated = max(n - generated, 0), max(n, generated)
                     self.live_tokens += new_tokens
+                    self._on_decode(new_tokens)
                     now = time.perf_counter()
                     self._observe_tokens(job, new_tokens, t_last, now)
                     t_last = now if new_tokens else t_last
@@ -259,7 +376,6 @@ class SGLangEmulator:
                             continue
                         yield out
                         continue
-                    cached = int((data.get("timings") or {}).get("cache_n", 0))
                     finish = self._finish(data, generated)
                     self._observe_finished(job, prompt_n, generated, cached)
                     if pending is not None and not data.get("content") and finish["type"] == "length":

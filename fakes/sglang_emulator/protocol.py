@@ -30,9 +30,27 @@ def _error_response(message: str, type_: str, code: int) -> JSONResponse:
     return JSONResponse(body, status_code=code)
 
 
-def _validation_error(errors: list[dict[str, Any]]) -> _APIError:
-    # http_server.py remaps FastAPI's 422 to 400 with type "Bad Request"
-    return _APIError(str(errors), HTTPStatus.BAD_REQUEST.phrase, 400)
+#: where FastAPI's handler sits in 0.5.17's http_server.py (captured for chat; the others by the same rule)
+_HANDLERS: Final = {
+    "/v1/chat/completions": ("openai_v1_chat_completions", 1702),
+    "/v1/completions": ("openai_v1_completions", 1690),
+    "/v1/tokenize": ("openai_v1_tokenize", 1760),
+    "/tokenize": ("openai_v1_tokenize", 1760),
+}
+_HTTP_SERVER_PY: Final = "/usr/local/lib/python3.12/dist-packages/sglang/srt/entrypoints/http_server.py"
+
+
+def _validation_error(errors: list[dict[str, Any]], path: str = "/v1/chat/completions") -> _APIError:
+    """FastAPI's 422, which http_server.py answers as 400 ``"Bad Request"``, its message ``str()`` of the
+    ``RequestValidationError`` as FastAPI 0.12x writes it: the count, each error, the handler's location."""
+    func, line = _HANDLERS.get(path, ("openai_v1_chat_completions", 1702))
+    n = len(errors)
+    lines = "".join(f"  {e!r}\n" for e in errors)
+    message = (
+        f"{n} validation error{'' if n == 1 else 's'}:\n{lines}\n"
+        f'  File "{_HTTP_SERVER_PY}", line {line}, in {func}\n    POST {path} {errors!r}'
+    )
+    return _APIError(message, HTTPStatus.BAD_REQUEST.phrase, 400)
 
 
 def _streaming_error(message: str, type_: str, code: int) -> str:
@@ -44,9 +62,19 @@ def _streaming_error(message: str, type_: str, code: int) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # request validation (a small stand-in for SGLang's pydantic models)
 
+#: pydantic's error type and message per expected JSON type
+_EXPECTED: Final[dict[type, tuple[str, str]]] = {
+    int: ("int_type", "Input should be a valid integer"),
+    float: ("float_type", "Input should be a valid number"),
+    bool: ("bool_type", "Input should be a valid boolean"),
+    str: ("string_type", "Input should be a valid string"),
+    dict: ("dict_type", "Input should be a valid dictionary"),
+    list: ("list_type", "Input should be a valid list"),
+}
 _INT = (int,)
-_NUM = (int, float)
+_NUM = (float, int)
 _FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {
+    "messages": (list,),
     "model": (str,),
     "stream": (bool,),
     "temperature": _NUM,
@@ -67,6 +95,7 @@ _FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {
 
 
 async def _read_body(request: Request, required: str | None) -> dict[str, Any]:
+    path = request.url.path
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type != "application/json":
         raise _validation_error(
@@ -76,36 +105,31 @@ async def _read_body(request: Request, required: str | None) -> dict[str, Any]:
                     "msg": "Unsupported Media Type: Only 'application/json' is allowed",
                     "type": "value_error",
                 }
-            ]
+            ],
+            path,
         )
     raw = await request.body()
     try:
         body = json.loads(raw)
     except ValueError:
-        raise _validation_error([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"}]) from None
+        error = {"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error", "input": {}}
+        raise _validation_error([error], path) from None
     if not isinstance(body, dict):
-        raise _validation_error(
-            [{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary"}]
-        )
+        error = {"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary or object to extract fields from", "input": body}  # fmt: skip
+        raise _validation_error([error], path)
     errors: list[dict[str, Any]] = []
     if required is not None and required not in body:
         errors.append({"type": "missing", "loc": ("body", required), "msg": "Field required", "input": body})
     for key, types in _FIELD_TYPES.items():
         value = body.get(key)
-        if value is None:
+        if value is None or (key == "messages" and required != "messages"):
             continue
         bad_bool = isinstance(value, bool) and bool not in types
         if bad_bool or not isinstance(value, types):
-            errors.append(
-                {
-                    "type": "type_error",
-                    "loc": ("body", key),
-                    "msg": f"Input should be {types[0].__name__}",
-                    "input": value,
-                }
-            )
+            kind, msg = _EXPECTED[types[0]]
+            errors.append({"type": kind, "loc": ("body", key), "msg": msg, "input": value})
     if errors:
-        raise _validation_error(errors)
+        raise _validation_error(errors, path)
     return body
 
 
@@ -117,15 +141,19 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def _usage(prompt: int, completion: int, cached: int | None, *, drop_none: bool = False) -> dict[str, Any]:
+def _usage(
+    prompt: int, completion: int, cached: int | None, *, drop_none: bool = False, details: bool = False
+) -> dict[str, Any]:
+    """``UsageInfo``; ``details``: with the ``completion_tokens_details`` key (0.5.23; 0.5.17 never sends it)."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
         "reasoning_tokens": 0,
-        "completion_tokens_details": None,
     }
+    if details:
+        usage["completion_tokens_details"] = None
     return {k: v for k, v in usage.items() if v is not None} if drop_none else usage
 
 

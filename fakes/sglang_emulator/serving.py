@@ -65,6 +65,9 @@ class _Serving:
     def _cached(self, cached: int) -> int | None:
         return cached if self.engine.config.enable_cache_report else None
 
+    def _usage(self, prompt: int, completion: int, cached: int | None, *, drop_none: bool = False) -> dict[str, Any]:
+        return _usage(prompt, completion, cached, drop_none=drop_none, details=not self.engine.config.v0517)
+
     async def _kick_start(self, request: Request, stream: AsyncGenerator[str, None]) -> Response:
         """Headers only once the first chunk exists (serving_chat._handle_streaming_request)."""
         first = await _unless_disconnected(request, anext(stream))
@@ -92,8 +95,9 @@ class _Serving:
         else:
             input_ids = await self._prompt_ids(body["prompt"])
         engine.check_model(str(body.get("model") or DEFAULT_MODEL_NAME))
-        engine.check_length(input_ids)
-        return body, engine.job(body, input_ids, request.headers.get("x-fault"))
+        job = engine.job(body, input_ids, request.headers.get("x-fault"))
+        engine.check_length(input_ids, job.max_new_tokens)
+        return body, job
 
     async def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -137,7 +141,7 @@ class _Serving:
                         job.rid, created, model, {"reasoning_content": None, "role": "assistant", "content": ""}
                     )
                 if out.text:
-                    usage = _usage(out.prompt_tokens, out.completion_tokens, None) if continuous else None
+                    usage = self._usage(out.prompt_tokens, out.completion_tokens, None) if continuous else None
                     yield _chat_chunk(
                         job.rid, created, model, {"reasoning_content": None, "content": out.text}, usage=usage
                     )
@@ -152,7 +156,7 @@ class _Serving:
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": _usage(out.prompt_tokens, out.completion_tokens, self._cached(out.cached_tokens)),
+                    "usage": self._usage(out.prompt_tokens, out.completion_tokens, self._cached(out.cached_tokens)),
                 }
                 yield f"data: {_dumps(usage_chunk)}\n\n"
             yield "data: [DONE]\n\n"
@@ -188,13 +192,18 @@ class _Serving:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "reasoning_content": None,
+                            "tool_calls": None,
+                        },
                         "logprobs": None,
                         "finish_reason": None if last.finish is None else last.finish["type"],
                         "matched_stop": _matched(last.finish),
                     }
                 ],
-                "usage": _usage(last.prompt_tokens, last.completion_tokens, self._cached(last.cached_tokens)),
+                "usage": self._usage(last.prompt_tokens, last.completion_tokens, self._cached(last.cached_tokens)),
                 "metadata": {"weight_version": "default"},
             }
         )
@@ -240,11 +249,11 @@ class _Serving:
                         }
                     ],
                     # pydantic model_dump_json keeps usage: null on every chunk
-                    "usage": _usage(out.prompt_tokens, out.completion_tokens, None) if continuous else None,
+                    "usage": self._usage(out.prompt_tokens, out.completion_tokens, None) if continuous else None,
                 }
                 yield f"data: {_dumps(chunk)}\n\n"
             if include_usage:
-                usage = _usage(
+                usage = self._usage(
                     out.prompt_tokens, out.completion_tokens, self._cached(out.cached_tokens), drop_none=True
                 )
                 final = {
@@ -283,7 +292,7 @@ class _Serving:
                         "matched_stop": _matched(last.finish),
                     }
                 ],
-                "usage": _usage(last.prompt_tokens, last.completion_tokens, self._cached(last.cached_tokens)),
+                "usage": self._usage(last.prompt_tokens, last.completion_tokens, self._cached(last.cached_tokens)),
                 "metadata": {"weight_version": "default"},
             }
         )

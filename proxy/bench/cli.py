@@ -18,12 +18,12 @@ QUICK = {
     "warmup": 1,
     "cache": "cold",
     "max_tokens": 16,
-    "waves": 1,
+    "waves": 2,
 }
 DEFAULTS = {
     "concurrency": "1,2,4,8",
     "output_lengths": "32,128",
-    "prompt_lengths": "short,medium,long",
+    "prompt_lengths": "short,medium,long,4k,16k,32k",  # the token-sized ones where the context holds them
     "repeats": 3,
     "warmup": 2,
     "cache": "both",
@@ -40,6 +40,27 @@ def _ints(s: str) -> tuple[int, ...]:
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
     return vals
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {s!r}")
+    return vals
+
+
+def _fail_on(s: str) -> frozenset[str]:
+    vals = frozenset(x.strip() for x in s.split(",") if x.strip())
+    if not vals or not vals <= {"stay", "inconclusive"}:
+        raise argparse.ArgumentTypeError(f"--fail-on takes stay, inconclusive or both (comma-separated), got {s!r}")
+    return vals
+
+
+#: exit status when a verdict matches --fail-on (2 is a usage or preflight error, 130 an interrupt)
+EXIT_VERDICT = 3
 
 
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
@@ -89,7 +110,37 @@ def add_commands(sub: Any) -> None:
         "--no-prompt-cache", action="store_true", help="cold phase: also send cache_prompt:false to llama.cpp"
     )
     b.add_argument("--waves", type=int, help="requests per cell repeat = concurrency × waves (default 2)")
-    b.add_argument("--out", default="bench-out", help="output directory (results.jsonl, report.md/.html, PNGs)")
+    b.add_argument("--requests", type=int, help="requests per cell repeat (instead of concurrency × waves)")
+    b.add_argument(
+        "--duration", type=float, metavar="S", help="send for S seconds per cell repeat (instead of a count)"
+    )
+    b.add_argument(
+        "--request-rate",
+        type=_floats,
+        metavar="R[,R...]",
+        help="open-loop arrivals at R requests/s (a sweep replacing the concurrency sweep; at most max(--concurrency) "
+        "in flight)",
+    )
+    b.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson, <1 burstier)"
+    )
+    b.add_argument("--goodput", metavar="ttft:MS,tpot:MS,e2el:MS", help="SLOs for goodput (requests meeting all)")
+    b.add_argument(
+        "--aa",
+        choices=("auto", "off"),
+        default="auto",
+        help="A/A noise floor: a second pass of the baseline in every cell repeat (auto; an engine listed twice "
+        "with the same URL is used instead) or none (off: the run-to-run variation stands in)",
+    )
+    b.add_argument(
+        "--fail-on",
+        type=_fail_on,
+        metavar="stay,inconclusive",
+        help=f"exit {EXIT_VERDICT} when a verdict is one of these",
+    )
+    b.add_argument(
+        "--out", default="bench-out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json)"
+    )
     b.add_argument("--model", help="model name to send (default: each engine's /v1/models; required with --through)")
     b.add_argument("--seed", type=int, default=1234)
     b.add_argument("--max-tokens", type=int, help="base max_tokens (default 128)")
@@ -106,20 +157,30 @@ def add_commands(sub: Any) -> None:
 
     r = sub.add_parser("report", help="build the report from bench results or the proxy's comparison log")
     src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--log", help="the proxy's comparison log (JSONL, one primary/shadow pair per line)")
+    src.add_argument(
+        "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (rotated x.jsonl.1 ...)"
+    )
     src.add_argument("--results", help="a bench results.jsonl")
     r.add_argument("--out", required=True, help="output directory")
     r.add_argument("--baseline", help="the incumbent engine (default: the log's primary / the bench's baseline)")
     r.add_argument("--quantization", action="append", metavar="NAME=QUANT", help="declare an engine's quantization")
     r.add_argument("--blocks", type=int, default=5, help="log: consecutive blocks standing in for repeats")
+    r.add_argument("--proxy", metavar="URL", help="log: read engine info (quantization, context, slots), GPU memory "
+                   "and GPU sharing from this running proxy's /health and /metrics")  # fmt: skip
+    r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
+    r.add_argument(
+        "--fail-on", type=_fail_on, metavar="stay,inconclusive", help=f"exit {EXIT_VERDICT} on these verdicts"
+    )
     r.set_defaults(func=_report)
 
 
 def _bench(args: argparse.Namespace) -> int:
     import logging
 
+    from proxy.bench.config import BenchConfig, Target
     from proxy.bench.report import load_bench, write_report
-    from proxy.bench.runner import BenchConfig, Target, run_bench
+    from proxy.bench.runner import PreflightError, run_bench
+    from proxy.bench.workload import parse_goodput
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress bar
     preset: dict[str, Any] = QUICK if args.quick else DEFAULTS
@@ -147,6 +208,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.baseline and args.baseline not in engines:
         print(f"enginemeter bench: --baseline {args.baseline} is not an --engine", file=sys.stderr)
         return 2
+    try:
+        goodput = parse_goodput(args.goodput)
+    except ValueError as exc:
+        print(f"enginemeter bench: {exc}", file=sys.stderr)
+        return 2
     max_tokens = args.max_tokens or preset["max_tokens"]
     outputs = args.output_lengths or _ints(preset["output_lengths"])
     if max_tokens not in outputs:
@@ -168,6 +234,12 @@ def _bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=max_tokens,
         waves=args.waves or preset["waves"],
+        requests=args.requests,
+        duration_s=args.duration,
+        request_rates=args.request_rate or (),
+        burstiness=args.burstiness,
+        goodput=goodput,
+        aa=args.aa,
         baseline=args.baseline or targets[0].name,
         metrics_url=args.metrics_url or (f"{args.through.rstrip('/')}/metrics" if args.through else None),
         no_prompt_cache=args.no_prompt_cache,
@@ -184,6 +256,10 @@ def _bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
         print("\nenginemeter bench: interrupted — building the report from what finished", file=sys.stderr)
+    except PreflightError as exc:
+        print(f"enginemeter bench: preflight failed: {exc}", file=sys.stderr)
+        _preflight_verdict(cfg.out, exc)
+        return 2
     except (ValueError, OSError) as exc:
         print(f"enginemeter bench: {exc}", file=sys.stderr)
         return 2
@@ -193,30 +269,54 @@ def _bench(args: argparse.Namespace) -> int:
     data = load_bench(results, baseline=cfg.baseline)
     out = write_report(data, cfg.out)
     _print_summary(out, time.monotonic() - t0)
-    return 130 if interrupted else 0
+    if interrupted:
+        return 130
+    return _verdict_status(out, args.fail_on)
+
+
+def _preflight_verdict(out: Path, exc: Any) -> None:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"version": 1, "decision": "inconclusive", "stopped_at": {"gate": "preflight", "check": "reachable"},
+           "engine": exc.engine, "url": exc.url, "cause": exc.cause, "verdicts": []}  # fmt: skip
+    (out / "verdict.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def _verdict_status(out: dict[str, Any], fail_on: frozenset[str] | None) -> int:
+    hit = [v for v in out["verdicts"] if fail_on and v.decision in fail_on]
+    if hit:
+        print(f"enginemeter: --fail-on {','.join(sorted(fail_on or ()))}: " + "; ".join(
+            f"{v.candidate} {v.decision}" for v in hit), file=sys.stderr)  # fmt: skip
+        return EXIT_VERDICT
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    from proxy.bench.logreport import load_log
+    import httpx
+
+    from proxy.bench.logreport import engine_info_from_proxy, expand, load_log
     from proxy.bench.report import load_bench, write_report
 
     quant = _pairs(args.quantization, "--quantization")
     try:
         if args.log:
-            data = load_log(Path(args.log), baseline=args.baseline, quantization=quant, blocks=args.blocks)
+            info, mem = engine_info_from_proxy(args.proxy) if args.proxy else ({}, {})
+            data = load_log(expand(args.log), baseline=args.baseline, quantization=quant, blocks=args.blocks,
+                            engine_info=info, memory=mem, memory_budget_bytes=_bytes(args.memory_budget))  # fmt: skip
         else:
             data = load_bench(Path(args.results), baseline=args.baseline, quantization=quant)
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError, KeyError, httpx.HTTPError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2
     out = write_report(data, Path(args.out))
     _print_summary(out, None)
-    return 0
+    return _verdict_status(out, args.fail_on)
 
 
 def _print_summary(out: dict[str, Any], took_s: float | None) -> None:
     for v in out["verdicts"]:
         print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()} — {v.summary}")
-    print(f"report: {out['report_md']} and {out['report_html']}")
+    print(f"report: {out['report_md']}, {out['report_html']} and {out['verdict_json']}")
     if took_s is not None:
         print(f"bench took {took_s:.0f} s")

@@ -1,14 +1,12 @@
-"""Bench results (JSONL) -> verdict + ``report.md`` + self-contained ``report.html`` + PNG charts.
+"""``Data`` -> verdict + ``report.md`` + self-contained ``report.html`` + SVG charts + ``verdict.json``.
 
-The report is built from whatever the JSONL holds, so an interrupted bench still gets one. Charts need
-matplotlib (the ``report`` extra, Agg backend); without it the report says so and has tables only.
-The document is built once as a list of blocks and rendered twice (Markdown, HTML), so both say the same.
+The report is built from whatever the JSONL holds, so an interrupted bench still gets one. The document is
+built once as a list of blocks and rendered twice (Markdown, HTML), so both say the same.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import html
 import json
 import re
@@ -18,152 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.verdict import Cell, EngineInfo, Results, Sample, Verdict, decide_all
+from proxy.bench.charts import CHART_FILES, make_charts
+from proxy.bench.gates import cache_flags
+from proxy.bench.model import Cell
+from proxy.bench.results import Data, load_bench, read_jsonl
+from proxy.bench.suite import length_rank
+from proxy.bench.verdict import Verdict, decide_all
+from proxy.bench.workload import meets_slo, percentile
 
-# ---- loading --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Data:
-    """Everything a report needs, whatever produced it (bench JSONL or the proxy's comparison log)."""
-
-    title: str
-    results: Results
-    engines_meta: list[dict[str, Any]]
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    tokenized: list[dict[str, Any]] = field(default_factory=list)
-    protocol: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    interrupted: bool = False
-    duration_s: float | None = None
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    recs: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by Ctrl-C
-            if isinstance(obj, dict):
-                recs.append(obj)
-    return recs
-
-
-def load_bench(
-    path: Path,
-    *,
-    baseline: str | None = None,
-    quantization: Mapping[str, str] | None = None,
-    min_repeats: int = 3,
-    max_noise: float = 0.25,
-) -> Data:
-    recs = read_jsonl(path)
-    run = next((r for r in recs if r.get("type") == "run"), None)
-    if run is None:
-        raise ValueError(f"{path}: no 'run' record — not a bench results file")
-    end = next((r for r in recs if r.get("type") == "end"), None)
-    cfg = run.get("config", {})
-    quant = dict(quantization or {})
-    infos = []
-    for e in run["engines"]:
-        q = quant.get(e["name"]) or e.get("quantization")
-        infos.append(
-            EngineInfo(
-                name=e["name"],
-                kind=e.get("kind"),
-                model=e.get("model"),
-                quantization=q,
-                sampling=e.get("sampling") or {},
-                max_tokens=tuple(e.get("max_tokens") or ()),
-            )
-        )
-        e["quantization"] = q
-    samples = tuple(
-        Sample(
-            engine=r["engine"],
-            cell=Cell(r["cache"], int(r["concurrency"]), int(r["max_tokens"]), r["prompt_len"]),
-            repeat=int(r["repeat"]),
-            n_ok=int(r["n_ok"]),
-            n_err=int(r["n_err"]),
-            ttft_s=r.get("ttft_s"),
-            tpot_s=r.get("tpot_s"),
-            decode_tps=r.get("decode_tps"),
-            e2e_s=r.get("e2e_s"),
-            completion_tokens=r.get("completion_tokens"),
-            prompt_tokens=r.get("prompt_tokens"),
-            output_tps=r.get("output_tps"),
-            gpu_mem_peak_bytes=r.get("gpu_mem_peak_bytes"),
-            errors=tuple(r.get("errors") or ()),
-        )
-        for r in recs
-        if r.get("type") == "sample"
-    )
-    tokenized = [r for r in recs if r.get("type") == "prompt_tokens"]
-    requests = [r for r in recs if r.get("type") == "request"]
-    pt: dict[str, dict[str, int]] = {}
-    for r in tokenized:
-        if isinstance(r.get("tokens"), int):
-            pt.setdefault(r["engine"], {})[f"tokenizer:{r['prompt']}"] = r["tokens"]
-    for r in requests:
-        if r.get("phase") == "measure" and r.get("ok") and isinstance(r.get("prompt_tokens"), int) and r.get("key"):
-            pt.setdefault(r["engine"], {})[f"usage:{r['key']}"] = r["prompt_tokens"]
-    base = run.get("base", {})
-    names = [e.name for e in infos]
-    bl = baseline or run.get("baseline") or names[0]
-    if bl not in names:
-        raise ValueError(f"baseline {bl!r} is not one of the engines: {', '.join(names)}")
-    results = Results(
-        engines=tuple(infos),
-        baseline=bl,
-        samples=samples,
-        prompt_tokens=pt,
-        base_max_tokens=base.get("max_tokens"),
-        base_prompt_len=base.get("prompt_len"),
-        memory_budget_bytes=run.get("memory_budget_bytes"),
-        min_repeats=min_repeats,
-        max_noise=max_noise,
-    )
-    ex = run["engines"][0].get("body_example", {}) if run["engines"] else {}
-    protocol = [
-        f"started {dt.datetime.fromtimestamp(run.get('started', 0), dt.UTC):%Y-%m-%d %H:%M:%S} UTC"
-        + (f", took {end['duration_s']:.0f} s" if end and isinstance(end.get("duration_s"), int | float) else ""),
-        (
-            "through the proxy at " + str(run["through"]) + " (engine pinned per request with x-enginemeter-engine; "
-            "the proxy maps sampling per engine kind)"
-        )
-        if run.get("through")
-        else "directly against each engine (sampling mapped per engine kind by proxy.normalize)",
-        f"suite: {cfg.get('suite')}; prompt lengths {', '.join(cfg.get('prompt_lengths') or [])} "
-        f"(base {base.get('prompt_len')}); concurrency {', '.join(map(str, cfg.get('concurrency') or []))}; "
-        f"output lengths {', '.join(map(str, cfg.get('output_lengths') or []))} (base {base.get('max_tokens')})",
-        f"{cfg.get('repeats')} repeats per cell, engines alternating order; {cfg.get('warmup')} warm-up request(s) "
-        f"per engine discarded; {cfg.get('waves')} × concurrency requests per cell repeat",
-        f"cache: {cfg.get('cache')} (cold = unique prefix per request"
-        + (", cache_prompt:false to llama.cpp" if cfg.get("no_prompt_cache") else "")
-        + ", SGLang /flush_cache before each phase; warm = bare prompts, primed once)",
-        "sampling sent (before per-kind mapping): "
-        + ", ".join(f"{k}={v}" for k, v in sorted(ex.items()) if k not in ("model", "stream", "stream_options")),
-    ]
-    notes = [f"{r.get('engine')}: {r.get('text')}" for r in recs if r.get("type") == "note"]
-    return Data(
-        title="enginemeter bench report",
-        results=results,
-        engines_meta=run["engines"],
-        requests=requests,
-        tokenized=tokenized,
-        protocol=protocol,
-        notes=notes,
-        interrupted=bool(end is None or end.get("interrupted")),
-        duration_s=end.get("duration_s") if end else None,
-    )
-
-
-# ---- document model ---------------------------------------------------------------------------------
+__all__ = ["Data", "load_bench", "read_jsonl", "verdict_json", "write_report"]
 
 
 @dataclass
@@ -200,12 +61,16 @@ def _agg(vals: Iterable[float | None], unit: str = "") -> str:
     return f"{_num(m, unit)} ({_num(min(v), unit)}–{_num(max(v), unit)})"
 
 
-_MARK = {"ok": "✓", "inconclusive": "✗", "win": "▲", "loss": "▼", "tie": "=", "noisy": "~", "stay": "■", "note": "·"}
+_MARK = {"ok": "✓", "inconclusive": "✗", "win": "▲", "loss": "▼", "tie": "=", "noisy": "~", "unresolved": "?",
+         "stay": "■", "note": "·"}  # fmt: skip
 
 
-def document(d: Data, charts: Mapping[str, Path], chart_note: str | None) -> list[Block]:
+def _cell_order(c: Cell) -> tuple[Any, ...]:
+    return (c.rate or 0, c.concurrency, c.max_tokens, length_rank(c.prompt_len))
+
+
+def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdicts: Sequence[Verdict]) -> list[Block]:
     r = d.results
-    verdicts = decide_all(r)
     out: list[Block] = [Block("h1", d.title)]
     if d.interrupted:
         out.append(Block("p", "**Interrupted run** — the report covers only what finished."))
@@ -218,32 +83,25 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None) -> lis
     out.append(Block("h2", "Engines"))
     rows = []
     for e in d.engines_meta:
-        tag = " (baseline)" if e["name"] == r.baseline else ""
-        rows.append(
-            [
-                e["name"] + tag,
-                str(e.get("kind")),
-                str(e.get("model")),
-                str(e.get("quantization") or "undeclared"),
-                str(e.get("slots") or "–"),
-                str(e.get("url") or "–"),
-            ]
-        )
-    out.append(Block("table", header=["engine", "kind", "model", "quantization", "slots", "url"], rows=rows))
+        tag = " (baseline)" if e["name"] == r.baseline else f" (A/A pass of {e['aa_of']})" if e.get("aa_of") else ""
+        q = e.get("quantization") or "undeclared"
+        src = e.get("quantization_source")
+        dropped = e.get("dropped")
+        rows.append([e["name"] + tag, str(e.get("kind")), str(e.get("model")), f"{q} ({src})" if src else q,
+                     str(e.get("slots") or "–"), str(e.get("context_per_slot") or (e.get("info") or {}).get("n_ctx") or "–"),
+                     "unknown" if dropped is None else ", ".join(dropped) or "none", str(e.get("url") or "–")])  # fmt: skip
+    out.append(Block("table", header=["engine", "kind", "model", "quantization", "slots", "context/slot",
+                                      "params dropped", "url"], rows=rows))  # fmt: skip
     if d.protocol:
         out.append(Block("h2", "Protocol"))
         out.append(Block("ul", items=d.protocol))
-
     out += _parity_blocks(d)
-
-    caches = sorted(
-        {s.cell.cache for s in r.samples},
-        key=lambda c: ("cold", "live", "warm").index(c) if c in ("cold", "live", "warm") else 9,
-    )
+    caches = sorted({s.cell.cache for s in r.samples}, key=lambda c: ("cold", "live", "warm", c).index(c))
     for cache in caches:
         out.append(Block("h2", f"Results: {cache}" + (" cache" if cache != "live" else " mirrored traffic")))
         out += _cell_tables(d, cache)
-
+        out += _percentile_tables(d, cache)
+    out += _cache_blocks(d)
     out.append(Block("h2", "Charts"))
     if chart_note:
         out.append(Block("p", chart_note))
@@ -254,30 +112,38 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None) -> lis
         out.append(Block("h2", "Notes"))
         out.append(Block("ul", items=d.notes))
     out.append(Block("h2", "How to read this"))
-    out.append(
-        Block(
-            "p",
-            "TTFT = request sent → first token event (non-empty content/reasoning/tool_calls), as the "
-            "client feels it. TPOT = (last token − first token) / (completion tokens − 1); decode tok/s "
-            "is its inverse (llama.cpp `predicted_per_second` definition). Output tok/s = all completion "
-            "tokens of a cell repeat / its wall time. Medians over requests, then median (min–max) over "
-            "repeats. A difference counts only when the repeat ranges do not overlap. See docs/bench.md.",
-        )
-    )
+    out.append(Block("p", "TTFT = request sent → first token event (non-empty content/reasoning/tool_calls), as the "
+                     "client feels it. TPOT = (last token − first token) / (completion tokens − 1); decode tok/s is "
+                     "its inverse (llama.cpp `predicted_per_second` definition); ITL = the gaps between token events "
+                     "(per chunk). Output tok/s = all completion tokens of a cell repeat / its wall time. The verdict "
+                     "compares paired requests (same prompt on each engine): Δ is the relative difference of the "
+                     "means with a 95 % bootstrap interval (repeats, then requests, resampled) and Cohen's d_z; a "
+                     "difference counts only when the whole interval clears the noise floor measured by the A/A "
+                     "pass. See docs/bench.md."))  # fmt: skip
     return out
 
 
 def _verdict_blocks(v: Verdict) -> list[Block]:
-    out = [
-        Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**"),
-        Block("p", v.summary),
-    ]
-    out.append(Block("ul", items=[f"{_MARK.get(x.outcome, '·')} [{x.step}] {x.outcome}: {x.text}" for x in v.reasons]))
+    out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**"), Block("p", v.summary)]
+    items = []
+    for x in v.reasons:
+        tail = " — *not decisive* (the verdict stopped at an earlier gate)" if not x.decisive else ""
+        check = f"/{x.check}" if x.check else ""
+        items.append(f"{_MARK.get(x.outcome, '·')} [{x.step}{check}] {x.outcome}: {x.text}{tail}")
+    out.append(Block("ul", items=items))
+    if v.comparisons:
+        rows = [[c.step, c.metric, c.cell.label(), _num(c.stats.base_mean), _num(c.stats.cand_mean),
+                 f"{c.stats.rel:+.1%}", f"{c.stats.lo:+.1%} … {c.stats.hi:+.1%}",
+                 f"{c.stats.effect:+.2f}" if c.stats.effect is not None else "–", f"±{c.floor:.1%}",
+                 ", ".join(f"{k} {val:.0%}" for k, val in c.variation.items() if val is not None) or "–",
+                 c.outcome] for c in v.comparisons]  # fmt: skip
+        out.append(Block("table", header=["step", "metric", "cell", v.baseline, v.candidate, "Δ", "95% CI", "d_z",
+                                          "noise floor", "run-to-run CV", "outcome"], rows=rows))  # fmt: skip
     return out
 
 
 def _parity_blocks(d: Data) -> list[Block]:
-    names = [e.name for e in d.results.engines]
+    names = [e.name for e in d.results.engines if not e.aa_of]
     out = [Block("h2", "Prompt-token parity")]
     by: dict[str, dict[str, Any]] = {}
     methods: dict[str, str] = {}
@@ -291,58 +157,31 @@ def _parity_blocks(d: Data) -> list[Block]:
         eq = "–" if len(known) < 2 else ("equal" if len(set(known)) == 1 else "**DIFFER**")
         rows.append([pid, *[str(x) if x is not None else "?" for x in vals], eq])
     if rows:
-        out.append(
-            Block(
-                "p",
-                "Counted with each engine's own tokenizer before the run ("
-                + "; ".join(f"{n}: {methods.get(n, '?')}" for n in names)
-                + ").",
-            )
-        )
+        out.append(Block("p", "Counted with each engine's own tokenizer before the run ("
+                         + "; ".join(f"{n}: {methods.get(n, '?')}" for n in names) + ")."))  # fmt: skip
         out.append(Block("table", header=["prompt", *names, "parity"], rows=rows))
-    # per-request usage: the same request (same prompt + prefix) on every engine
     pt = d.results.prompt_tokens
     keys = [k for k in pt.get(names[0], {}) if k.startswith("usage:")] if names else []
     common = [k for k in keys if all(k in pt.get(n, {}) for n in names)]
     if common:
         diff = [k for k in common if len({pt[n][k] for n in names}) > 1]
-        out.append(
-            Block(
-                "p",
-                f"Engine-reported `usage.prompt_tokens` of identical requests: {len(common) - len(diff)} "
-                f"of {len(common)} equal on all engines.",
-            )
-        )
+        out.append(Block("p", f"Engine-reported `usage.prompt_tokens` of identical requests: {len(common) - len(diff)} "
+                         f"of {len(common)} equal on all engines."))  # fmt: skip
     if not rows and not common:
         out.append(Block("p", "No prompt-token counts on both engines."))
     return out
 
 
-_METRICS = (
-    ("TTFT", "ttft_s", "ms"),
-    ("TPOT", "tpot_s", "ms"),
-    ("decode tok/s", "decode_tps", ""),
-    ("e2e", "e2e_s", "ms"),
-    ("output tok/s", "output_tps", ""),
-)
+_METRICS = (("TTFT", "ttft_s", "ms"), ("TPOT", "tpot_s", "ms"), ("decode tok/s", "decode_tps", ""),
+            ("e2e", "e2e_s", "ms"), ("output tok/s", "output_tps", ""))  # fmt: skip
 
 
 def _cell_tables(d: Data, cache: str) -> list[Block]:
     r = d.results
     names = [e.name for e in r.engines]
     samples = [s for s in r.samples if s.cell.cache == cache]
-    cells = sorted(
-        {s.cell for s in samples},
-        key=lambda c: (
-            c.concurrency,
-            c.max_tokens,
-            ("short", "medium", "long", "mixed").index(c.prompt_len)
-            if c.prompt_len in ("short", "medium", "long", "mixed")
-            else 9,
-        ),
-    )
     rows = []
-    for c in cells:
+    for c in sorted({s.cell for s in samples}, key=_cell_order):
         for n in names:
             mine = [s for s in samples if s.cell == c and s.engine == n]
             if not mine:
@@ -350,163 +189,69 @@ def _cell_tables(d: Data, cache: str) -> list[Block]:
             err = sum(s.n_err for s in mine)
             ok = sum(s.n_ok for s in mine)
             mem = [s.gpu_mem_peak_bytes for s in mine if s.gpu_mem_peak_bytes is not None]
-            rows.append(
-                [
-                    str(c.concurrency),
-                    str(c.max_tokens),
-                    c.prompt_len,
-                    n,
-                    str(len(mine)),
-                    *[_agg((getattr(s, attr) for s in mine), unit) for _, attr, unit in _METRICS],
-                    _agg(s.prompt_tokens for s in mine),
-                    _agg(s.completion_tokens for s in mine),
-                    f"{err}/{ok + err}" if err else "0",
-                    _mib(max(mem)) if mem else "unknown",
-                ]
-            )
-    header = [
-        "c",
-        "max_tokens",
-        "prompt",
-        "engine",
-        "repeats",
-        *[m[0] for m in _METRICS],
-        "prompt tokens",
-        "out tokens",
-        "errors",
-        "GPU mem peak",
-    ]
-    return [
-        Block(
-            "p",
-            "Each figure: median over repeats (min–max) of the per-repeat median over requests; output "
-            "tok/s is per repeat (all requests' completion tokens / wall time).",
-        ),
-        Block("table", header=header, rows=rows),
-    ]
+            load = f"{c.concurrency}" + (f" @ {c.rate:g}/s" if c.rate is not None else "")
+            rows.append([load, str(c.max_tokens), c.prompt_len, n, str(len(mine)),
+                         *[_agg((getattr(s, attr) for s in mine), unit) for _, attr, unit in _METRICS],
+                         _agg(s.prompt_tokens for s in mine), _agg(s.completion_tokens for s in mine),
+                         f"{err}/{ok + err}" if err else "0", _mib(max(mem)) if mem else "unknown"])  # fmt: skip
+    header = ["c", "max_tokens", "prompt", "engine", "repeats", *[m[0] for m in _METRICS], "prompt tokens",
+              "out tokens", "errors", "GPU mem peak"]  # fmt: skip
+    note = ("Each figure: median over repeats (min–max) of the per-repeat median over requests; output tok/s is "
+            "per repeat (all requests' completion tokens / wall time). `c @ R/s`: open-loop arrivals at R "
+            "requests/s, at most c in flight.")  # fmt: skip
+    return [Block("p", note), Block("table", header=header, rows=rows)]
 
 
-# ---- charts -------------------------------------------------------------------------------------------
+def _percentile_tables(d: Data, cache: str) -> list[Block]:
+    by: dict[tuple[str, Cell], list[dict[str, Any]]] = {}
+    for q in d.requests:
+        if q.get("phase", "measure") == "measure" and q.get("cache") == cache and q.get("ok"):
+            rate = q.get("rate")
+            cell = Cell(cache, int(q["concurrency"]), int(q["max_tokens"]), str(q["prompt_len"]), rate)
+            by.setdefault((str(q["engine"]), cell), []).append(q)
+    if not by:
+        return []
+    slo = d.goodput
+    rows = []
+    for (engine, c), reqs in sorted(by.items(), key=lambda kv: (_cell_order(kv[0][1]), kv[0][0])):
+        row = [f"{c.concurrency}" + (f" @ {c.rate:g}/s" if c.rate is not None else ""), str(c.max_tokens),
+               c.prompt_len, engine, str(len(reqs))]  # fmt: skip
+        for attr in ("ttft_s", "tpot_s", "itl_s"):
+            vals = [float(g) for q in reqs for g in (q.get(attr) or [])] if attr == "itl_s" else [
+                float(q[attr]) for q in reqs if isinstance(q.get(attr), int | float)]  # fmt: skip
+            row.append(" / ".join(_num(percentile(vals, p), "ms") for p in (50, 90, 99)) if vals else "–")
+        if slo:
+            good = sum(1 for q in reqs if meets_slo(q, slo))
+            row.append(f"{good}/{len(reqs)} ({good / len(reqs):.0%})")
+        rows.append(row)
+    header = ["c", "max_tokens", "prompt", "engine", "requests", "TTFT p50 / p90 / p99", "TPOT p50 / p90 / p99",
+              "ITL p50 / p90 / p99"] + (["within SLO (goodput)"] if slo else [])  # fmt: skip
+    return [Block("p", "Latency percentiles over every measured request of the cell (all repeats)."),
+            Block("table", header=header, rows=rows)]  # fmt: skip
 
 
-def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return {}, "Charts skipped: matplotlib is not installed (pip install 'enginemeter[report]')."
-    r = d.results
-    names = [e.name for e in r.engines]
-    charts: dict[str, Path] = {}
-    caches = sorted({s.cell.cache for s in r.samples})
-    base_mt, base_pl = r.base_max_tokens, r.base_prompt_len
-
-    def series(cache: str, engine: str, attr: str, key: str) -> tuple[list[Any], list[float], list[float], list[float]]:
-        pts: dict[Any, list[float]] = {}
-        for s in r.samples:
-            if s.engine != engine or s.cell.cache != cache:
-                continue
-            c = s.cell
-            if key == "concurrency" and (c.max_tokens != base_mt or c.prompt_len != base_pl):
-                continue
-            if key == "prompt_len" and (c.concurrency != 1 or c.max_tokens != base_mt):
-                continue
-            v = getattr(s, attr)
-            if isinstance(v, int | float):
-                pts.setdefault(getattr(c, key), []).append(float(v))
-        order = ["short", "medium", "long", "mixed"]
-        xs = sorted(pts, key=lambda x: order.index(x) if isinstance(x, str) and x in order else x)
-        return xs, [statistics.median(pts[x]) for x in xs], [min(pts[x]) for x in xs], [max(pts[x]) for x in xs]
-
-    specs = [
-        ("ttft_vs_concurrency", "TTFT vs concurrency", "concurrency", "ttft_s", "TTFT (ms)", 1000.0),
-        (
-            "decode_vs_concurrency",
-            "Per-request decode tok/s vs concurrency",
-            "concurrency",
-            "decode_tps",
-            "decode tok/s",
-            1.0,
-        ),
-        (
-            "throughput_vs_concurrency",
-            "Aggregate output tok/s vs concurrency",
-            "concurrency",
-            "output_tps",
-            "output tok/s",
-            1.0,
-        ),
-        ("ttft_vs_prompt_length", "TTFT vs prompt length (c=1)", "prompt_len", "ttft_s", "TTFT (ms)", 1000.0),
-    ]
-    for fname, title, key, attr, ylabel, scale in specs:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=80)
-        drew = False
-        for cache in caches:
-            for ni, n in enumerate(names):
-                xs, ys, lo, hi = series(cache, n, attr, key)
-                if not xs:
-                    continue
-                drew = True
-                pos = list(range(len(xs))) if key == "prompt_len" else xs
-                ax.errorbar(
-                    pos,
-                    [y * scale for y in ys],
-                    yerr=[
-                        [(y - a) * scale for y, a in zip(ys, lo, strict=True)],
-                        [(b - y) * scale for y, b in zip(ys, hi, strict=True)],
-                    ],
-                    marker="o",
-                    capsize=3,
-                    linestyle="-" if cache != "warm" else "--",
-                    color=f"C{ni}",  # one colour per engine; warm cache dashed
-                    label=f"{n} ({cache})",
-                )
-                if key == "prompt_len":
-                    ax.set_xticks(pos, [str(x) for x in xs])
-        if not drew:
-            plt.close(fig)
-            continue
-        if key == "concurrency":
-            ax.set_xscale("log", base=2)
-            ticks = sorted({s.cell.concurrency for s in r.samples})
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.minorticks_off()
-            ax.set_xlabel("concurrent requests")
-        else:
-            ax.set_xlabel("prompt length class")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title + " — median, bars = min–max over repeats", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / f"{fname}.png"
-        fig.savefig(p)
-        plt.close(fig)
-        charts[title] = p
-    # memory
-    mem: dict[str, int] = {}
-    for s in r.samples:
-        if s.gpu_mem_peak_bytes is not None:
-            mem[s.engine] = max(mem.get(s.engine, 0), s.gpu_mem_peak_bytes)
-    note = None
-    if mem:
-        fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
-        ax.bar(list(mem), [v / 2**30 for v in mem.values()])
-        ax.set_ylabel("GiB")
-        ax.set_title("GPU memory peak during the bench", fontsize=9)
-        if r.memory_budget_bytes:
-            ax.axhline(r.memory_budget_bytes / 2**30, color="red", linestyle="--", label="budget")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / "memory.png"
-        fig.savefig(p)
-        plt.close(fig)
-        charts["GPU memory peak"] = p
-    else:
-        note = "No memory chart: GPU memory was unknown (no proxy /metrics given and no NVML device)."
-    return charts, note
+def _cache_blocks(d: Data) -> list[Block]:
+    reqs = [q for q in d.results.requests if q.ok and q.cell.cache in ("cold", "warm")]
+    if not reqs:
+        return []
+    flags = cache_flags(d.results.requests, d.results.shared_prefix)
+    by: dict[tuple[str, Cell], list[tuple[int | None, int | None]]] = {}
+    for q in reqs:
+        by.setdefault((q.engine, q.cell), []).append((q.cached_tokens, q.prompt_tokens))
+    rows = []
+    for (engine, c), vals in sorted(by.items(), key=lambda kv: (kv[0][1].cache, _cell_order(kv[0][1]), kv[0][0])):
+        cached = sum(x or 0 for x, _ in vals)
+        prompt = sum(p or 0 for _, p in vals)
+        unknown = sum(1 for x, _ in vals if x is None)
+        rows.append([c.label(), engine, f"{cached}/{prompt} ({cached / prompt:.0%})" if prompt else "–",
+                     str(unknown) if unknown else "0", "**" + flags[(engine, c)] + "**" if (engine, c) in flags else "ok"])  # fmt: skip
+    note = ("Cold cells must show no request served from the prompt cache (under half its prompt cached: the chat "
+            "template's preamble may be), warm cells cached tokens on every request; a flagged cell in the judged "
+            "phase stops the verdict at the data gate.")  # fmt: skip
+    if d.results.shared_prefix:
+        note += " Shared-prefix suite: cold requests share their document by design, so the cold check is off."
+    return [Block("h2", "Cache accounting"), Block("p", note),
+            Block("table", header=["cell", "engine", "cached / prompt tokens", "unknown", "check"], rows=rows)]  # fmt: skip
 
 
 # ---- rendering -----------------------------------------------------------------------------------------
@@ -536,23 +281,22 @@ def render_md(blocks: Sequence[Block]) -> str:
 
 
 def _inline(s: str) -> str:
-    """HTML-escape, then the two bits of Markdown we use: **bold** and `code`."""
+    """HTML-escape, then the bits of Markdown we use: **bold**, *italic* and `code`."""
     e = html.escape(s)
     e = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", e)
+    e = re.sub(r"(?<![\w*])\*([^*\s][^*]*?)\*(?![\w*])", r"<em>\1</em>", e)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", e)
 
 
-_CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+_CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;
 text-align:left}th{background:#f3f3f3}code{background:#f3f3f3;padding:0 3px}img{max-width:100%}
 h3 strong{padding:1px 6px;border-radius:3px;background:#eee}"""
 
 
 def render_html(blocks: Sequence[Block], out: Path) -> str:
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>enginemeter report</title>",
-        f"<style>{_CSS}</style></head><body>",
-    ]
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>enginemeter report</title>",
+             f"<style>{_CSS}</style></head><body>"]  # fmt: skip
     for b in blocks:
         if b.kind in ("h1", "h2", "h3"):
             parts.append(f"<{b.kind}>{_inline(b.text)}</{b.kind}>")
@@ -566,22 +310,31 @@ def render_html(blocks: Sequence[Block], out: Path) -> str:
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         elif b.kind == "img":
             data = base64.b64encode((out / b.path).read_bytes()).decode()
-            parts.append(f"<img alt='{html.escape(b.text)}' src='data:image/png;base64,{data}'>")
+            mime = "image/svg+xml" if b.path.endswith(".svg") else "image/png"
+            parts.append(f"<img alt='{html.escape(b.text)}' src='data:{mime};base64,{data}'>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
+def verdict_json(verdicts: Sequence[Verdict], **extra: Any) -> dict[str, Any]:
+    """The machine-readable verdict: one entry per candidate, plus the overall decision (the worst of them:
+    inconclusive > stay > switch)."""
+    rank = {"inconclusive": 2, "stay": 1, "switch": 0}
+    overall = max((v.decision for v in verdicts), key=lambda x: rank[x], default="inconclusive")
+    return {"version": 1, "decision": overall, **extra, "verdicts": [v.to_json() for v in verdicts]}
+
+
 def write_report(d: Data, out: Path) -> dict[str, Any]:
-    """Write report.md, report.html and the charts into ``out``; returns the verdicts and paths."""
+    """Write report.md, report.html, the charts and verdict.json into ``out``; returns the verdicts and paths."""
     out.mkdir(parents=True, exist_ok=True)
+    for name in CHART_FILES:
+        (out / f"{name}.svg").unlink(missing_ok=True)  # a chart this run does not draw must not survive
     charts, note = make_charts(d, out)
-    blocks = document(d, charts, note)
+    verdicts = decide_all(d.results)
+    blocks = document(d, charts, note, verdicts)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
-    verdicts = decide_all(d.results)
-    return {
-        "report_md": out / "report.md",
-        "report_html": out / "report.html",
-        "charts": list(charts.values()),
-        "verdicts": verdicts,
-    }
+    vj = verdict_json(verdicts, interrupted=d.interrupted)
+    (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return {"report_md": out / "report.md", "report_html": out / "report.html", "verdict_json": out / "verdict.json",
+            "charts": list(charts.values()), "verdicts": verdicts}  # fmt: skip

@@ -2,487 +2,65 @@
 
 Protocol (docs/bench.md):
 
-- every engine gets the same request body, built once and mapped per engine kind by ``proxy.normalize`` (the
-  proxy's own mapping: top_k "off" 0 vs -1, repeat_penalty vs repetition_penalty); through the proxy the body
-  goes as is and the proxy maps it;
-- timing is the proxy's: ``SSEFramer`` + ``StreamTimer`` + ``StreamTiming.derive``, token events as in
-  ``proxy.server.relay`` — so TTFT/TPOT/decode tok/s mean the same here and in ``/metrics``;
-- warm-up requests are sent first and discarded;
-- cache-cold: a unique prefix per request (``[<random hex> bench <run id>]``: it differs from its first
-  token, so only the chat template's own preamble can be cached; the *same* prefix on every engine, so
-  per-request prompt tokens stay comparable), optionally ``cache_prompt: false`` to llama.cpp, and
-  ``POST /flush_cache`` to SGLang before the phase; cache-warm: the bare prompts, primed once per engine;
-- sweeps change one variable from the base point (concurrency 1, base max_tokens, base prompt length);
-- every cell is repeated ``repeats`` times, engines alternating order (ABBA) so drift hits both.
+- **preflight**: every engine is probed and sent one tiny request before anything else; an engine that is
+  unreachable or fails stops the run at once (``PreflightError``: engine, URL, cause);
+- **A/A pass**: the baseline runs a second time in every cell repeat (or an engine listed twice under two
+  names — same URL — is used as that second pass), so the noise floor is measured in the same run;
+- every engine gets the same request body, mapped per kind by ``proxy.normalize`` (``config.build_body``);
+- warm-up requests first, discarded; cache-cold: a unique prefix per request (the *same* prefix on every
+  engine), optionally ``cache_prompt: false`` to llama.cpp, SGLang ``/flush_cache`` before the phase;
+  cache-warm: the bare prompts, primed once per engine;
+- every cell is repeated ``repeats`` times, engines rotating order (A B A', then A' B A, ...) so drift hits all;
+  closed loop (``concurrency`` in flight) or open loop (``rate`` requests/s, gamma arrivals, the same schedule
+  for every engine);
+- prompts longer than the smallest context per slot (measured tokens + max_tokens) are left out, with a note.
 
-JSONL record types: ``run`` (config and engines), ``prompt_tokens`` (tokenizer counts), ``request`` (one per
-request), ``sample`` (one per cell repeat per engine: aggregates and GPU memory peak), ``end``.
+JSONL record types: ``run`` (version 2: config, engines, cells), ``prompt_tokens``, ``note``, ``request`` (one
+per request), ``sample`` (one per cell repeat per engine), ``end``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import re
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import IO, Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
 
-from proxy import engines
 from proxy.bench import suite as suite_mod
+from proxy.bench.client import RequestOutcome, Writer, send_one
+from proxy.bench.config import (
+    PIN_HEADER,
+    BenchConfig,
+    CellSpec,
+    Target,
+    build_body,
+    canonical_sampling,
+    effective_sampling,
+    plan,
+)
+from proxy.bench.engines import count_prompt_tokens, flush_cache, probe
+from proxy.bench.memory import MemoryProbe
+from proxy.bench.progress import Progress
+from proxy.bench.records import request_record, sample_record
 from proxy.bench.suite import Prompt
-from proxy.engines import quant_from_name
-from proxy.normalize import normalize_request
-from proxy.sse import SSEFramer
-from proxy.stream import error_text, loads, read_event
-from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
-from proxy.types import EngineKind
+from proxy.bench.workload import arrivals
 
-CHAT_PATH = "/v1/chat/completions"
-_NEVER_SEEN = "Server disconnected without sending a response"
-PIN_HEADER = "x-enginemeter-engine"
+RESULTS_VERSION = 2
 
 
-@dataclass
-class Target:
-    name: str
-    url: str | None  # the engine's own URL (tokenize, flush_cache, probing); None when only reachable via proxy
-    kind: EngineKind | None = None
-    model: str | None = None
-    quantization: str | None = None
-    quantization_source: str | None = None
-    slots: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+class PreflightError(RuntimeError):
+    """An engine did not answer the probe or the one tiny request: the bench stops before it starts."""
 
-
-@dataclass
-class BenchConfig:
-    engines: list[Target]
-    through: str | None = None
-    suite: str = "builtin"
-    concurrency: tuple[int, ...] = (1, 2, 4, 8)
-    output_lengths: tuple[int, ...] = (32, 128)
-    prompt_lengths: tuple[str, ...] = ("short", "medium", "long")
-    repeats: int = 3
-    warmup: int = 2
-    cache: str = "both"  # cold | warm | both
-    out: Path = Path("bench-out")
-    model: str | None = None
-    seed: int = 1234
-    max_tokens: int = 128  # the base point of the output-length sweep
-    waves: int = 2  # requests per cell repeat = concurrency * waves
-    baseline: str | None = None
-    metrics_url: str | None = None
-    no_prompt_cache: bool = False  # send cache_prompt:false to llama.cpp in the cold phase
-    ignore_eos: bool = True
-    timeout_s: float = 600.0
-    memory_budget_bytes: int | None = None
-    quick: bool = False
-    progress: bool = True
-
-    @property
-    def base_prompt_len(self) -> str:
-        return "medium" if "medium" in self.prompt_lengths else self.prompt_lengths[0]
-
-
-@dataclass(frozen=True, slots=True)
-class CellSpec:
-    cache: str
-    concurrency: int
-    max_tokens: int
-    prompt_len: str
-    sweeps: tuple[str, ...]
-
-
-def plan(cfg: BenchConfig) -> list[CellSpec]:
-    """Single-variable sweeps around the base point; a cell shared by two sweeps runs once."""
-    base_pl = cfg.base_prompt_len
-    cells: dict[tuple[str, int, int, str], list[str]] = {}
-    caches = ("cold", "warm") if cfg.cache == "both" else (cfg.cache,)
-    for cache in caches:
-        for c in cfg.concurrency:
-            cells.setdefault((cache, c, cfg.max_tokens, base_pl), []).append("concurrency")
-        for mt in cfg.output_lengths:
-            cells.setdefault((cache, 1, mt, base_pl), []).append("output")
-        for pl in cfg.prompt_lengths:
-            cells.setdefault((cache, 1, cfg.max_tokens, pl), []).append("prompt")
-    return [CellSpec(k[0], k[1], k[2], k[3], tuple(v)) for k, v in cells.items()]
-
-
-# ---- JSONL --------------------------------------------------------------------------------------
-
-
-class Writer:
-    """Appends one JSON object per line and flushes each: Ctrl-C keeps everything that finished."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._f: IO[str] = path.open("w", encoding="utf-8")
-
-    def write(self, rec: Mapping[str, Any]) -> None:
-        self._f.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-# ---- one request --------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestOutcome:
-    ok: bool
-    status: int
-    error: str | None
-    timing: StreamTiming
-    usage: Usage | None
-    engine: EngineTimings | None
-    finish_reason: str | None
-    n_token_events: int
-    t_start_ns: int
-    t_done_ns: int
-    retried: bool = False
-
-
-async def send_one(client: httpx.AsyncClient, body: bytes, headers: Mapping[str, str]) -> RequestOutcome:
-    """POST one streaming chat request and time it exactly as the proxy times its upstream.
-
-    A kept-alive connection the server closed before answering (llama-server's cpp-httplib closes idle
-    keep-alive connections after 5 s and every connection after a fixed number of requests; a client can win
-    that race) is retried once with a fresh clock: the engine never saw that request. Through the proxy the
-    same event comes back as its 502 "closed the connection: Server disconnected without sending a response".
-    """
-    o = await _send_once(client, body, headers)
-    if not o.ok and o.error and _NEVER_SEEN in o.error and o.status in (0, 502):  # 502: the proxy relaying it
-        o = await _send_once(client, body, headers)
-        o.retried = True
-    return o
-
-
-async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[str, str]) -> RequestOutcome:
-    timer = StreamTimer()
-    framer = SSEFramer()
-    usage: Usage | None = None
-    engine_t: EngineTimings | None = None
-    finish: str | None = None
-    status = 0
-    error: str | None = None
-    try:
-        timer.sent()
-        async with client.stream("POST", CHAT_PATH, content=body, headers=headers) as resp:
-            timer.headers()
-            status = resp.status_code
-            if status != 200:
-                raw = await resp.aread()
-                error = f"HTTP {status}: {error_text(raw)}"
-            else:
-                async for chunk in resp.aiter_raw():
-                    t_ns = time.perf_counter_ns()
-                    for ev in framer.feed(chunk):
-                        if ev.is_comment or not ev.data or ev.is_done:
-                            continue
-                        try:
-                            info = read_event(loads(ev.data))
-                        except ValueError:
-                            error = "malformed SSE event"
-                            continue
-                        if info.error is not None:
-                            error = f"in-stream error: {info.error[:200]}"
-                            continue
-                        if info.token:
-                            timer.token(t_ns)
-                        finish = info.finish_reason or finish
-                        usage = info.usage or usage
-                        engine_t = info.timings or engine_t
-    except httpx.HTTPError as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
-    timer.done()
-    if error is None and timer.t_first_token_ns == 0:
-        error = "no token received"
-    if usage is None or usage.completion_tokens is None:
-        # no usage from the engine: fall back to token events (chunks; may undercount)
-        usage = Usage(
-            prompt_tokens=usage.prompt_tokens if usage else None,
-            completion_tokens=timer.n_token_events or None,
-            cached_tokens=usage.cached_tokens if usage else None,
-        )
-    timing = StreamTiming.derive(timer, usage, engine_t)
-    return RequestOutcome(
-        ok=error is None,
-        status=status,
-        error=error,
-        timing=timing,
-        usage=usage,
-        engine=engine_t,
-        finish_reason=finish,
-        n_token_events=timer.n_token_events,
-        t_start_ns=timer.t_received_ns,
-        t_done_ns=timer.t_done_ns,
-    )
-
-
-# ---- request bodies -----------------------------------------------------------------------------
-
-
-def sampling(cfg: BenchConfig, max_tokens: int) -> dict[str, Any]:
-    """The explicit sampling every engine gets (before the per-kind mapping)."""
-    s: dict[str, Any] = {
-        "temperature": 0,
-        "top_p": 1.0,
-        "top_k": 0,  # off; mapped to -1 for SGLang/vLLM by proxy.normalize
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,  # off; the one value both penalty semantics share
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "seed": cfg.seed,
-        "max_tokens": max_tokens,
-    }
-    if cfg.ignore_eos:
-        s["ignore_eos"] = True
-    return s
-
-
-def canonical_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling an engine actually got, spelled the same for every kind (for the parity check)."""
-    out: dict[str, Any] = {}
-    for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "ignore_eos"):
-        if k in body:
-            out[k] = body[k]
-    if isinstance(out.get("top_k"), int | float) and out["top_k"] <= 0:
-        out["top_k"] = "off"
-    pen = body.get("repetition_penalty", body.get("repeat_penalty"))
-    if pen is not None:
-        out["repetition_penalty"] = pen
-    for k, v in list(out.items()):
-        if isinstance(v, float) and v.is_integer():
-            out[k] = int(v)
-    return out
-
-
-def build_body(
-    cfg: BenchConfig, t: Target, messages: Sequence[Mapping[str, str]], max_tokens: int, *, cold: bool
-) -> dict[str, Any]:
-    client: dict[str, Any] = {
-        "model": cfg.model or t.model or "default",
-        "messages": [dict(m) for m in messages],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **sampling(cfg, max_tokens),
-    }
-    if cold and cfg.no_prompt_cache and (t.kind == "llamacpp" or cfg.through):
-        client["cache_prompt"] = False
-    if cfg.through:
-        return client  # the proxy maps it per kind (and drops what the engine cannot take)
-    kind: EngineKind = t.kind or "openai"
-    return normalize_request(client, endpoint="chat", kind=kind, served_model=cfg.model or t.model, defaults={}).body
-
-
-# ---- engine probing, tokenization, cache ---------------------------------------------------------
-
-
-async def probe(t: Target, timeout: float = 5.0) -> None:
-    """Kind, served model, slots, context length and quantization from the engine's dialect (``proxy.engines``);
-    a declared quantization wins, the model's file or served name is the last resort."""
-    if not t.url:
-        return
-    async with httpx.AsyncClient(base_url=t.url, timeout=timeout, trust_env=False) as c:
-        p = await engines.probe(c, timeout, kind=t.kind, model=t.model, full=True)
-    t.kind, t.model = p.kind, p.model
-    if p.error:
-        t.info["probe_error"] = p.error
-    f = p.facts
-    if f is None:
-        return
-    t.slots = t.slots or f.slots
-    t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
-                                     ("build", f.build)) if v is not None})  # fmt: skip
-    if not t.quantization and f.quantization:
-        t.quantization, t.quantization_source = f.quantization, f"{t.kind} report"
-    if not t.quantization:
-        q = quant_from_name(PurePosixPath(f.model_path or "").name, t.model)
-        if q:
-            t.quantization, t.quantization_source = q, "model name"
-
-
-async def count_prompt_tokens(
-    t: Target, model: str | None, messages: Sequence[Mapping[str, str]]
-) -> tuple[int | None, str]:
-    """Prompt tokens as the engine would count them for a chat completion, without generating."""
-    if not t.url:
-        return None, "no engine URL"
-    async with httpx.AsyncClient(base_url=t.url, timeout=30, trust_env=False) as c:
-        n = await engines.dialect(t.kind).count_prompt_tokens(c, model, messages)
-    return n.tokens, n.method
-
-
-async def flush_cache(t: Target) -> str | None:
-    """Empty the engine's prompt cache where its kind can (llama.cpp slot erase, SGLang ``/flush_cache``, vLLM
-    ``/reset_prefix_cache``); a note saying what happened."""
-    if not t.url:
-        return None
-    async with httpx.AsyncClient(base_url=t.url, timeout=30, trust_env=False) as c:
-        return await engines.dialect(t.kind).flush_cache(c)
-
-
-# ---- GPU memory -----------------------------------------------------------------------------------
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)")
-
-
-def parse_metrics(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        with contextlib.suppress(ValueError):
-            yield m.group(1), labels, float(m.group(3))
-
-
-def memory_from_metrics(text: str, engine: str) -> tuple[int | None, str]:
-    """The engine's GPU memory now (or its peak, or the device's) from the proxy's /metrics."""
-    used: float = 0
-    peak: float = 0
-    device: float = 0
-    seen = set()
-    for name, labels, v in parse_metrics(text):
-        if name == "enginemeter_engine_gpu_memory_used_bytes" and labels.get("engine") == engine:
-            used += v
-            seen.add("engine")
-        elif name == "enginemeter_engine_gpu_memory_peak_bytes" and labels.get("engine") == engine:
-            peak += v
-            seen.add("peak")
-        elif name == "enginemeter_gpu_memory_used_bytes":
-            device += v
-            seen.add("device")
-    if "engine" in seen:
-        return int(used), "proxy engine gauge"
-    if "peak" in seen:
-        return int(peak), "proxy engine peak"
-    if "device" in seen:
-        return int(device), "proxy device gauge"
-    return None, "unknown"
-
-
-class MemoryProbe:
-    """Polls GPU memory while a cell repeat runs; ``peak`` is the highest reading (None: unknown)."""
-
-    def __init__(self, metrics_url: str | None) -> None:
-        self.metrics_url = metrics_url
-        self.source = "unknown"
-        self._nvml: Any = None
-        if metrics_url is None:
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                if pynvml.nvmlDeviceGetCount() > 0:
-                    self._nvml = pynvml
-                    self.source = "NVML (whole device)"
-            except Exception:  # no driver, no GPU: memory stays unknown
-                self._nvml = None
-
-    def _nvml_used(self) -> int:
-        nv = self._nvml
-        total = 0
-        for i in range(nv.nvmlDeviceGetCount()):
-            total += int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i)).used)
-        return total
-
-    async def read(self, client: httpx.AsyncClient | None, engine: str) -> int | None:
-        if self.metrics_url and client is not None:
-            try:
-                r = await client.get(self.metrics_url, timeout=5)
-            except httpx.HTTPError:
-                return None
-            v, self.source = memory_from_metrics(r.text, engine)
-            return v
-        if self._nvml is not None:
-            try:
-                return await asyncio.to_thread(self._nvml_used)
-            except Exception:
-                return None
-        return None
-
-    @contextlib.asynccontextmanager
-    async def watch(self, client: httpx.AsyncClient | None, engine: str, period_s: float = 0.5) -> Any:
-        box: dict[str, int | None] = {"peak": None}
-
-        async def loop() -> None:
-            while True:
-                v = await self.read(client, engine)
-                if v is not None:
-                    box["peak"] = max(v, box["peak"] or 0)
-                await asyncio.sleep(period_s)  # sampling period, not synchronisation
-
-        if self.metrics_url is None and self._nvml is None:
-            yield box
-            return
-        task = asyncio.create_task(loop())
-        try:
-            yield box
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            v = await self.read(client, engine)
-            if v is not None:
-                box["peak"] = max(v, box["peak"] or 0)
-
-
-# ---- progress -------------------------------------------------------------------------------------
-
-
-class Progress:
-    def __init__(self, total: int, enabled: bool = True, stream: IO[str] | None = None) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.t0 = time.monotonic()
-        self._last_pct = -1
-        self.label = ""
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        self.show()
-
-    def show(self) -> None:
-        if not self.enabled:
-            return
-        frac = min(1.0, self.done / self.total)
-        pct = int(frac * 100)
-        el = time.monotonic() - self.t0
-        eta = el / frac - el if frac > 0 else 0
-        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
-        line = f"[{bar}] {self.done}/{self.total} {pct:3d}% {el:5.0f}s eta {eta:4.0f}s {self.label}"
-        if self.tty:
-            self.stream.write("\r" + line[:150].ljust(150))
-            self.stream.flush()
-        elif pct // 10 != self._last_pct // 10 or self.done == self.total:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-        self._last_pct = pct
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-# ---- the run ---------------------------------------------------------------------------------------
+    def __init__(self, engine: str, url: str | None, cause: str) -> None:
+        super().__init__(f"engine {engine} ({url or 'via proxy'}): {cause}")
+        self.engine, self.url, self.cause = engine, url, cause
 
 
 def _prompts_for(prompts: Sequence[Prompt], length: str) -> list[Prompt]:
@@ -500,287 +78,327 @@ def _with_prefix(p: Prompt, prefix: str) -> tuple[dict[str, str], ...]:
     return tuple(msgs)
 
 
-def _median(vals: Sequence[float]) -> float | None:
-    s = sorted(vals)
-    if not s:
+def _new_prefix(old: str, run_id: str) -> str:
+    """A unique cold-cache prefix (the same length every time), or "" where there was none."""
+    return f"[{secrets.token_hex(4)} bench {run_id}] " if old else ""
+
+
+def setup_aa(cfg: BenchConfig) -> Target | None:
+    """The A/A pass of the baseline: an engine listed again under another name (same URL) beside a candidate,
+    else — unless ``aa == "off"`` — a second pass of the baseline itself. Two names for one engine and nothing
+    else is an A/A run: the second name is the candidate, judged against the second pass."""
+    base = next(t for t in cfg.engines if t.name == cfg.baseline)
+    others = [t for t in cfg.engines if t is not base]
+    for t in others if len(others) > 1 else ():  # with one other engine, that one is the candidate: A vs A
+        if t.url and t.url == base.url and not cfg.through:
+            t.aa_of = base.name
+            return t
+    if cfg.aa == "off":
         return None
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    twin = replace(base, name=f"{base.name}-aa", aa_of=base.name, pin=base.pin or base.name, info=dict(base.info))
+    cfg.engines.append(twin)
+    return twin
+
+
+async def _engine_info_via_proxy(cfg: BenchConfig) -> None:
+    """Through the proxy: what it knows about each pinned engine (``/health`` ``engine_state``: kind,
+    quantization, context per slot, slots) fills what probing the engine directly did not."""
+    try:
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
+            doc = (await c.get(f"{cfg.through}/health")).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise PreflightError("proxy", cfg.through, f"{type(exc).__name__}: {exc}"[:200]) from None
+    states = ((doc.get("engine_state") or {}).get("engines") or {}) if isinstance(doc, dict) else {}
+    for t in cfg.engines:
+        st = states.get(t.pin or t.name)
+        if not isinstance(st, dict):
+            continue
+        if t.kind is None and st.get("kind") in ("llamacpp", "sglang", "vllm", "openai"):
+            t.kind = st["kind"]
+        if not t.quantization and isinstance(st.get("quantization"), str):
+            t.quantization, t.quantization_source = st["quantization"], "proxy engine info"
+        t.context_per_slot = t.context_per_slot or st.get("context_length")
+        t.slots = t.slots or st.get("slots")
+        t.model = t.model or st.get("model")
+
+
+async def preflight(
+    cfg: BenchConfig, clients: Mapping[str, httpx.AsyncClient], headers: Mapping[str, dict[str, str]]
+) -> None:
+    """Probe results checked, then one tiny request per engine (concurrently): the first failure raises."""
+    for t in cfg.engines:
+        if t.info.get("probe_error"):
+            raise PreflightError(t.name, t.url, f"probe failed: {t.info['probe_error']}")
+    real = [t for t in cfg.engines if not (t.aa_of and t.pin)]
+
+    async def one(t: Target) -> None:
+        body = build_body(cfg, t, ({"role": "user", "content": "Say hi."},), 2, cold=False)
+        o = await send_one(clients[t.name], json.dumps(body).encode(), headers[t.name])
+        if not o.ok:
+            raise PreflightError(t.name, t.url or cfg.through, f"test request failed: {o.error}")
+
+    await asyncio.gather(*(one(t) for t in real))
+
+
+def _engine_record(cfg: BenchConfig, t: Target, max_tokens_all: list[int]) -> dict[str, Any]:
+    body = build_body(cfg, t, ({"role": "user", "content": "x"},), cfg.max_tokens, cold=False)
+    eff, known = effective_sampling(cfg, t)
+    dropped: list[str] | None = known
+    if cfg.through and t.kind is None:  # the proxy maps it for a kind we do not know here
+        eff, dropped = canonical_sampling(body), None
+    return {
+        "name": t.name,
+        "url": t.url,
+        "kind": t.kind,
+        "model": t.model,
+        "quantization": t.quantization,
+        "quantization_source": t.quantization_source,
+        "slots": t.slots,
+        "context_per_slot": t.context_per_slot,
+        "aa_of": t.aa_of,
+        "info": t.info,
+        "sampling": eff,
+        "dropped": dropped,
+        "body_example": {k: v for k, v in body.items() if k != "messages"},
+        "max_tokens": max_tokens_all,
+    }
+
+
+@dataclass
+class _Cell:
+    """One repeat of one cell on one engine: which requests, when."""
+
+    spec: CellSpec
+    rep: int
+    jobs: list[tuple[Prompt, str]]
+    offsets: list[float] | None
+
+
+async def _run_repeat(
+    cfg: BenchConfig,
+    t: Target,
+    c: _Cell,
+    fire: Callable[[Target, Prompt, str, int, bool], Any],
+    on_done: Callable[[int, Prompt, str, RequestOutcome], None],
+) -> tuple[list[RequestOutcome], int, int]:
+    sem = asyncio.Semaphore(c.spec.concurrency)
+    cold = c.spec.cache == "cold"
+    t_a = time.perf_counter_ns()
+    deadline = t_a + int(cfg.duration_s * 1e9) if cfg.duration_s else None
+
+    async def job(i: int, p: Prompt, prefix: str) -> RequestOutcome | None:
+        if c.offsets is not None:
+            await asyncio.sleep(max(0.0, c.offsets[i] - (time.perf_counter_ns() - t_a) / 1e9))  # the arrival time
+        async with sem:
+            if deadline is not None and time.perf_counter_ns() > deadline:
+                return None
+            o = cast(RequestOutcome, await fire(t, p, prefix, c.spec.max_tokens, cold))
+        on_done(i, p, prefix, o)
+        return o
+
+    outs = await asyncio.gather(*(job(i, p, pre) for i, (p, pre) in enumerate(c.jobs)))
+    return [o for o in outs if o is not None], t_a, time.perf_counter_ns()
+
+
+def shared_llamacpp_servers(cfg: BenchConfig) -> list[str]:
+    """Names of llama.cpp targets that share their URL with another target (an A/A twin listed by name)."""
+    by_url: dict[str, list[str]] = {}
+    for t in cfg.engines:
+        if t.url and t.kind == "llamacpp":
+            by_url.setdefault(t.url.rstrip("/"), []).append(t.name)
+    return [n for names in by_url.values() if len(names) > 1 for n in names]
 
 
 async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> Path:
-    """Run the whole bench; returns the JSONL path. Cancellation (Ctrl-C) keeps what was written."""
+    """Run the whole bench; returns the JSONL path. Cancellation (Ctrl-C) keeps what was written.
+    Raises ``PreflightError`` before anything is measured when an engine is unreachable or failing."""
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
-    w = Writer(path)
-    t_start = time.time()
-    # a new id per run: engines keep prompt caches across runs (llama.cpp slots and its RAM prompt cache), so a
-    # prefix that repeats from one run to the next would turn the next run's "cold" requests into cache hits
+    cfg.baseline = cfg.baseline or cfg.engines[0].name
+    # a new id per run: engines keep prompt caches across runs, so a prefix repeated from one run to the next
+    # would turn the next run's "cold" requests into cache hits
     run_id = secrets.token_hex(4)
-    interrupted = False
-    try:
-        await asyncio.gather(*(probe(t) for t in cfg.engines))
-        prompts = suite_mod.load(cfg.suite, cfg.prompt_lengths)
-        lengths_present = [pl for pl in cfg.prompt_lengths if any(p.length == pl for p in prompts)]
-        if lengths_present != list(cfg.prompt_lengths):
-            cfg.prompt_lengths = tuple(lengths_present) or tuple(sorted({p.length for p in prompts}))
-        cells = plan(cfg)
-        max_tokens_all = sorted({c.max_tokens for c in cells})
-        engines_rec = []
-        for t in cfg.engines:
-            body = build_body(cfg, t, ({"role": "user", "content": "x"},), cfg.max_tokens, cold=False)
-            engines_rec.append(
-                {
-                    "name": t.name,
-                    "url": t.url,
-                    "kind": t.kind,
-                    "model": t.model,
-                    "quantization": t.quantization,
-                    "quantization_source": t.quantization_source,
-                    "slots": t.slots,
-                    "info": t.info,
-                    "sampling": canonical_sampling(body),
-                    "body_example": {k: v for k, v in body.items() if k != "messages"},
-                    "max_tokens": max_tokens_all,
-                }
-            )
-        cfg_rec = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "engines"}
-        w.write(
-            {
-                "type": "run",
-                "version": 1,
-                "run_id": run_id,
-                "started": t_start,
-                "config": cfg_rec,
-                "engines": engines_rec,
-                "baseline": cfg.baseline or cfg.engines[0].name,
-                "through": cfg.through,
-                "base": {"concurrency": 1, "max_tokens": cfg.max_tokens, "prompt_len": cfg.base_prompt_len},
-                "cells": [asdict(c) for c in cells],
-                "prompts": [{"id": p.id, "lang": p.lang, "length": p.length} for p in prompts],
-                "memory_budget_bytes": cfg.memory_budget_bytes,
-                "python": sys.version.split()[0],
-            }
+    await asyncio.gather(*(probe(t) for t in cfg.engines))
+    if cfg.through:
+        await _engine_info_via_proxy(cfg)
+    shared = shared_llamacpp_servers(cfg)
+    if shared and not cfg.no_prompt_cache:
+        # two names on one llama.cpp server share one prompt cache: in a cold cell the second name would be served
+        # the first one's prompt from cache (the cold prefix is the same on every engine, for token parity)
+        cfg.no_prompt_cache = True
+        say(f"enginemeter bench: {', '.join(shared)} share one llama.cpp server: cold cells send cache_prompt:false")
+    setup_aa(cfg)
+    max_conc = max(cfg.concurrency)
+    clients: dict[str, httpx.AsyncClient] = {}
+    for t in cfg.engines:
+        base_url = cfg.through or t.url
+        if not base_url:
+            raise ValueError(f"engine {t.name}: no URL and no --through")
+        clients[t.name] = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(cfg.timeout_s, connect=5),
+            limits=httpx.Limits(max_connections=max_conc + 2, max_keepalive_connections=max_conc + 2),
+            trust_env=False,
         )
-
-        # prompt tokens with each engine's tokenizer, before anything is generated
-        for p in prompts:
-            counts = await asyncio.gather(
-                *(count_prompt_tokens(t, cfg.model or t.model, p.messages) for t in cfg.engines)
-            )
-            for t, (n, method) in zip(cfg.engines, counts, strict=True):
-                w.write(
-                    {
-                        "type": "prompt_tokens",
-                        "engine": t.name,
-                        "prompt": p.id,
-                        "length": p.length,
-                        "lang": p.lang,
-                        "tokens": n,
-                        "method": method,
-                    }
-                )
-
-        total = len(cfg.engines) * (cfg.warmup + sum(c.concurrency * cfg.waves * cfg.repeats for c in cells))
-        if cfg.cache in ("warm", "both"):
-            total += len(cfg.engines) * len({p.id for p in prompts if p.length in cfg.prompt_lengths})
-        prog = Progress(total, cfg.progress)
-        max_conc = max(cfg.concurrency)
-        clients: dict[str, httpx.AsyncClient] = {}
-        metrics_client = httpx.AsyncClient(timeout=10, trust_env=False) if cfg.metrics_url else None
-        mem = MemoryProbe(cfg.metrics_url)
-        try:
-            for t in cfg.engines:
-                base = cfg.through or t.url
-                if not base:
-                    raise ValueError(f"engine {t.name}: no URL and no --through")
-                clients[t.name] = httpx.AsyncClient(
-                    base_url=base,
-                    timeout=httpx.Timeout(cfg.timeout_s, connect=10),
-                    limits=httpx.Limits(max_connections=max_conc + 2, max_keepalive_connections=max_conc + 2),
-                    trust_env=False,
-                )
-            headers = {t.name: ({PIN_HEADER: t.name} if cfg.through else {}) for t in cfg.engines}
-            headers = {k: {"content-type": "application/json", **v} for k, v in headers.items()}
-
-            async def fire(t: Target, prompt: Prompt, prefix: str, max_tokens: int, cold: bool) -> RequestOutcome:
-                msgs = _with_prefix(prompt, prefix)
-                body = json.dumps(build_body(cfg, t, msgs, max_tokens, cold=cold)).encode()
-                return await send_one(clients[t.name], body, headers[t.name])
-
-            def request_record(t: Target, o: RequestOutcome, **extra: Any) -> dict[str, Any]:
-                tm, u, e = o.timing, o.usage, o.engine
-                return {
-                    "type": "request",
-                    "engine": t.name,
-                    **extra,
-                    "ok": o.ok,
-                    "status": o.status,
-                    "error": o.error,
-                    "ttft_s": tm.ttft_s,
-                    "headers_s": tm.headers_s,
-                    "tpot_s": tm.tpot_s,
-                    "decode_tps": tm.decode_tps,
-                    "e2e_s": tm.e2e_s,
-                    "prompt_tokens": u.prompt_tokens if u else None,
-                    "completion_tokens": u.completion_tokens if u else None,
-                    "cached_tokens": u.cached_tokens if u else (e.cache_n if e else None),
-                    "token_events": o.n_token_events,
-                    "retried": o.retried,
-                    "finish_reason": o.finish_reason,
-                    "engine_timings": asdict(e) if e else None,
-                    "t_s": (o.t_start_ns - t0_ns) / 1e9,
-                }
-
-            t0_ns = time.perf_counter_ns()
-            # warm-up: discarded from every figure
-            for t in cfg.engines:
-                prog.label = f"warm-up {t.name}"
-                for i in range(cfg.warmup):
-                    p = prompts[i % len(prompts)]
-                    o = await fire(t, p, f"[{secrets.token_hex(4)} warmup {run_id}] ", cfg.max_tokens, True)
-                    w.write(request_record(t, o, phase="warmup", prompt=p.id))
-                    prog.step()
-
-            for cache in ("cold", "warm"):
-                phase_cells = [c for c in cells if c.cache == cache]
-                if not phase_cells:
-                    continue
-                for t in cfg.engines:
-                    note = await flush_cache(t)
-                    if note:
-                        w.write({"type": "note", "engine": t.name, "phase": cache, "text": note})
-                if cache == "warm":
-                    # prime every engine's prompt cache with each bare prompt once (discarded)
-                    for t in cfg.engines:
-                        prog.label = f"priming {t.name}"
-                        for p in prompts:
-                            if p.length in cfg.prompt_lengths:
-                                o = await fire(t, p, "", cfg.max_tokens, False)
-                                w.write(request_record(t, o, phase="prime", prompt=p.id))
-                                prog.step()
-                for ci, cell in enumerate(phase_cells):
-                    pool = _prompts_for(prompts, cell.prompt_len)
-                    for rep in range(cfg.repeats):
-                        order = cfg.engines if rep % 2 == 0 else list(reversed(cfg.engines))
-                        n = cell.concurrency * cfg.waves
-                        # the same prompts and prefixes on every engine in this repeat
-                        jobs = []
-                        for i in range(n):
-                            p = pool[i % len(pool)]
-                            prefix = f"[{secrets.token_hex(4)} bench {run_id}] " if cache == "cold" else ""
-                            jobs.append((p, prefix))
-                        for t in order:
-                            prog.label = (
-                                f"{cache} c={cell.concurrency} max_tokens={cell.max_tokens} "
-                                f"prompt={cell.prompt_len} rep {rep + 1}/{cfg.repeats} {t.name}"
-                            )
-                            prog.show()
-                            sem = asyncio.Semaphore(cell.concurrency)
-                            cell_key = {
-                                "cache": cache,
-                                "concurrency": cell.concurrency,
-                                "max_tokens": cell.max_tokens,
-                                "prompt_len": cell.prompt_len,
-                            }
-
-                            async def job(
-                                p: Prompt,
-                                prefix: str,
-                                i: int,
-                                t: Target = t,
-                                sem: asyncio.Semaphore = sem,
-                                cell_key: dict[str, Any] = cell_key,
-                                rep: int = rep,
-                                cell: CellSpec = cell,
-                                cold: bool = cache == "cold",
-                            ) -> RequestOutcome:
-                                async with sem:
-                                    o = await fire(t, p, prefix, cell.max_tokens, cold)
-                                w.write(
-                                    request_record(
-                                        t,
-                                        o,
-                                        phase="measure",
-                                        **cell_key,
-                                        repeat=rep,
-                                        index=i,
-                                        prompt=p.id,
-                                        key=f"{p.id}#{prefix.strip()}",
-                                    )
-                                )
-                                prog.step()
-                                return o
-
-                            async with mem.watch(metrics_client, t.name) as box:
-                                t_a = time.perf_counter_ns()
-                                outs = await asyncio.gather(*(job(p, pre, i) for i, (p, pre) in enumerate(jobs)))
-                                t_b = time.perf_counter_ns()
-                            w.write(
-                                _sample_record(
-                                    t.name, cell_key, rep, cell.sweeps, outs, t_a, t_b, box["peak"], mem.source
-                                )
-                            )
-                    del ci
-        finally:
-            prog.close()
-            for c in clients.values():
-                await c.aclose()
-            if metrics_client is not None:
-                await metrics_client.aclose()
+    headers = {
+        t.name: {"content-type": "application/json", **({PIN_HEADER: t.pin or t.name} if cfg.through else {})}
+        for t in cfg.engines
+    }
+    metrics_client = httpx.AsyncClient(timeout=10, trust_env=False) if cfg.metrics_url else None
+    w: Writer | None = None
+    interrupted = False
+    t_start = time.time()
+    try:
+        await preflight(cfg, clients, headers)
+        w = Writer(path)
+        await _measure(cfg, w, run_id, clients, headers, metrics_client, t_start)
     except (asyncio.CancelledError, KeyboardInterrupt):
         interrupted = True
         raise
     finally:
-        w.write({"type": "end", "interrupted": interrupted, "duration_s": time.time() - t_start})
-        w.close()
-        say(f"enginemeter bench: {'interrupted; ' if interrupted else ''}results in {path}")
+        for cl in clients.values():
+            await cl.aclose()
+        if metrics_client is not None:
+            await metrics_client.aclose()
+        if w is not None:
+            w.write({"type": "end", "interrupted": interrupted, "duration_s": time.time() - t_start})
+            w.close()
+            say(f"enginemeter bench: {'interrupted; ' if interrupted else ''}results in {path}")
     return path
 
 
-def _sample_record(
-    engine: str,
-    cell_key: Mapping[str, Any],
-    rep: int,
-    sweeps: Sequence[str],
-    outs: Sequence[RequestOutcome],
-    t_a: int,
-    t_b: int,
-    mem_peak: int | None,
-    mem_source: str,
-) -> dict[str, Any]:
-    ok = [o for o in outs if o.ok]
-    wall = (t_b - t_a) / 1e9
-    tokens = sum((o.usage.completion_tokens or 0) for o in ok if o.usage)
+async def _measure(
+    cfg: BenchConfig,
+    w: Writer,
+    run_id: str,
+    clients: Mapping[str, httpx.AsyncClient],
+    headers: Mapping[str, dict[str, str]],
+    metrics_client: httpx.AsyncClient | None,
+    t_start: float,
+) -> None:
+    real = [t for t in cfg.engines if not (t.aa_of and t.pin)]
+    prompts = suite_mod.load(cfg.suite, cfg.prompt_lengths)
+    notes: list[dict[str, Any]] = []
+    # prompt tokens with each engine's tokenizer, before anything is generated
+    counted: list[dict[str, Any]] = []
+    for p in prompts:
+        counts = await asyncio.gather(*(count_prompt_tokens(t, cfg.model or t.model, p.messages) for t in real))
+        for t, (n, method) in zip(real, counts, strict=True):
+            counted.append({"type": "prompt_tokens", "engine": t.name, "prompt": p.id, "length": p.length,
+                            "lang": p.lang, "tokens": n, "method": method})  # fmt: skip
+    # leave out what does not fit the smallest context per slot (prompt + the longest output)
+    ctxs = [t.context_per_slot for t in real if t.context_per_slot]
+    if ctxs:
+        room = min(ctxs) - max((*cfg.output_lengths, cfg.max_tokens))
+        # the largest count any engine gave; uncounted (no tokenizer endpoint): the class's size, with margin
+        worst = {
+            p.id: max([r["tokens"] for r in counted if r["prompt"] == p.id and r["tokens"]]
+                      or [int(suite_mod.TARGET_TOKENS.get(p.length, 0) * 1.2)])
+            for p in prompts
+        }  # fmt: skip
+        too_long = [p for p in prompts if worst[p.id] > room]
+        if too_long:
+            prompts = [p for p in prompts if p not in too_long]
+            notes.append({"type": "note", "engine": None, "text": f"left out {len(too_long)} prompt(s) longer than "
+                          f"{room} tokens (context per slot {min(ctxs)} − max_tokens): "
+                          + ", ".join(f"{p.id} ({worst[p.id]})" for p in too_long)})  # fmt: skip
+    if not prompts:
+        raise ValueError("no prompt fits the engines' context per slot")
+    cfg.prompt_lengths = tuple(pl for pl in cfg.prompt_lengths if any(p.length == pl for p in prompts)) or tuple(
+        sorted({p.length for p in prompts}, key=suite_mod.length_rank)
+    )
+    cells = plan(cfg)
+    max_tokens_all = sorted({c.max_tokens for c in cells})
+    cfg_rec = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "engines"}
+    w.write({
+        "type": "run", "version": RESULTS_VERSION, "run_id": run_id, "started": t_start, "config": cfg_rec,
+        "engines": [_engine_record(cfg, t, max_tokens_all) for t in cfg.engines], "baseline": cfg.baseline,
+        "through": cfg.through,
+        "base": {"concurrency": 1, "max_tokens": cfg.max_tokens, "prompt_len": cfg.base_prompt_len},
+        "cells": [asdict(c) for c in cells], "prompts": [{"id": p.id, "lang": p.lang, "length": p.length} for p in prompts],
+        "memory_budget_bytes": cfg.memory_budget_bytes, "goodput": cfg.goodput, "python": sys.version.split()[0],
+    })  # fmt: skip
+    for rec in counted + notes:
+        w.write(rec)
 
-    def med(attr: str) -> float | None:
-        return _median([cast(float, getattr(o.timing, attr)) for o in ok if getattr(o.timing, attr) is not None])
+    n_prime = len(prompts) if cfg.cache in ("warm", "both") else 0
+    total = len(real) * (cfg.warmup + n_prime) + len(cfg.engines) * sum(c.requests(cfg) * cfg.repeats for c in cells)
+    prog = Progress(total, cfg.progress)
+    mem = MemoryProbe(cfg.metrics_url)
+    t0_ns = time.perf_counter_ns()
 
-    comp = [float(o.usage.completion_tokens) for o in ok if o.usage and o.usage.completion_tokens]
-    prompt = [float(o.usage.prompt_tokens) for o in ok if o.usage and o.usage.prompt_tokens]
-    return {
-        "type": "sample",
-        "engine": engine,
-        **cell_key,
-        "repeat": rep,
-        "sweeps": list(sweeps),
-        "n_ok": len(ok),
-        "n_err": len(outs) - len(ok),
-        "errors": sorted({o.error for o in outs if o.error})[:5],
-        "wall_s": wall,
-        "output_tokens": tokens,
-        "output_tps": tokens / wall if wall > 0 and ok else None,
-        "ttft_s": med("ttft_s"),
-        "tpot_s": med("tpot_s"),
-        "decode_tps": med("decode_tps"),
-        "e2e_s": med("e2e_s"),
-        "completion_tokens": sum(comp) / len(comp) if comp else None,
-        "prompt_tokens": sum(prompt) / len(prompt) if prompt else None,
-        "engine_decode_tps": _median(
-            [o.engine.predicted_per_second for o in ok if o.engine and o.engine.predicted_per_second is not None]
-        ),
-        "gpu_mem_peak_bytes": mem_peak,
-        "gpu_mem_source": mem_source,
-    }
+    async def fire(t: Target, prompt: Prompt, prefix: str, max_tokens: int, cold: bool) -> RequestOutcome:
+        body = json.dumps(build_body(cfg, t, _with_prefix(prompt, prefix), max_tokens, cold=cold)).encode()
+        return await send_one(clients[t.name], body, headers[t.name])
+
+    try:
+        for t in real:  # warm-up: discarded from every figure (a second pass shares its engine's)
+            prog.label = f"warm-up {t.name}"
+            for i in range(cfg.warmup):
+                p = prompts[i % len(prompts)]
+                o = await fire(t, p, f"[{secrets.token_hex(4)} warmup {run_id}] ", cfg.max_tokens, True)
+                w.write(request_record(t, o, t0_ns, phase="warmup", prompt=p.id))
+                prog.step()
+        for cache in ("cold", "warm"):
+            phase_cells = [c for c in cells if c.cache == cache]
+            if not phase_cells:
+                continue
+            for t in real:
+                note = await flush_cache(t)
+                if note:
+                    w.write({"type": "note", "engine": t.name, "phase": cache, "text": note})
+            if cache == "warm":  # prime every engine's prompt cache with each bare prompt once (discarded)
+                for t in real:
+                    prog.label = f"priming {t.name}"
+                    for p in prompts:
+                        o = await fire(t, p, "", cfg.max_tokens, False)
+                        w.write(request_record(t, o, t0_ns, phase="prime", prompt=p.id))
+                        prog.step()
+            for cell in phase_cells:
+                await _run_cell(cfg, cell, prompts, run_id, w, prog, mem, metrics_client, fire, t0_ns)
+    finally:
+        prog.close()
+
+
+async def _run_cell(
+    cfg: BenchConfig,
+    cell: CellSpec,
+    prompts: Sequence[Prompt],
+    run_id: str,
+    w: Writer,
+    prog: Progress,
+    mem: MemoryProbe,
+    metrics_client: httpx.AsyncClient | None,
+    fire: Callable[[Target, Prompt, str, int, bool], Any],
+    t0_ns: int,
+) -> None:
+    pool = _prompts_for(prompts, cell.prompt_len)
+    n = cell.requests(cfg)
+    for rep in range(cfg.repeats):
+        k = rep % len(cfg.engines)
+        order = cfg.engines[k:] + cfg.engines[:k]
+        if rep % 2:
+            order = order[::-1]
+        # the same prompts, prefixes and arrival times on every engine in this repeat
+        jobs = [(pool[i % len(pool)], _new_prefix("x" if cell.cache == "cold" else "", run_id)) for i in range(n)]
+        offsets = arrivals(n, cell.rate, cfg.burstiness, seed=cfg.seed + rep) if cell.rate else None
+        c = _Cell(cell, rep, jobs, offsets)
+        # a second pass of an engine gets fresh prefixes: the same ones would be served from its prompt cache
+        c_aa = _Cell(cell, rep, [(p, _new_prefix(pre, run_id)) for p, pre in jobs], offsets)
+        for t in order:
+            prog.label = (f"{cell.cache} c={cell.concurrency}" + (f" rate={cell.rate:g}/s" if cell.rate else "")
+                          + f" max_tokens={cell.max_tokens} prompt={cell.prompt_len} rep {rep + 1}/{cfg.repeats} {t.name}")  # fmt: skip
+            prog.show()
+
+            def done(i: int, p: Prompt, prefix: str, o: RequestOutcome, t: Target = t, rep: int = rep) -> None:
+                key = f"{p.id}#{prefix.strip()}" if prefix else f"{p.id}#{i}"
+                w.write(request_record(t, o, t0_ns, phase="measure", **cell.key(), repeat=rep, index=i,
+                                       prompt=p.id, key=key))  # fmt: skip
+                prog.step()
+
+            async with mem.watch(metrics_client, t.pin or t.name) as box:
+                outs, t_a, t_b = await _run_repeat(cfg, t, c_aa if t.aa_of else c, fire, done)
+            prog.step(n - len(outs))  # requests the duration cut off
+            w.write(sample_record(t.name, cell, rep, outs, t_a, t_b, box["peak"], mem, cfg.goodput, t.pin or t.name))

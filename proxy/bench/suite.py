@@ -1,7 +1,7 @@
 """Prompt suites: the built-in one (English and Chinese, short/medium/long) or a user file.
 
 The built-in prompts are deterministic text of roughly known size; their exact token counts are *measured*
-with each engine's own tokenizer when the bench starts (``runner.measure_prompt_tokens``), never assumed.
+with each engine's own tokenizer when the bench starts (``engines.count_prompt_tokens``), never assumed.
 A user suite is JSONL (one ``{"messages": [...]}`` or ``{"prompt": "..."}`` per line, optional ``"id"`` and
 ``"length"``: short|medium|long) or a ShareGPT-style JSON list (``conversations`` with ``from``/``value``; the
 turns up to the first human turn are the prompt). Prompts without a length class are binned by size into terciles.
@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 LENGTHS: tuple[str, ...] = ("short", "medium", "long")
+#: every length class, shortest first; the token-sized ones run only where the engines' context holds them
+ORDER: tuple[str, ...] = ("short", "medium", "long", "4k", "16k", "32k")
 
 #: approximate prompt sizes in tokens; the real counts are measured per engine at bench start
-TARGET_TOKENS: dict[str, int] = {"short": 32, "medium": 256, "long": 1024}
+TARGET_TOKENS: dict[str, int] = {"short": 32, "medium": 256, "long": 1024, "4k": 4096, "16k": 16384, "32k": 32768}
+SHARED_PREFIX = "shared-prefix"
 #: rough characters per token, only to size the generated text
 _CHARS_PER_TOKEN = {"en": 4.0, "zh": 1.3}
 
@@ -77,11 +80,15 @@ def _body(lang: str, tokens: int) -> str:
     return "".join(out)
 
 
+def length_rank(length: str) -> int:
+    return ORDER.index(length) if length in ORDER else len(ORDER)
+
+
 def builtin(lengths: Sequence[str] = LENGTHS) -> list[Prompt]:
     prompts: list[Prompt] = []
     for length in lengths:
         if length not in TARGET_TOKENS:
-            raise ValueError(f"unknown prompt length {length!r}; choose from {', '.join(LENGTHS)}")
+            raise ValueError(f"unknown prompt length {length!r}; choose from {', '.join(ORDER)}")
         for lang in ("en", "zh"):
             text = _SHORT[lang] if length == "short" else _body(lang, TARGET_TOKENS[length]) + "\n\n" + _ASK[lang]
             prompts.append(Prompt(f"{lang}-{length}", lang, length, ({"role": "user", "content": text},)))
@@ -117,7 +124,7 @@ def load_file(path: str | Path, lengths: Sequence[str] = LENGTHS) -> list[Prompt
     lo, hi = sizes[len(sizes) // 3], sizes[(2 * len(sizes)) // 3]
     out: list[Prompt] = []
     for pid, length, msgs in raw:
-        if length not in LENGTHS:
+        if length not in ORDER:
             size = sum(len(m["content"]) for m in msgs)
             length = "short" if size < lo else "medium" if size < hi or lo == hi else "long"
         content = "".join(m["content"] for m in msgs)
@@ -156,5 +163,36 @@ def _sharegpt(item: Any) -> tuple[dict[str, str], ...]:
     return tuple(msgs) if msgs and msgs[-1]["role"] == "user" else ()
 
 
+_QUESTIONS = {
+    "en": (
+        "Which of the notes above mentions a number? Answer briefly.",
+        "Summarise the notes above in one line.",
+        "Which note would a historian find most useful, and why?",
+    ),
+    "zh": ("上面哪条笔记提到了数字？请简短回答。", "用一句话总结上面的笔记。", "哪条笔记对历史学家最有用？为什么？"),
+}
+
+
+def shared_prefix(lengths: Sequence[str] = LENGTHS) -> list[Prompt]:
+    """Prompts that share a long system message (the "document") and differ in a short question: what a
+    prompt cache or a radix tree serves from memory. Every engine gets the same prompts in the same order,
+    so a cache helps each the same way; the cold phase's unique prefix goes into the question, after the
+    shared part, so only the question's own tokens are new."""
+    prompts: list[Prompt] = []
+    for length in lengths:
+        if length not in TARGET_TOKENS:
+            raise ValueError(f"unknown prompt length {length!r}; choose from {', '.join(ORDER)}")
+        for lang in ("en", "zh"):
+            doc = _body(lang, TARGET_TOKENS[length])
+            for i, q in enumerate(_QUESTIONS[lang]):
+                msgs = ({"role": "system", "content": doc}, {"role": "user", "content": q})
+                prompts.append(Prompt(f"shared-{lang}-{length}-q{i + 1}", lang, length, msgs))
+    return prompts
+
+
 def load(spec: str, lengths: Sequence[str] = LENGTHS) -> list[Prompt]:
-    return builtin(lengths) if spec == "builtin" else load_file(spec, lengths)
+    if spec == "builtin":
+        return builtin(lengths)
+    if spec == SHARED_PREFIX:
+        return shared_prefix(lengths)
+    return load_file(spec, lengths)

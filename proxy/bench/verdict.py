@@ -1,141 +1,94 @@
-"""Results -> stay | switch | inconclusive, each reason with its numbers. Pure: no I/O, no clock.
+"""Results -> stay | switch | inconclusive, through gates in a fixed order. Pure: no I/O, no clock.
 
-The order is fixed (the seeds' protocol):
+1. **data**: every engine answered without errors, every judged cell has >= ``min_repeats`` repeats, the
+   judged cache phase is what it says (cold: nothing served from the prompt cache; warm: cached tokens seen);
+2. **parity**: prompt tokens, effective sampling (what the per-kind mapping dropped included), max tokens,
+   output lengths, context per slot, quantization (normalized: F16 = FP16 = float16; bf16 ≠ f16); slots below
+   the offered concurrency are stated;
+3. **memory**: the candidate's per-engine peak against the user's budget, or its GPU's total when it held
+   that GPU alone; device-wide readings are not judged;
+4. **decode**: single-request decode speed (concurrency 1, base cell), judged on TPOT (decode tok/s = 1/TPOT;
+   the mean of a time stays robust when a starved client reads several chunks at once); a tie reads
+   "decode-bound";
+5. **throughput**: aggregate output tok/s and per-request TTFT (queueing included) at the highest concurrency
+   (or request rate) measured on both;
+6. **long context**: TTFT and TPOT at the longest prompt class, concurrency 1.
 
-1. enough data: every engine answered without errors, every judged cell has >= ``min_repeats`` repeats;
-2. parity: prompt tokens equal per prompt, sampling equal, same max tokens, similar output lengths,
-   quantization declared on every engine — otherwise *inconclusive* and why;
-3. memory fits (when a peak and a budget are known; a candidate that does not fit -> *stay*);
-4. single-request decode speed (concurrency 1) — a tie means "decode-bound, switching engines won't fix it";
-5. concurrent throughput (aggregate output tok/s at the highest common concurrency);
-6. long context (TTFT and decode speed at the longest prompt class).
-
-A difference counts only when the two engines' run-to-run ranges (min..max over repeats) do not overlap: a
-difference inside the measured spread is never called a win. A metric whose own spread is wider than
-``max_noise`` (relative to its median) is too noisy to judge -> *inconclusive*.
-Decision: wins and no losses -> switch; losses and no wins, or only ties -> stay; both -> inconclusive.
+A failed gate stops the verdict there (which gate, which check, why); later steps are still computed and
+shown, marked not decisive. Steps 4-6 compare per-request pairs (``stats.paired_bootstrap``): a 95 % interval
+of the relative difference and an effect size, judged against the **noise floor** — the same comparison of the
+baseline with its own second pass (A/A) in the same run, or, without one, the run-to-run variation. A win needs
+the whole interval beyond the floor; a tie needs it inside; an interval across the floor is *unresolved*; a
+figure whose run-to-run variation exceeds ``max_variation`` (20 %) is refused (*noisy*). Decision: wins and no
+losses -> switch; losses and no wins, or only ties -> stay; both -> inconclusive (mixed).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-Decision = Literal["stay", "switch", "inconclusive"]
-Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "noisy", "stay", "note"]
+from proxy.bench.gates import data_gate, memory_gate, parity_gate
+from proxy.bench.model import FAILS, STEPS, Cell, Decision, EngineInfo, Outcome, Reason, Req, Results, Sample
+from proxy.bench.stats import Paired, paired_bootstrap, variation
+from proxy.bench.suite import length_rank
 
-
-@dataclass(frozen=True, slots=True)
-class Cell:
-    """One point of a sweep. ``cache`` is cold|warm|live; ``prompt_len`` short|medium|long|mixed."""
-
-    cache: str
-    concurrency: int
-    max_tokens: int
-    prompt_len: str
-
-    def label(self) -> str:
-        return f"{self.cache}, c={self.concurrency}, max_tokens={self.max_tokens}, prompt={self.prompt_len}"
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One repeat of one cell on one engine: medians over its requests plus the cell's aggregates."""
-
-    engine: str
-    cell: Cell
-    repeat: int
-    n_ok: int
-    n_err: int
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    decode_tps: float | None = None
-    e2e_s: float | None = None
-    completion_tokens: float | None = None  # mean per request
-    prompt_tokens: float | None = None  # mean per request (engine usage): per-cell prompt-token parity
-    output_tps: float | None = None  # all output tokens of the repeat / its wall time
-    gpu_mem_peak_bytes: int | None = None
-    errors: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    name: str
-    kind: str | None = None
-    model: str | None = None
-    quantization: str | None = None
-    #: the sampling actually sent, canonical (top_k "off" as 0 whatever the kind's spelling)
-    sampling: Mapping[str, object] = field(default_factory=dict)
-    max_tokens: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Results:
-    engines: tuple[EngineInfo, ...]
-    baseline: str
-    samples: tuple[Sample, ...]
-    #: engine -> prompt key -> prompt tokens (tokenizer measurement and/or per-request usage)
-    prompt_tokens: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    base_max_tokens: int | None = None
-    base_prompt_len: str | None = None
-    memory_budget_bytes: int | None = None
-    min_repeats: int = 3
-    max_noise: float = 0.25
-    #: proxy-normalized sampling (live log): the engines' bodies are equal by construction
-    sampling_normalized: bool = False
+__all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "Req", "Results", "Sample", "Verdict", "decide", "decide_all"]
 
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
+    step: str
+    what: str
     metric: str
     unit: str
     higher_is_better: bool
-    base: tuple[float, ...]
-    cand: tuple[float, ...]
-    max_noise: float = 0.25
+    cell: Cell
+    stats: Paired
+    floor: float
+    floor_source: str
+    variation: Mapping[str, float | None]
+    max_variation: float = 0.20
+    base_repeats: tuple[float, ...] = ()  # per-repeat medians
+    cand_repeats: tuple[float, ...] = ()
 
     @property
-    def base_median(self) -> float:
-        return statistics.median(self.base)
-
-    @property
-    def cand_median(self) -> float:
-        return statistics.median(self.cand)
-
-    @property
-    def rel_diff(self) -> float:
-        b = self.base_median
-        return (self.cand_median - b) / b if b else 0.0
-
-    @staticmethod
-    def spread(vals: Sequence[float]) -> float:
-        m = statistics.median(vals)
-        return (max(vals) - min(vals)) / m if m else 0.0
+    def gain(self) -> tuple[float, float, float]:
+        """(estimate, lo, hi) of the candidate's improvement: + is better whatever the metric's direction."""
+        s = self.stats
+        return (s.rel, s.lo, s.hi) if self.higher_is_better else (-s.rel, -s.hi, -s.lo)
 
     @property
     def outcome(self) -> Outcome:
-        if max(self.spread(self.base), self.spread(self.cand)) > self.max_noise:
+        worst = max((v for v in self.variation.values() if v is not None), default=0.0)
+        if worst > self.max_variation:
             return "noisy"
-        if min(self.cand) > max(self.base):
-            return "win" if self.higher_is_better else "loss"
-        if max(self.cand) < min(self.base):
-            return "loss" if self.higher_is_better else "win"
-        return "tie"
+        _, lo, hi = self.gain
+        if lo > self.floor:
+            return "win"
+        if hi < -self.floor:
+            return "loss"
+        if -self.floor <= lo and hi <= self.floor:
+            return "tie"
+        return "unresolved"
 
     def numbers(self, base: str, cand: str) -> str:
-        def rng(v: Sequence[float]) -> str:
-            return f"{_fmt(statistics.median(v))} {self.unit} (range {_fmt(min(v))}–{_fmt(max(v))}, n={len(v)})"
+        s = self.stats
+        eff = f", d_z {s.effect:+.2f}" if s.effect is not None else ""
+        return (
+            f"{base} {_fmt(s.base_mean)} vs {cand} {_fmt(s.cand_mean)} {self.unit}: Δ {s.rel:+.1%} "
+            f"(95% CI {s.lo:+.1%} … {s.hi:+.1%}{eff}, {s.n_pairs} pairs in {s.n_groups} repeats); "
+            f"noise floor ±{self.floor:.1%} ({self.floor_source})"
+        )
 
-        return f"{base} {rng(self.base)} vs {cand} {rng(self.cand)}; Δ {self.rel_diff:+.1%}"
-
-
-@dataclass(frozen=True, slots=True)
-class Reason:
-    step: str  # data | parity | memory | decode | throughput | long-context
-    outcome: Outcome
-    text: str
+    def to_json(self) -> dict[str, Any]:
+        s = self.stats
+        return {"step": self.step, "metric": self.metric, "cell": self.cell.label(), "outcome": self.outcome,
+                "base_mean": s.base_mean, "cand_mean": s.cand_mean, "rel": s.rel, "ci95": [s.lo, s.hi],
+                "effect_size_dz": s.effect, "pairs": s.n_pairs, "repeats": s.n_groups, "noise_floor": self.floor,
+                "noise_floor_source": self.floor_source, "variation": dict(self.variation)}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +99,22 @@ class Verdict:
     summary: str
     reasons: tuple[Reason, ...]
     comparisons: tuple[Comparison, ...] = ()
+    stopped_at: str | None = None  # the gate that failed
+    stopped_check: str | None = None
+    noise_source: str | None = field(default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline, "candidate": self.candidate, "decision": self.decision,
+            "summary": self.summary,
+            "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check} if self.stopped_at else None,
+            "reasons": [{"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive,
+                         "text": x.text} for x in self.reasons],
+            "comparisons": [c.to_json() for c in self.comparisons],
+        }  # fmt: skip
 
 
 def _fmt(x: float) -> str:
-    if x == 0:
-        return "0"
     a = abs(x)
     if a >= 100:
         return f"{x:.0f}"
@@ -161,150 +125,151 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
-
-
 def decide_all(r: Results) -> list[Verdict]:
-    """One verdict per candidate engine (every engine but the baseline)."""
-    return [decide(r, e.name) for e in r.engines if e.name != r.baseline]
+    """One verdict per candidate engine (every engine but the baseline and its A/A pass)."""
+    return [decide(r, e.name) for e in r.engines if e.name != r.baseline and e.aa_of is None]
 
 
 def decide(r: Results, candidate: str) -> Verdict:
     base = r.baseline
-    reasons: list[Reason] = []
-    comps: list[Comparison] = []
     infos = {e.name: e for e in r.engines}
     if base not in infos or candidate not in infos:
         missing = base if base not in infos else candidate
-        return Verdict(
-            base,
-            candidate,
-            "inconclusive",
-            f"no results for engine {missing!r}",
-            (Reason("data", "inconclusive", f"engine {missing!r} has no results"),),
-        )
-
-    samples = [s for s in r.samples if s.engine in (base, candidate)]
+        why = f"engine {missing!r} has no results"
+        return Verdict(base, candidate, "inconclusive", why, (Reason("data", "inconclusive", why),), (), "data")
+    aa = next((e.name for e in r.engines if e.aa_of == base), None)
+    samples = [s for s in r.samples if s.engine in (base, candidate, aa)]
     caches = {s.cell.cache for s in samples}
     # cache-cold is the fair comparison; warm-cache results are reported, not judged, when both exist
-    judged_cache = "cold" if "cold" in caches else "live" if "live" in caches else "warm" if caches else None
-    judged = [s for s in samples if s.cell.cache == judged_cache]
+    judged = "cold" if "cold" in caches else "live" if "live" in caches else "warm" if caches else None
     by: dict[tuple[str, Cell], list[Sample]] = {}
-    for s in judged:
-        by.setdefault((s.engine, s.cell), []).append(s)
+    for s in samples:
+        if s.cell.cache == judged:
+            by.setdefault((s.engine, s.cell), []).append(s)
+    common = {c for (e, c) in by if e == base} & {c for (e, c) in by if e == candidate}
+    offered = max((c.concurrency for c in common), default=None)
 
-    # 1. enough data
-    for name in (base, candidate):
-        mine = [s for s in samples if s.engine == name]
-        n_ok = sum(s.n_ok for s in mine)
-        n_err = sum(s.n_err for s in mine)
-        if not mine or n_ok == 0:
-            reasons.append(Reason("data", "inconclusive", f"{name}: no successful requests"))
-        elif n_err:
-            errs = sorted({e for s in mine for e in s.errors})[:3]
-            reasons.append(
-                Reason(
-                    "data",
-                    "inconclusive",
-                    f"{name}: {n_err} of {n_ok + n_err} requests failed" + (f" ({'; '.join(errs)})" if errs else ""),
-                )
-            )
+    reasons: list[Reason] = data_gate(r, samples, base, candidate, judged, common, by)
+    reasons += parity_gate(r, infos[base], infos[candidate], offered)
+    reasons += r.extra_parity
+    reasons += memory_gate(r, samples, base, candidate)
+    reqs: dict[tuple[str, Cell, int], dict[int, Req]] = {}
+    for q in r.requests:
+        if q.ok and q.cell.cache == judged:
+            reqs.setdefault((q.engine, q.cell, q.repeat), {})[q.index] = q
+    comps: list[Comparison] = []
 
-    # 2. parity
-    reasons += _parity(r, infos[base], infos[candidate])
-
-    cells_b = {c for (e, c) in by if e == base}
-    cells_c = {c for (e, c) in by if e == candidate}
-    common = cells_b & cells_c
-    short = sorted(
-        (c.label(), len(by[(base, c)]), len(by[(candidate, c)]))
-        for c in common
-        if min(len(by[(base, c)]), len(by[(candidate, c)])) < r.min_repeats
-    )
-    if short:
-        lab, nb, nc = short[0]
-        reasons.append(
-            Reason(
-                "data",
-                "inconclusive",
-                f"too few repeats: {lab} has {nb} ({base}) / {nc} ({candidate}) repeats, "
-                f"need >= {r.min_repeats}" + (f" (and {len(short) - 1} more cells)" if len(short) > 1 else ""),
-            )
-        )
-    if judged_cache is not None and not common:
-        reasons.append(Reason("data", "inconclusive", "the engines share no measured cell"))
-
-    # 3. memory
-    mem = _memory(r, samples, base, candidate)
-    reasons.append(mem)
-
-    def values(name: str, cell: Cell, metric: str) -> tuple[float, ...]:
-        out = []
-        for s in by.get((name, cell), []):
-            v = getattr(s, metric)
-            if isinstance(v, int | float):
-                out.append(float(v))
-        return tuple(out)
-
-    def compare(step: str, cell: Cell | None, metric: str, unit: str, higher: bool, what: str) -> Comparison | None:
+    def compare(step: str, cell: Cell | None, metric: str, unit: str, higher: bool, what: str, per_req: bool) -> None:
         if cell is None:
-            return None
-        b, c = values(base, cell, metric), values(candidate, cell, metric)
-        if not b or not c:
+            return
+        comp = _compare(r, by, reqs, step, what, cell, metric, unit, higher, base, candidate, aa, per_req)
+        if comp is None:
             reasons.append(Reason(step, "note", f"{what}: not measured on both engines ({cell.label()})"))
-            return None
-        comp = Comparison(metric, unit, higher, b, c, r.max_noise)
+            return
         comps.append(comp)
-        if min(len(b), len(c)) < r.min_repeats:
-            return comp  # already reported as too few repeats
         o = comp.outcome
         nums = comp.numbers(base, candidate)
         if o == "noisy":
-            text = (
-                f"{what} ({cell.label()}): run-to-run spread above {r.max_noise:.0%} of the median — too noisy "
-                f"to judge: {nums}"
-            )
+            worst = max(comp.variation.items(), key=lambda kv: kv[1] or 0)
+            text = (f"{what} ({cell.label()}): run-to-run variation {worst[1]:.0%} on {worst[0]} exceeds "
+                    f"{r.max_variation:.0%} — refused; rerun with more repeats on a quieter machine: {nums}")  # fmt: skip
         elif o == "tie":
-            text = f"{what} ({cell.label()}): within run-to-run noise: {nums}"
+            text = f"{what} ({cell.label()}): tie — the interval sits inside the noise floor: {nums}"
             if step == "decode":
                 text += " — decode-bound, switching engines won't fix it"
+        elif o == "unresolved":
+            text = (f"{what} ({cell.label()}): unresolved — the interval crosses the noise floor (neither a tie "
+                    f"nor a difference); more requests or repeats narrow it: {nums}")  # fmt: skip
         else:
             who = candidate if o == "win" else base
-            text = f"{what} ({cell.label()}): {who} is faster beyond the run-to-run spread: {nums}"
+            text = f"{what} ({cell.label()}): {who} is better beyond the noise floor: {nums}"
         reasons.append(Reason(step, o, text))
-        return comp
 
-    base_mt = r.base_max_tokens
-    base_pl = r.base_prompt_len
-    c1 = [c for c in common if c.concurrency == 1]
+    base_mt, base_pl = r.base_max_tokens, r.base_prompt_len
+    c1 = [c for c in common if c.concurrency == 1 and c.rate is None]
     single = _pick(c1, base_mt, base_pl)
     if single is None and common:
         reasons.append(Reason("decode", "note", "no concurrency-1 cell measured on both engines"))
-    compare("decode", single, "decode_tps", "tok/s", True, "single-request decode")
+    compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
 
-    conc = [c for c in common if c.concurrency > 1 and (base_pl is None or c.prompt_len == base_pl)]
+    conc = [
+        c for c in common if (c.concurrency > 1 or c.rate is not None) and (base_pl is None or c.prompt_len == base_pl)
+    ]
     conc = [c for c in conc if base_mt is None or c.max_tokens == base_mt] or conc
-    if conc:
-        top = max(conc, key=lambda c: c.concurrency)
-        compare("throughput", top, "output_tps", "tok/s", True, "concurrent throughput")
+    if r.live:
+        reasons.append(Reason("throughput", "note", "live traffic: aggregate throughput and long context are not "
+                              "comparable from mirrored pairs — use enginemeter bench"))  # fmt: skip
+    elif conc:
+        top = max(conc, key=lambda c: (c.rate or 0, c.concurrency))
+        compare("throughput", top, "output_tps", "tok/s", True, "concurrent throughput", False)
+        compare("throughput", top, "ttft_s", "s", False, "TTFT under load", True)
     elif common:
         reasons.append(Reason("throughput", "note", "no concurrency > 1 cell measured on both engines"))
 
-    order = {"short": 0, "medium": 1, "long": 2}
-    longs = [c for c in c1 if c.prompt_len in order and c.prompt_len != base_pl]
+    longs = [c for c in c1 if c.prompt_len != base_pl and c.prompt_len != "mixed"]
     longs = [c for c in longs if base_mt is None or c.max_tokens == base_mt] or longs
-    if longs:
-        longest = max(longs, key=lambda c: order[c.prompt_len])
-        if base_pl is None or order[longest.prompt_len] > order.get(base_pl, -1):
-            compare("long-context", longest, "ttft_s", "s", False, "long-context TTFT")
-            compare("long-context", longest, "decode_tps", "tok/s", True, "long-context decode")
+    if longs and not r.live:
+        longest = max(longs, key=lambda c: length_rank(c.prompt_len))
+        if base_pl is None or length_rank(longest.prompt_len) > length_rank(base_pl):
+            compare("long-context", longest, "ttft_s", "s", False, "long-context TTFT", True)
+            compare("long-context", longest, "tpot_s", "s/token", False, "long-context decode (TPOT)", True)
         else:
             reasons.append(Reason("long-context", "note", f"no prompt class longer than the base ({base_pl}) measured"))
-    elif common:
+    elif common and not r.live:
         reasons.append(Reason("long-context", "note", "no longer-prompt cell measured on both engines"))
+    return _conclude(base, candidate, reasons, comps, aa)
 
-    return Verdict(base, candidate, *_conclude(reasons, base, candidate), tuple(reasons), tuple(comps))
+
+def _groups(
+    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
+    x: str, y: str, cell: Cell, metric: str, per_req: bool,
+) -> tuple[list[list[tuple[float, float]]], dict[str, list[float]]]:  # fmt: skip
+    """Pairs per repeat, and each engine's per-repeat medians (for the run-to-run variation: a median is not
+    moved by one starved request)."""
+    reps_x = {s.repeat: s for s in by.get((x, cell), [])}
+    reps_y = {s.repeat: s for s in by.get((y, cell), [])}
+    groups: list[list[tuple[float, float]]] = []
+    means: dict[str, list[float]] = {x: [], y: []}
+    for rep in sorted(set(reps_x) & set(reps_y)):
+        qx, qy = reqs.get((x, cell, rep)), reqs.get((y, cell, rep))
+        if per_req and qx and qy:
+            pairs = [(getattr(qx[i], metric), getattr(qy[i], metric)) for i in sorted(set(qx) & set(qy))]
+            pairs = [
+                (float(a), float(b)) for a, b in pairs if isinstance(a, int | float) and isinstance(b, int | float)
+            ]
+        else:
+            a, b = getattr(reps_x[rep], metric), getattr(reps_y[rep], metric)
+            pairs = [(float(a), float(b))] if isinstance(a, int | float) and isinstance(b, int | float) else []
+        if pairs:
+            groups.append(pairs)
+            means[x].append(statistics.median(p[0] for p in pairs))
+            means[y].append(statistics.median(p[1] for p in pairs))
+    return groups, means
+
+
+def _compare(
+    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
+    step: str, what: str, cell: Cell, metric: str, unit: str, higher: bool, base: str, cand: str, aa: str | None,
+    per_req: bool,
+) -> Comparison | None:  # fmt: skip
+    groups, means = _groups(r, by, reqs, base, cand, cell, metric, per_req)
+    stats = paired_bootstrap(groups)
+    if stats is None:
+        return None
+    var: dict[str, float | None] = {base: variation(means[base]), cand: variation(means[cand])}
+    aa_stats = None
+    if aa is not None:
+        aa_groups, aa_means = _groups(r, by, reqs, base, aa, cell, metric, per_req)
+        aa_stats = paired_bootstrap(aa_groups)
+        var[aa] = variation(aa_means[aa])
+    if aa_stats is not None:
+        floor = max(r.min_floor, abs(aa_stats.lo), abs(aa_stats.hi))
+        src = f"A/A: {aa} vs {base} Δ {aa_stats.rel:+.1%}, CI {aa_stats.lo:+.1%} … {aa_stats.hi:+.1%}"
+    else:
+        floor = max([r.min_floor, *(v for v in var.values() if v is not None)])
+        src = "no A/A pass: run-to-run variation"
+    return Comparison(step, what, metric, unit, higher, cell, stats, floor, src, var, r.max_variation,
+                      tuple(means[base]), tuple(means[cand]))  # fmt: skip
 
 
 def _pick(cells: Sequence[Cell], max_tokens: int | None, prompt_len: str | None) -> Cell | None:
@@ -318,137 +283,40 @@ def _pick(cells: Sequence[Cell], max_tokens: int | None, prompt_len: str | None)
     return sorted(exact or cells, key=lambda c: (c.max_tokens, c.prompt_len))[0]
 
 
-def _parity(r: Results, b: EngineInfo, c: EngineInfo) -> list[Reason]:
-    out: list[Reason] = []
-    pb, pc = r.prompt_tokens.get(b.name, {}), r.prompt_tokens.get(c.name, {})
-    keys = sorted(set(pb) & set(pc))
-    if not keys:
-        out.append(
-            Reason("parity", "inconclusive", "prompt-token parity unknown: no prompt was counted on both engines")
+def _conclude(base: str, cand: str, reasons: list[Reason], comps: list[Comparison], aa: str | None) -> Verdict:
+    order = {s: i for i, s in enumerate(STEPS)}
+    reasons.sort(key=lambda x: order.get(x.step, len(STEPS)))  # stable: each gate's reasons keep their order
+    failed = next((x for x in reasons if x.outcome in FAILS), None)
+    noise = "A/A pass" if aa else "run-to-run variation"
+    if failed is not None:
+        stop = order[failed.step]
+        reasons = [replace(x, decisive=False) if order.get(x.step, 99) > stop else x for x in reasons]
+        gate_fails = [x for x in reasons if x.step == failed.step and x.outcome in FAILS]
+        more = f" (+{len(gate_fails) - 1} more)" if len(gate_fails) > 1 else ""
+        decision: Decision = "stay" if failed.outcome == "stay" else "inconclusive"
+        check = f" ({failed.check})" if failed.check else ""
+        summary = f"stopped at the {failed.step} gate{check}: {failed.text}{more}"
+        return Verdict(
+            base, cand, decision, summary, tuple(reasons), tuple(comps), failed.step, failed.check or None, noise
         )
-    else:
-        diff = [k for k in keys if pb[k] != pc[k]]
-        if diff:
-            ex = "; ".join(f"{k}: {pb[k]} vs {pc[k]}" for k in diff[:3])
-            out.append(
-                Reason(
-                    "parity",
-                    "inconclusive",
-                    f"prompt tokens differ on {len(diff)} of {len(keys)} prompts ({b.name} vs {c.name}: {ex}) "
-                    "— chat template, BOS or tokenizer conversion differ; the engines did not see the same input",
-                )
-            )
-        else:
-            out.append(
-                Reason(
-                    "parity",
-                    "ok",
-                    f"prompt tokens equal on all {len(keys)} counts taken on both engines (tokenizer and per-request usage)",
-                )
-            )
-    if r.sampling_normalized:
-        out.append(Reason("parity", "ok", "sampling normalized by the proxy (identical explicit values per engine)"))
-    else:
-        sb, sc = dict(b.sampling), dict(c.sampling)
-        if not sb or not sc:
-            out.append(Reason("parity", "inconclusive", "sampling parameters not recorded for both engines"))
-        else:
-            bad = sorted(k for k in set(sb) | set(sc) if k != "max_tokens" and sb.get(k) != sc.get(k))
-            if bad:
-                ex = "; ".join(f"{k}: {sb.get(k)!r} vs {sc.get(k)!r}" for k in bad[:4])
-                out.append(Reason("parity", "inconclusive", f"sampling differs ({ex})"))
-            else:
-                out.append(Reason("parity", "ok", "sampling equal: " + ", ".join(f"{k}={sb[k]}" for k in sorted(sb))))
-    if not r.sampling_normalized:
-        if sorted(b.max_tokens) != sorted(c.max_tokens) or not b.max_tokens:
-            out.append(
-                Reason(
-                    "parity",
-                    "inconclusive",
-                    f"max tokens differ: {b.name} {list(b.max_tokens) or 'unknown'} vs {c.name} {list(c.max_tokens) or 'unknown'}",
-                )
-            )
-        else:
-            out.append(Reason("parity", "ok", f"same max tokens: {list(b.max_tokens)}"))
-    # same max_tokens is not enough if one engine stops early (EOS): then tok/s compares different work
-    lens_b = [s.completion_tokens for s in r.samples if s.engine == b.name and s.completion_tokens]
-    lens_c = [s.completion_tokens for s in r.samples if s.engine == c.name and s.completion_tokens]
-    if lens_b and lens_c:
-        mb, mc = statistics.mean(lens_b), statistics.mean(lens_c)
-        if abs(mb - mc) > 0.1 * max(mb, mc):
-            out.append(
-                Reason(
-                    "parity",
-                    "inconclusive",
-                    f"output lengths differ: {b.name} {mb:.1f} vs {c.name} {mc:.1f} tokens per request on average "
-                    "— set ignore_eos or compare per-token figures only",
-                )
-            )
-    undeclared = [e.name for e in (b, c) if not e.quantization]
-    if undeclared:
-        out.append(
-            Reason(
-                "parity",
-                "inconclusive",
-                f"quantization not declared for {', '.join(undeclared)} (--quantization NAME=Q4_K_M|FP16|...)",
-            )
-        )
-    elif (b.quantization or "").lower() != (c.quantization or "").lower():
-        out.append(
-            Reason(
-                "parity",
-                "note",
-                f"quantization differs: {b.name} {b.quantization} vs {c.name} {c.quantization} — speed and quality both change",
-            )
-        )
-    else:
-        out.append(Reason("parity", "ok", f"quantization declared: {b.quantization} on both"))
-    return out
-
-
-def _memory(r: Results, samples: Sequence[Sample], base: str, cand: str) -> Reason:
-    def peak(name: str) -> int | None:
-        vals = [s.gpu_mem_peak_bytes for s in samples if s.engine == name and s.gpu_mem_peak_bytes is not None]
-        return max(vals) if vals else None
-
-    pb, pc = peak(base), peak(cand)
-    if pc is None:
-        return Reason("memory", "note", "GPU memory peak unknown (no proxy metrics, no NVML): memory fit not judged")
-    budget = r.memory_budget_bytes
-    nums = f"peak {base} {_gib(pb) if pb is not None else 'unknown'}, {cand} {_gib(pc)}"
-    if budget is not None and pc > budget:
-        return Reason("memory", "stay", f"{cand} does not fit: {nums} > budget {_gib(budget)}")
-    return Reason("memory", "ok", nums + (f" (budget {_gib(budget)})" if budget is not None else ""))
-
-
-def _conclude(reasons: Sequence[Reason], base: str, cand: str) -> tuple[Decision, str]:
-    inc = [x for x in reasons if x.outcome == "inconclusive"]
-    if inc:
-        return "inconclusive", "; ".join(x.text for x in inc[:2]) + (f" (+{len(inc) - 2} more)" if len(inc) > 2 else "")
-    mem = [x for x in reasons if x.outcome == "stay"]
-    if mem:
-        return "stay", mem[0].text
-    noisy = [x for x in reasons if x.outcome == "noisy"]
-    if noisy:
-        return "inconclusive", noisy[0].text + " — rerun with more repeats on a quieter machine"
     wins = [x for x in reasons if x.outcome == "win"]
     losses = [x for x in reasons if x.outcome == "loss"]
     ties = [x for x in reasons if x.outcome == "tie"]
+
+    def steps(xs: Sequence[Reason]) -> str:
+        return ", ".join(sorted({x.step for x in xs}, key=lambda s: order[s]))
+
     if wins and losses:
-        return "inconclusive", (
-            f"mixed: {cand} wins on {', '.join(sorted({w.step for w in wins}))} but loses on "
-            f"{', '.join(sorted({x.step for x in losses}))} — the choice depends on your workload"
-        )
-    if wins:
-        return (
-            "switch",
-            f"{cand} is faster beyond the run-to-run spread on {', '.join(sorted({w.step for w in wins}))}, slower on nothing",
-        )
-    if losses:
-        return "stay", f"{cand} is slower on {', '.join(sorted({x.step for x in losses}))} and faster on nothing"
-    if ties:
-        return "stay", (
-            f"no difference beyond run-to-run noise between {base} and {cand}"
-            + (" — decode-bound, switching engines won't fix it" if any(t.step == "decode" for t in ties) else "")
-        )
-    return "inconclusive", "nothing comparable was measured on both engines"
+        decision, summary = "inconclusive", (f"mixed: {cand} wins on {steps(wins)} but loses on {steps(losses)} — "
+                                             "the choice depends on your workload")  # fmt: skip
+    elif wins:
+        decision, summary = "switch", f"{cand} is better beyond the noise floor on {steps(wins)}, worse on nothing"
+    elif losses:
+        decision, summary = "stay", f"{cand} is worse beyond the noise floor on {steps(losses)} and better on nothing"
+    elif ties:
+        decode_tie = any(t.step == "decode" for t in ties)
+        decision, summary = "stay", (f"no difference beyond the noise floor between {base} and {cand}"
+                                     + (" — decode-bound, switching engines won't fix it" if decode_tie else ""))  # fmt: skip
+    else:
+        decision, summary = "inconclusive", "nothing comparable was measured on both engines"
+    return Verdict(base, cand, decision, summary, tuple(reasons), tuple(comps), None, None, noise)

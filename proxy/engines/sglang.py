@@ -1,4 +1,5 @@
-"""SGLang (sources read: 0.5.23; run on the H200: 0.5.17; the emulator in ``fakes/sglang_emulator.py``).
+"""SGLang (sources read: 0.5.23; run on the H200: 0.5.17, captured in tests/fixtures/engines/sglang-0.5.17/; the
+emulator in ``fakes/sglang_emulator/``).
 
 - detect: ``GET /server_info`` (older builds: ``/get_server_info``) answers a JSON object of server args (vLLM's
   dev-mode ``/server_info`` answers ``{"vllm_config": ..}`` instead and is not SGLang).
@@ -6,13 +7,16 @@
   later release): then ``GET /health``, which answers 503 while the server starts and warms up and otherwise
   runs a 1-token generation, answering 200 at its first scheduler output (at least 1 s: it polls each second),
   so it gets a longer timeout. A 404 from ``/ready`` never makes the engine "down".
-- state: ``/server_info`` — every resolved server argument at the top level (``max_running_requests``,
-  ``context_length``, ``quantization``, ``dtype``, ``model_path``, ``served_model_name``), ``version``,
-  and ``internal_states`` (one per DP rank: the scheduler's view of the same args, plus load: 0.5.x
-  ``num_running_reqs`` in our emulator, ``running_batch_size`` in newer releases); ``/model_info`` (older:
-  ``/get_model_info``); ``/v1/models`` (``max_model_len``). Slots: ``internal_states[0].max_running_requests``,
-  else the top-level server argument (4096 on the H200 with 0.5.17). Busy: from the internal states, else
-  ``sglang:num_running_reqs`` on ``/metrics`` (``--enable-metrics``). ``/version`` is 404 in 0.5.17.
+- state: ``/server_info`` — every server argument at the top level as given on the command line
+  (``max_running_requests`` is ``null`` unless set), ``context_length``, ``quantization``, ``dtype``,
+  ``model_path``, ``served_model_name``, plus ``status``, ``max_total_num_tokens`` (KV pool),
+  ``max_req_input_len`` and ``version``; ``internal_states`` (one per DP rank: the scheduler's copy of the args
+  plus ``memory_usage``, ``last_gen_throughput`` and, in 0.5.17, ``effective_max_running_requests_per_dp`` —
+  4096 on the H200; newer releases add load such as ``running_batch_size``); ``/model_info`` (older:
+  ``/get_model_info``); ``/v1/models`` (``max_model_len``). Slots: the effective value summed over the DP
+  ranks, else ``max_running_requests`` of the internal states or of the top level (set on the command line).
+  Busy: from the internal states, else ``sglang:num_running_reqs`` on ``/metrics`` (``--enable-metrics``;
+  0.5.17 refreshes it with the scheduler's periodic stats, so it lags). ``/version`` is 404 in 0.5.17.
 - tokens: ``POST /v1/tokenize`` with ``{"model","messages"}`` (0.5.17 and 0.5.23 accept ``messages``;
   older builds only ``prompt``) -> ``{"tokens","count","max_model_len"}``.
 - cache: ``POST /flush_cache``: 200 flushed; 400 when requests are running or waiting (nothing done).
@@ -108,7 +112,11 @@ class SGLang(Dialect):
 
     @staticmethod
     def _slots(info: dict[str, Any], states: list[dict[str, Any]]) -> int | None:
-        # the scheduler's resolved value first; the server argument (resolved at start-up) otherwise
+        # the scheduler's effective value first (per DP rank: one internal state each), then a resolved or
+        # command-line max_running_requests (0.5.17 reports the command line's, null when not given)
+        effective = [as_int(s.get("effective_max_running_requests_per_dp")) for s in states]
+        if effective and all(effective):
+            return sum(n for n in effective if n)
         for src in (*states[:1], info, as_dict(info.get("server_args"))):
             n = as_int(src.get("max_running_requests"))
             if n:

@@ -15,16 +15,23 @@ from starlette.applications import Starlette
 
 from proxy.server.app import Gateway, asgi_app, make_engines
 from proxy.server.attempt import Attempts
+from proxy.server.context import RequestContextMiddleware, forward_trace_headers
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor, Opener
+from proxy.server.llamatimings import AddTimings
 from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.nvml import PynvmlReader
+from proxy.server.passthrough import Passthrough, passthrough_routes
+from proxy.server.requestlog import RequestLog
 from proxy.server.routing import Router
 from proxy.server.workers import snapshot_health
-from proxy.settings import Settings
+from proxy.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from proxy.server.tracing import Tracing
     from proxy.server.workers import WorkerRole
 
 
@@ -34,14 +41,17 @@ def build_app(
     registry: CollectorRegistry | None = None,
     nvml: Opener | None = None,
     on_shutdown: Sequence[Callable[[], None]] = (),
+    span_exporter: SpanExporter | None = None,
     worker: WorkerRole | None = None,
 ) -> Starlette:
-    """The proxy for ``settings``: relay, routing, mirror + comparison, GPU and engine-state collectors.
+    """The proxy for ``settings``: relay, routing, mirror + comparison, pass-through routes, GPU and engine-state
+    collectors, and the opt-in request log, traces and timings block.
 
     ``registry``: where every metric goes (default a fresh one); ``nvml``: opens the NVML reader (tests replay
-    recorded readings); ``on_shutdown``: called once the app has shut down; ``worker``: one of several
-    processes (``proxy.server.workers``): the metrics go to the shared multiprocess files, a scrape merges them,
-    and only worker 0 runs the GPU and engine-state collectors.
+    recorded readings); ``on_shutdown``: called once the app has shut down; ``span_exporter``: where spans go
+    when tracing is on (tests: an in-memory exporter; default OTLP/HTTP to ``tracing.endpoint``); ``worker``: one
+    of several processes (``proxy.server.workers``): the metrics go to the shared multiprocess files, a scrape
+    merges them, and only worker 0 runs the GPU and engine-state collectors.
     """
     if worker is not None:
         registry = worker.registry()
@@ -52,8 +62,25 @@ def build_app(
         metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
-    mirror = Mirror(settings, engines, attempts, metrics)
-    attempts.observers.append(mirror.on_result)
+    router = Router(settings)
+    shutdown = list(on_shutdown)
+    # attempt hooks, in order: the client's trace headers, then the proxy's own span (it replaces traceparent)
+    attempts.on_new.append(forward_trace_headers)
+    tracing = None
+    if settings.tracing.enabled:
+        tracing = make_tracing(settings, span_exporter)
+        attempts.on_new.append(tracing.on_attempt)
+        shutdown.insert(0, tracing.shutdown)
+    add_timings = AddTimings(settings)
+    if add_timings.any():
+        attempts.on_new.append(add_timings)
+    request_log = None
+    if settings.request_log.path:
+        request_log = RequestLog(settings.request_log, router)
+        attempts.observers.append(request_log.on_result)
+        if settings.request_log.record_text:
+            attempts.on_new.append(request_log.on_attempt)
+        shutdown.insert(0, request_log.close)
     c = settings.collectors
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
@@ -64,19 +91,39 @@ def build_app(
         registry.register(engine_state)
         if worker is not None:
             worker.collectors += [gpu, engine_state]
+    # other workers do not sample GPUs: their pairs' records leave `gpus`/`contended` unknown
+    mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None)
+    attempts.observers.append(mirror.on_result)
     gw = Gateway(
         settings=settings,
         registry=registry,
         metrics=metrics,
-        router=Router(settings),
+        router=router,
         engines=engines,
         attempts=attempts,
         mirror=mirror,
         gpu=gpu,
         engine_state=engine_state,
-        on_shutdown=on_shutdown,
+        on_shutdown=shutdown,
         health_sections=(
             functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None
         ),
     )
-    return asgi_app(gw)
+    app = asgi_app(gw)
+    app.state.request_log = request_log
+    app.state.tracing = tracing
+    passthrough = Passthrough(settings, router, engines, attempts, gw.authenticate, tracing)
+    app.router.routes.extend(passthrough_routes(passthrough))
+    app.add_middleware(RequestContextMiddleware, tracing=tracing)
+    return app
+
+
+def make_tracing(settings: Settings, exporter: SpanExporter | None = None) -> Tracing:
+    """The tracer for ``settings.tracing``; a clear error when the ``otel`` extra is not installed."""
+    try:
+        from proxy.server.tracing import Tracing
+    except ImportError as exc:
+        raise SettingsError(
+            f"tracing.enabled needs the OpenTelemetry packages: pip install 'enginemeter[otel]' ({exc})"
+        ) from exc
+    return Tracing(settings.tracing, exporter=exporter)

@@ -26,11 +26,12 @@ from proxy.server.relay import error_response
 MAX_ADMIN_BODY = 64 * 1024
 
 
-def _authorize(key: str | None, request: Request) -> None:
-    if not key:
+def _authorize(key: object, request: Request) -> None:
+    # ``key`` may come from YAML as a number (``admin_key: 1234``): compared as text, never a 500
+    if key is None or key == "":
         raise NotFound(f"Not Found: {request.method} {request.url.path} (no admin_key configured)")
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), str(key).encode()):
         raise Unauthorized("missing or invalid admin key")
 
 

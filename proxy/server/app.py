@@ -1,7 +1,12 @@
 """The ASGI app: routes and lifespan. A generation request reads top to bottom like its life:
 
-receive -> authenticate -> read body (bounded) -> parse -> route -> [mirror copy] -> normalize
-        -> open upstream (fallback while nothing was sent) -> relay stream / body -> one Result each
+receive -> authenticate -> read body (bounded in size and time) -> parse (orjson; large bodies in a thread)
+        -> route -> [mirror copy] -> normalize -> open upstream (fallback while nothing was sent)
+        -> relay stream / body -> one Result each
+
+From the end of the body on, a watcher waits on ``receive()``: a client that hangs up in any phase cancels the
+attempt, which closes the upstream connection (``Gateway.respond``). The generation routes are raw ASGI apps for
+that reason: they own ``receive`` for the whole request.
 
 The stages are the ``Gateway``'s typed fields; ``proxy.server.build_app`` (the composition root) builds them.
 None of them imports this module: each gets the narrow things it needs (engines, metrics, ``Attempts``).
@@ -10,7 +15,7 @@ None of them imports this module: each gets the narrow things it needs (engines,
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,20 +23,32 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import anyio.to_thread
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from proxy import __version__
-from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized, UpstreamError
+from proxy.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+    Unauthorized,
+    UpstreamError,
+    redact_url,
+)
 from proxy.server.admin import admin_routes
 from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor
+from proxy.server.guard import raise_fd_limit
 from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.mirror import Mirror
 from proxy.server.relay import RelayResponse, error_response
@@ -43,6 +60,35 @@ from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Outcome
 
 log = logging.getLogger("enginemeter")
+
+#: a request body must arrive within this long once its headers are in (a slow-body client is cut off: 408)
+BODY_TIMEOUT_S = 30.0
+#: bodies this large are parsed in a worker thread (a 3.4 MB body takes the event loop ~10 ms otherwise)
+PARSE_IN_THREAD_BYTES = 256 * 1024
+#: the longest client x-request-id echoed and sent on
+MAX_CLIENT_ID = 200
+
+
+class ClientGone(Exception):
+    """The client hung up before its request body was whole."""
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or ``BadRequest``. orjson refuses what an engine must never see and
+    Python's json would let through or choke on: NaN/Infinity, lone surrogates (``\\ud800``), nesting past
+    1,024 levels (a RecursionError, i.e. a plain-text 500, in ``json``); what parses must also serialize again
+    (the body goes on to the engine), which bounds nesting at orjson's 254 levels."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise BadRequest("request body is nested too deeply") from None
+    return body
 
 
 def make_engines(settings: Settings) -> dict[str, Engine]:
@@ -67,36 +113,57 @@ class Gateway:
     health_sections: Callable[[], dict[str, Any]] | None = None
     #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
     on_shutdown: Sequence[Callable[[], None]] = ()
+    body_timeout_s: float = BODY_TIMEOUT_S
+    parse_in_thread_bytes: int = PARSE_IN_THREAD_BYTES
 
     # ----------------------------------------------------------------------------- the request
 
     def authenticate(self, request: Request) -> None:
-        if not self.settings.api_keys:
+        keys = self.settings.api_keys
+        if not keys:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or token not in self.settings.api_keys:
+        # an empty key in the config never matches (``api_keys: [""]`` is no way to switch auth off);
+        # the comparison is constant-time per key
+        ok = scheme.lower() == "bearer" and bool(token)
+        ok = ok and any(k and hmac.compare_digest(token.encode(), str(k).encode()) for k in keys)
+        if not ok:
             raise Unauthorized("missing or invalid API key")
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
+    async def read_body(self, request: Request, receive: Receive) -> bytes:
+        """The request body, bounded in size (``max_body_bytes``, 413) and time (``body_timeout_s``, 408).
+        Raises ``ClientGone`` if the client hangs up first."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        return body
+            with anyio.fail_after(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone()
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                    if chunk:
+                        chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise RequestTimeout(f"request body not received within {self.body_timeout_s:g} s") from None
+        return b"".join(chunks)
+
+    async def parse(self, raw: bytes) -> dict[str, Any]:
+        """The body as a JSON object (``parse_body``); in a worker thread when it is large, so that parsing a
+        multi-megabyte prompt never delays other streams' chunks (their gaps are what the proxy measures)."""
+        if len(raw) >= self.parse_in_thread_bytes:
+            return await anyio.to_thread.run_sync(parse_body, raw)
+        return parse_body(raw)
 
     @staticmethod
     def validate(body: dict[str, Any], endpoint: Endpoint) -> None:
@@ -119,26 +186,81 @@ class Gateway:
             if v is not None and (not isinstance(v, int | float) or isinstance(v, bool)):
                 raise BadRequest(f"`{key}` must be a number", param=key)
 
-    async def generate(self, request: Request, endpoint: Endpoint) -> Response:
+    async def generate(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        """One generation request, start to end (a raw ASGI handler: it owns ``receive``)."""
         timer = StreamTimer()
-        request_id = request.headers.get("x-request-id") or new_request_id()
+        request = Request(scope)
+        # the proxy's own id pairs primary and shadow; a client's x-request-id is echoed and sent on to the
+        # engine, never trusted to be unique
+        request_id = new_request_id()
+        client_id = request.headers.get("x-request-id")
+        client_id = client_id[:MAX_CLIENT_ID] if client_id else None
+        echo = {"x-request-id": client_id} if client_id else {}
         body: dict[str, Any] | None = None
         try:
             self.authenticate(request)
-            body = await self.read_json(request)
+            raw = await self.read_body(request, receive)
+            body = await self.parse(raw)
             self.validate(body, endpoint)
             user = body.get("user")
             decision = self.router.decide(body.get("model"), request.headers, user if isinstance(user, str) else None)
-        except ClientDisconnect:
+        except ClientGone:
             self.rejected(endpoint, body, "client_disconnect")
-            return Response(status_code=499)
+            return
         except ProxyError as exc:
             self.rejected(endpoint, body, "rejected")
-            return error_response(exc, request_id)
+            await error_response(exc, request_id, headers=echo)(scope, receive, send)
+            return
         mirrored = False
         if self.mirror is not None and decision.shadows:
-            mirrored = self.mirror.submit(decision, body, endpoint, request_id)
-        return await self.serve(request_id, endpoint, decision, body, timer, collect_text=mirrored)
+            mirrored = self.mirror.submit(decision, body, endpoint, request_id, client_id)
+        await self.respond(scope, receive, send, request_id, client_id, endpoint, decision, body, timer, mirrored)
+
+    async def respond(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request_id: str,
+        client_id: str | None,
+        endpoint: Endpoint,
+        decision: Decision,
+        body: dict[str, Any],
+        timer: StreamTimer,
+        mirrored: bool,
+    ) -> None:
+        """Serve the primary while a watcher waits on ``receive()``: the client hanging up in any phase (queued,
+        prefill, streaming, a non-stream wait) cancels the attempt at once, which closes the upstream connection
+        so the engine stops working for nobody (counted ``client_disconnect``)."""
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                response = await self.serve(
+                    request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
+                )
+                await response(scope, receive, send_tracked)
+            except Exception:
+                log.exception("request %s failed inside the proxy", request_id)
+                if not started:
+                    err = ProxyError("internal error in the proxy (logged)")
+                    await error_response(err, request_id)(scope, receive, send)
+            finally:
+                tg.cancel_scope.cancel()
 
     async def serve(
         self,
@@ -148,9 +270,11 @@ class Gateway:
         body: dict[str, Any],
         timer: StreamTimer,
         collect_text: bool = False,
-    ) -> Response:
+        client_id: str | None = None,
+    ) -> Response | RelayResponse:
         """The primary: the first engine whose attempt is not a ``Failed`` (nor a 5xx with engines left) answers."""
         last_exc: UpstreamError | None = None
+        echo = {"x-request-id": client_id} if client_id else {}
         for i, name in enumerate(decision.engines):
             if i > 0:
                 timer = StreamTimer(timer.t_received_ns)
@@ -162,15 +286,23 @@ class Gateway:
                 body=body,
                 timer=timer,
                 collect_text=collect_text,
+                client_request_id=client_id,
             )
             try:
                 out = await run_attempt(attempt)
-            except BaseException:
-                attempt.finish("client_disconnect")
+            except BaseException as exc:
+                # cancelled (the client hung up) or a bug: close the upstream (the engine frees its slot) and
+                # end the attempt with its one Result
+                cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+                with anyio.CancelScope(shield=True):
+                    if cancelled:
+                        await attempt.close("client_disconnect")
+                    else:
+                        await attempt.close("upstream_broken", f"proxy error: {exc!r}")
                 raise
-            headers = {"x-enginemeter-engine": name, "x-enginemeter-request-id": request_id}
+            headers = {"x-enginemeter-engine": name, "x-enginemeter-request-id": request_id, **echo}
             if isinstance(out, Streaming):
-                return RelayResponse(attempt, headers)  # type: ignore[return-value]
+                return RelayResponse(attempt, headers)
             if isinstance(out, Failed):
                 last_exc = out.error
                 continue
@@ -178,7 +310,7 @@ class Gateway:
                 continue
             return Response(out.body, status_code=out.status, headers=headers, media_type="application/json")
         assert last_exc is not None
-        return error_response(last_exc, request_id, engine=decision.engines[-1])
+        return error_response(last_exc, request_id, engine=decision.engines[-1], headers=echo)
 
     def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: Outcome) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""
@@ -200,11 +332,11 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
 def asgi_app(gw: Gateway) -> Starlette:
     """Routes and lifespan around ``gw``."""
 
-    async def chat(request: Request) -> Response:
-        return await gw.generate(request, "chat")
+    async def chat(scope: Scope, receive: Receive, send: Send) -> None:
+        await gw.generate(scope, receive, send, "chat")
 
-    async def completions(request: Request) -> Response:
-        return await gw.generate(request, "completions")
+    async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+        await gw.generate(scope, receive, send, "completions")
 
     async def models(request: Request) -> Response:
         try:
@@ -245,6 +377,8 @@ def asgi_app(gw: Gateway) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
+            soft, _ = raise_fd_limit()
+            log.info("open-file limit: %d", soft)
             await probe_all(list(gw.engines.values()))
             gw.metrics.prime(
                 gw.engines,
@@ -252,7 +386,9 @@ def asgi_app(gw: Gateway) -> Starlette:
                 configured_pairs(gw.settings.routes),
             )
             for e in gw.engines.values():
-                log.info("engine %s: %s kind=%s model=%s up=%s", e.name, e.settings.url, e.kind, e.model, e.up)
+                log.info(
+                    "engine %s: %s kind=%s model=%s up=%s", e.name, redact_url(e.settings.url), e.kind, e.model, e.up
+                )
             async with AsyncExitStack() as stages:
                 # entered in this order, left in the reverse: the mirror's copies end before the collectors stop
                 if gw.mirror is not None:
@@ -276,8 +412,9 @@ def asgi_app(gw: Gateway) -> Starlette:
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            # raw ASGI endpoints (not request/response functions): they own ``receive`` for the request's life
+            Route("/v1/chat/completions", _Asgi(chat), methods=["POST"]),
+            Route("/v1/completions", _Asgi(completions), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -288,3 +425,13 @@ def asgi_app(gw: Gateway) -> Starlette:
     )
     app.state.gateway = gw
     return app
+
+
+class _Asgi:
+    """Wraps an ASGI function so Starlette's ``Route`` treats it as an app, not a request/response handler."""
+
+    def __init__(self, fn: Callable[[Scope, Receive, Send], Any]) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.fn(scope, receive, send)

@@ -92,8 +92,9 @@ async def drain(attempt: Attempt) -> None:
 class Attempts:
     """Makes attempts (normalized for their engine, counted in flight) and records their Results.
 
-    ``observers`` get every Result after the metrics (the mirror's pairing; tests): a failing observer is logged
-    and never touches the traffic.
+    ``observers`` get every Result after the metrics (the mirror's pairing, the request log; tests): a failing
+    observer is logged and never touches the traffic. ``on_new`` hooks see every attempt as it is made, before it
+    opens (trace headers, spans, the timings flag); they run on the request's path, so they stay O(1).
     """
 
     def __init__(self, settings: Settings, engines: Mapping[str, Engine], metrics: Metrics) -> None:
@@ -102,6 +103,7 @@ class Attempts:
         self.metrics = metrics
         self.aliases = {m.alias: m for m in settings.models}
         self.observers: list[Callable[[Result], None]] = []
+        self.on_new: list[Callable[[Attempt], None]] = []
 
     def model_label(self, model: str | None) -> str:
         """Bounded metric label: a configured alias or an engine's served name, else ``other``."""
@@ -140,6 +142,7 @@ class Attempts:
         timer: StreamTimer,
         collect_text: bool = False,
         streams: StreamClient | None = None,
+        client_request_id: str | None = None,
     ) -> Attempt:
         """An attempt of ``body`` on ``engine``, sent through ``streams`` (default: the engine's own pool)."""
         client_model = body.get("model") if isinstance(body.get("model"), str) else None
@@ -164,7 +167,13 @@ class Attempts:
             timer=timer,
             on_result=self.record,
             collect_text=collect_text,
+            client_request_id=client_request_id,
         )
+        for hook in self.on_new:
+            try:
+                hook(attempt)
+            except Exception:
+                log.exception("attempt hook failed")
         # in flight from here until its one Result (record), whichever path ends it
         self.metrics.in_flight.labels(engine.name, role).inc()
         return attempt

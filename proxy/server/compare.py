@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,8 +215,13 @@ def to_record(
     prompt: Any = None,
     primary_text: str | None = None,
     shadow_text: str | None = None,
+    gpus: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """The JSONL record (schema in docs/routing.md). Text fields appear only when given."""
+    """The JSONL record (schema in docs/routing.md). Text fields appear only when given.
+
+    ``gpus``: role (``primary``/``shadow``) -> the GPU indices that side's engine holds memory on (the GPU
+    monitor's attribution); when given, the record says which and whether the two share one (``contended``:
+    mirrored requests then slow each other, and ``enginemeter report --log`` stops at its parity gate)."""
     rec: dict[str, Any] = {
         "v": RECORD_VERSION,
         "ts": time.time() if ts is None else ts,
@@ -243,6 +248,10 @@ def to_record(
             "e2e": c.ratio_e2e,
         },
     }
+    if gpus is not None:
+        p, sh = sorted(gpus.get("primary", ())), sorted(gpus.get("shadow", ()))
+        rec["gpus"] = {"primary": p, "shadow": sh}
+        rec["contended"] = bool(set(p) & set(sh))
     if prompt is not None:
         rec["prompt"] = prompt
     if primary_text is not None:
@@ -272,15 +281,26 @@ class ComparisonLog:
 
     _STOP = object()
 
-    def __init__(self, path: str, *, max_bytes: int, backups: int, queue_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_bytes: int,
+        backups: int,
+        queue_size: int = 10_000,
+        mode: int = 0o600,
+        name: str = "enginemeter-compare-log",
+    ) -> None:
         self.path = path
+        #: permission bits of a file this writer creates: 0o600 (both logs may hold prompts; the umask still applies)
+        self.mode = mode
         self.max_bytes = max(1, max_bytes)
         self.backups = max(0, backups)
         self.written = 0
         self.dropped = 0
         self.errors = 0
         self._q: queue.Queue[object] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._run, name="enginemeter-compare-log", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def write(self, record: dict[str, Any]) -> bool:
@@ -314,7 +334,7 @@ class ComparisonLog:
 
     def _rotate(self) -> None:
         if self.backups == 0:
-            open(self.path, "w").close()
+            os.close(os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, self.mode))
             return
         for i in range(self.backups - 1, 0, -1):
             src = f"{self.path}.{i}"
@@ -341,9 +361,11 @@ class ComparisonLog:
                     size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
                     if size and size + len(line) > self.max_bytes:
                         self._rotate()
-                    with open(self.path, "ab") as f:
+                    # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+                    with os.fdopen(fd, "ab") as f:
                         f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on
                 self.errors += 1
-                log.exception("writing the comparison log %s failed", self.path)
+                log.exception("writing the log %s failed", self.path)

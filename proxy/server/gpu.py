@@ -212,6 +212,16 @@ class GpuMonitor:
 
     # ---- exposition ------------------------------------------------------------------------------
 
+    def gpus_of(self, engine: str) -> tuple[int, ...]:
+        """The GPU indices ``engine`` holds memory on in the last sample (memory unknown counts as held);
+        empty without a sample or without NVML. Reads the cached sample only: never calls NVML."""
+        s = self.current
+        if s is None:
+            return ()
+        return tuple(
+            sorted(i for (name, i), used in s.engine_used.items() if name == engine and (used is None or used > 0))
+        )
+
     def describe(self) -> Iterable[Metric]:
         return []  # names vary with state; nothing to check at registration
 

@@ -9,8 +9,8 @@ calls back into the connection's protocol, and a body read hands over whatever a
 
 It is a ``StreamClient`` (``proxy.server.upstream``) and raises what the relay already maps
 (``proxy.errors.from_transport_error``): aiohttp's exception classes, so a refused connection is still a
-``connect_error``, a reused connection the engine had closed still a safe retry (``is_stale_connection``), a
-timeout still a ``TimeoutError``.
+``connect_error``, a connection the engine closed before answering a ``ServerDisconnectedError``, a timeout still
+a ``TimeoutError``.
 
 Pool: at most ``max_connections`` requests in flight per engine (a semaphore; waiting for one counts against
 ``timeouts.pool``), idle connections kept LIFO for ``KEEPALIVE_EXPIRY_S`` and only when the engine's response
@@ -317,6 +317,11 @@ class _H1Response:
             return
         self._closed = True
         conn = self._conn
+        if conn.reusable() and not conn.chunks:
+            # llama-server closes its connection after every streamed response though its headers say
+            # keep-alive; its FIN follows the last chunk at once. One loop turn lets it land before the connection
+            # is pooled: the relay never retries a request on the same engine, so a stale reuse would fail it
+            await asyncio.sleep(0)
         if conn.reusable() and not conn.chunks:
             self._pool._put_idle(conn)
         else:

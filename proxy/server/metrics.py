@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from proxy import __version__
 from proxy.server.result import Result
 from proxy.settings import BUCKET_KEYS, MetricsSettings, RouteSettings
+from proxy.types import ENDPOINTS
 from proxy.types import OUTCOMES as _OUTCOMES
 
 PREFIX = "enginemeter"
@@ -148,12 +149,21 @@ class Metrics:
         self.engine_prompt = _h("engine_prompt_seconds", "Engine-reported prompt processing time (llama.cpp timings.prompt_ms).", b["ttft"], r)  # fmt: skip
         self.engine_decode_tps = _h("engine_decode_tokens_per_second", "Engine-reported decode rate (llama.cpp timings.predicted_per_second).", b["decode_tps"], r)  # fmt: skip
         self.engine_queue = _h("engine_queue_seconds", "Upstream TTFT minus engine-reported prompt time: time queued for a slot.", b["ttft"], r)  # fmt: skip
+        # ---- pass-through routes (embeddings, responses, tokenize, ...: proxy/server/passthrough.py) -----
+        self.passthrough = Histogram(
+            f"{PREFIX}_passthrough_duration_seconds", "Pass-through requests: proxy received -> response finished, any outcome.",
+            ("engine", "model", "endpoint"), buckets=b["e2e"], registry=r,
+        )  # fmt: skip
         # ---- mirroring and comparison (primary vs shadow) --------------------------------------------
         self.mirror = Counter(
             f"{PREFIX}_mirror_requests", "Shadow copies by fate: sent, or dropped with a reason.",
             ("engine", "result"), registry=r,
         )  # fmt: skip
         self.pairs = Counter(f"{PREFIX}_compared_pairs", "Primary/shadow pairs compared.", ("primary", "shadow"), registry=r)  # fmt: skip
+        self.contended = Gauge(
+            f"{PREFIX}_pair_contended", "1 while the last compared pair's primary and shadow held memory on the same GPU (their speeds compete), else 0.",
+            ("primary", "shadow"), registry=r,
+        )  # fmt: skip
         self.token_mismatch = Counter(
             f"{PREFIX}_token_count_mismatches", "Pairs whose token counts differ (kind=prompt|completion).",
             ("primary", "shadow", "kind"), registry=r,
@@ -193,6 +203,7 @@ class Metrics:
                     self.finish.labels(e, m, "primary", reason)
         for p, s in pairs:
             self.pairs.labels(p, s)
+            self.contended.labels(p, s)
             for kind in ("prompt", "completion"):
                 self.token_mismatch.labels(p, s, kind)
             self.output_mismatch.labels(p, s)
@@ -213,6 +224,10 @@ def observe(m: Metrics, r: Result) -> None:
     """Record one finished attempt. Called once per attempt, never per chunk."""
     stream = "true" if r.stream else "false"
     _child(m, m.requests, r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
+    if r.endpoint not in ENDPOINTS:  # pass-through: counted and timed end to end, no token figures
+        if r.timing.e2e_s is not None:
+            _child(m, m.passthrough, r.engine, r.model, r.endpoint).observe(r.timing.e2e_s)
+        return
     lab = (r.engine, r.model, r.role, stream)
     if r.usage_stripped:
         _child(m, m.usage_stripped, r.engine).inc(r.usage_stripped)

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +93,18 @@ def _primary_is_final(r: Result, engines: tuple[str, ...]) -> bool:
 
 
 class Mirror:
-    def __init__(self, settings: Settings, engines: Mapping[str, Engine], attempts: Attempts, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engines: Mapping[str, Engine],
+        attempts: Attempts,
+        metrics: Metrics,
+        *,
+        gpus_of: Callable[[str], Sequence[int]] | None = None,
+    ) -> None:
         s = settings.mirror
+        #: engine -> GPU indices it holds memory on (the GPU monitor's cached attribution; None: no GPU data)
+        self.gpus_of = gpus_of
         self.settings = settings
         self.engines = engines
         self.attempts = attempts
@@ -159,15 +169,29 @@ class Mirror:
         self.counts[result] += n
         self.metrics.mirror.labels(engine, result).inc(n)
 
-    def submit(self, decision: Decision, body: Mapping[str, Any], endpoint: Endpoint, request_id: str) -> bool:
+    def submit(
+        self,
+        decision: Decision,
+        body: Mapping[str, Any],
+        endpoint: Endpoint,
+        request_id: str,
+        client_request_id: str | None = None,
+    ) -> bool:
         """Called on the primary's path before its attempt; never awaits, never raises. True = copies sent."""
         try:
-            return self._submit(decision, body, endpoint, request_id)
+            return self._submit(decision, body, endpoint, request_id, client_request_id)
         except Exception:
             log.exception("mirroring %s failed", request_id)
             return False
 
-    def _submit(self, decision: Decision, body: Mapping[str, Any], endpoint: Endpoint, request_id: str) -> bool:
+    def _submit(
+        self,
+        decision: Decision,
+        body: Mapping[str, Any],
+        endpoint: Endpoint,
+        request_id: str,
+        client_request_id: str | None,
+    ) -> bool:
         shadows = decision.shadows
         if not shadows:
             return False
@@ -207,7 +231,9 @@ class Mirror:
             self._count(name, "sent")
             # the copy's clock starts now, when it is made, as the primary's started on receipt; the task is
             # referenced until done (a bare create_task can be garbage-collected)
-            task = asyncio.ensure_future(self._shadow(name, dict(body), endpoint, request_id, StreamTimer()))
+            task = asyncio.ensure_future(
+                self._shadow(name, dict(body), endpoint, request_id, StreamTimer(), client_request_id)
+            )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
@@ -219,7 +245,13 @@ class Mirror:
         return streams
 
     async def _shadow(
-        self, name: str, body: dict[str, Any], endpoint: Endpoint, request_id: str, timer: StreamTimer
+        self,
+        name: str,
+        body: dict[str, Any],
+        endpoint: Endpoint,
+        request_id: str,
+        timer: StreamTimer,
+        client_request_id: str | None = None,
     ) -> None:
         attempt: Attempt | None = None
         task = asyncio.current_task()
@@ -240,6 +272,7 @@ class Mirror:
             # what probing learned about the engine, through the mirror's own pool
             attempt = self.attempts.new(
                 request_id=request_id,
+                client_request_id=client_request_id,
                 endpoint=endpoint,
                 engine=engine,
                 role="shadow",
@@ -314,6 +347,14 @@ class Mirror:
         c = compare(primary, shadow)
         self.compared += 1
         observe_comparison(self.metrics, c)
+        gpus: dict[str, Sequence[int]] | None = None
+        if self.gpus_of is not None:
+            gpus = {"primary": self.gpus_of(primary.engine), "shadow": self.gpus_of(shadow.engine)}
+            if gpus["primary"] or gpus["shadow"]:
+                shared = bool(set(gpus["primary"]) & set(gpus["shadow"]))
+                self.metrics.contended.labels(primary.engine, shadow.engine).set(1 if shared else 0)
+            else:
+                gpus = None  # no attribution (no NVML, remote engines): say nothing rather than "not contended"
         if self.log is not None:
             text = self.record_text
             self.log.write(
@@ -322,6 +363,7 @@ class Mirror:
                     prompt=e.prompt if text else None,
                     primary_text=primary.text if text else None,
                     shadow_text=shadow.text if text else None,
+                    gpus=gpus,
                 )
             )
 

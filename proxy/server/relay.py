@@ -3,16 +3,19 @@
 Life of one attempt (``Attempt``):
 
 1. ``open()`` sends the normalized body and waits for the upstream headers. Transport failures raise
-   ``UpstreamError`` (502/504), so the caller can fall back or answer with an OpenAI-style error.
+   ``UpstreamError`` (502/504), so the caller can fall back or answer with an OpenAI-style error. Never
+   re-sent to the same engine (it may have started generating); redirects are refused, not followed.
 2. Engine error status -> the engine's body passes through with its status (SGLang's flat shape nested).
 3. Streams: ``open()`` also waits for the first SSE event, so an error the engine puts in its first event
    (SGLang's "queue full" under HTTP 200) still becomes a proper HTTP error before any byte reaches the client.
 4. ``iter_relay()`` forwards each upstream read as soon as it holds whole events. Events pass as the bytes the
    engine sent, except the documented rewrites: ``"model":"<engine name>"`` -> the client's alias (a byte
    replace, no re-serialization), and the usage event is dropped when the client did not ask for usage.
-   Comments (keep-alives) pass untouched.
+   Comments (keep-alives) and events without a ``data:`` field pass untouched. One event is at most
+   ``sse.MAX_EVENT_BYTES``; a non-stream body at most ``MAX_BODY_BYTES``.
 5. After the first byte, a failure becomes one in-band ``data: {"error": ...}`` event, then the stream closes.
-6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``.
+6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``; cancelled in any phase (the client
+   hung up: ``Gateway.respond``'s watcher), ``close()`` closes the upstream so the engine stops.
 
 Per chunk the loop does: one ``perf_counter_ns``, the framer split, one ``orjson.loads`` per event (needed to
 tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name. Parsing
@@ -40,13 +43,13 @@ from proxy.errors import (
     UpstreamError,
     error_body,
     from_transport_error,
-    is_stale_connection,
     normalize_engine_error,
 )
 from proxy.normalize import Normalized
+from proxy.server.llamatimings import timings_block
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
-from proxy.sse import Event, SSEFramer, encode_data
+from proxy.sse import Event, EventTooLarge, SSEFramer, encode_data
 from proxy.stream import error_message, finish_reason_of, has_token, loads, text_of
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
 from proxy.types import Endpoint, Outcome, Role
@@ -54,17 +57,10 @@ from proxy.types import Endpoint, Outcome, Role
 log = logging.getLogger("enginemeter.relay")
 
 
-def dumps_body(body: dict[str, Any]) -> bytes:
-    """The normalized request body as compact UTF-8 JSON: orjson (a few µs), ``json`` for what orjson refuses
-    (integers beyond 64 bits)."""
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_ERROR_BODY = 1 << 20
+#: the largest non-stream body taken from an engine (a stream's events are bounded by ``sse.MAX_EVENT_BYTES``)
+MAX_BODY_BYTES = 64 << 20
 
 
 @dataclass
@@ -82,6 +78,10 @@ class Attempt:
     timer: StreamTimer
     on_result: Callable[[Result], None]
     collect_text: bool = False
+    #: sent upstream with the request (``traceparent``/``tracestate``; set by ``Attempts.on_new`` hooks)
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    #: add a proxy-measured llama.cpp-shaped ``timings`` block where the engine sends none (``llamatimings``)
+    add_timings: bool = False
 
     response: UpstreamResponse | None = None
     status: int = 0
@@ -103,35 +103,42 @@ class Attempt:
     _finished: bool = False
     reserialized: int = 0
     usage_stripped: int = 0
-    retried: bool = False
+    #: the client's own x-request-id, sent on to the engine (pairing uses ``request_id``, the proxy's)
+    client_request_id: str | None = None
 
     # ------------------------------------------------------------------------------------ opening
 
     async def open(self) -> None:
         """Send the request and wait for headers (and, for streams, the first event). Raises UpstreamError."""
         e = self.engine
-        content = dumps_body(self.norm.body)
+        # orjson: a 3.4 MB prompt serializes in ~2 ms instead of ~20 ms of the event loop (other streams' gaps)
+        try:
+            content = orjson.dumps(self.norm.body)
+        except TypeError:  # a type orjson does not know (a Mapping that is not a dict): the slow way
+            content = json.dumps(self.norm.body, ensure_ascii=False).encode()
         headers = {
             "content-type": "application/json",
             "accept-encoding": "identity",
-            "x-request-id": self.request_id,
+            "x-request-id": self.client_request_id or self.request_id,
         }
+        if self.extra_headers:
+            headers.update(self.extra_headers)
         path = PATHS[self.endpoint]
         self.timer.sent()
+        # No retry on the same engine, ever: once the body may have been written the engine may be generating,
+        # and a second copy would run twice. Stale kept-alive connections are avoided instead (the pool drops
+        # idle ones before engines do, upstream.KEEPALIVE_EXPIRY_S); a failure here falls back to the route's
+        # next engine, if any.
         try:
-            try:
-                self.response = await self.streams.post(path, content, headers)
-            except TRANSPORT_ERRORS as exc:
-                if not is_stale_connection(exc):
-                    raise
-                # a kept-alive connection the engine closed at the same moment: nothing came back, so the
-                # engine did not answer this request; one retry on a fresh connection is safe
-                self.retried = True
-                self.response = await self.streams.post(path, content, headers)
+            self.response = await self.streams.post(path, content, headers)
         except TRANSPORT_ERRORS as exc:
             raise from_transport_error(exc, e.name) from exc
         self.timer.headers()
         self.status = self.response.status_code
+        if 300 <= self.status < 400:
+            # redirects are never followed (a POST re-sent elsewhere): an engine that redirects is misconfigured
+            await self.response.aclose()
+            raise UpstreamBroken(f"engine {e.name!r} answered with a redirect ({self.status}); not followed")
         if self.status >= 400 or not self.norm.stream:
             return
         self._raw = self.response.aiter_raw()
@@ -145,6 +152,9 @@ class Attempt:
         except TRANSPORT_ERRORS as exc:
             await self.response.aclose()
             raise from_transport_error(exc, e.name) from exc
+        except EventTooLarge as exc:
+            await self.response.aclose()
+            raise UpstreamBroken(f"engine {e.name!r}: {exc}") from exc
         if not self._first:
             await self.response.aclose()
             raise UpstreamBroken(f"engine {e.name!r} closed the stream before its first event")
@@ -152,7 +162,7 @@ class Attempt:
         if not first.is_comment and not first.is_done:
             try:
                 doc = loads(first.data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 doc = None
             if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
                 # an error as the very first event (SGLang queue full): a real HTTP error, before any byte
@@ -190,7 +200,7 @@ class Attempt:
 
     # ---------------------------------------------------------------------------------- rewriting
 
-    def _rewrite_model(self, raw: bytes, doc: dict[str, Any]) -> bytes:
+    def _rewrite_model(self, raw: bytes, doc: dict[str, Any], sse: bool = True) -> bytes:
         model = doc.get("model")
         alias = self.client_model
         if alias is None or model is None or model == alias:
@@ -202,17 +212,18 @@ class Attempt:
         assert self._model_to is not None
         if self._model_from in raw:
             return raw.replace(self._model_from, self._model_to, 1)
-        # unusual formatting (spaces after the colon): re-serialize this one event, counted
+        # unusual formatting (spaces after the colon): re-serialize this one event (or body), counted
         doc["model"] = alias
         self.reserialized += 1
-        return encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode())
+        data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+        return encode_data(data) if sse else data
 
     def _process(self, events: list[Event], t_ns: int) -> bytes:
         """The per-read hot path: timestamp tokens, rewrite, filter. Returns the bytes to forward."""
         out: list[bytes] = []
         for ev in events:
-            if ev.is_comment:
-                out.append(ev.raw)
+            if ev.is_comment or not ev.data:
+                out.append(ev.raw)  # comments and events without a data field (event:/id:/retry:) pass as they are
                 continue
             if ev.is_done:
                 self.saw_done = True
@@ -220,7 +231,7 @@ class Attempt:
                 continue
             try:
                 doc = loads(ev.data)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: json's fallback on deep nesting
                 raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed event: {ev.data[:200]!r}") from exc
             if not isinstance(doc, dict):
                 raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object event")
@@ -240,6 +251,10 @@ class Attempt:
                 self.usage = usage_from_json(doc["usage"]) or self.usage
                 if "timings" in doc:
                     self.engine_timings = EngineTimings.from_json(doc["timings"])
+                elif self.add_timings and not choices and self.norm.client_wants_usage:
+                    # once per stream: the final usage-only event (never vLLM's per-chunk continuous usage)
+                    out.append(self._with_timings(doc))
+                    continue
                 if not self.norm.client_wants_usage:
                     self.usage_stripped += 1
                     if not choices:
@@ -283,6 +298,8 @@ class Attempt:
                     self.outcome = "ok"
             except TRANSPORT_ERRORS as exc:
                 raise from_transport_error(exc, self.engine.name) from exc
+            except EventTooLarge as exc:
+                raise UpstreamBroken(f"engine {self.engine.name!r}: {exc}") from exc
         except UpstreamError as exc:
             self.outcome = exc.outcome
             self.error = exc.message
@@ -296,27 +313,36 @@ class Attempt:
         finally:
             await self.close()
 
-    async def close(self) -> None:
-        """Close the upstream response and emit the Result, if not done yet. Idempotent.
+    async def close(self, outcome: Outcome = "client_disconnect", error: str | None = None) -> None:
+        """Close the upstream response and emit the Result (``outcome`` unless one is set), if not done yet.
+        Idempotent.
 
-        Also the safety net for a relay whose generator never started (the client left before the first send).
+        Also the safety net for a relay whose generator never started (the client left before the first send),
+        and for an attempt cancelled while opening (the client hung up while queued or in prefill).
         """
         if self.response is not None:
             await self.response.aclose()
-        self.finish("client_disconnect" if self.outcome is None else None)
+        self.finish(outcome if self.outcome is None else None, error if self.outcome is None else None)
 
     async def read_body(self) -> bytes:
         """Non-stream: read the whole body, record usage/timings, rewrite the model. Raises UpstreamError."""
         assert self.response is not None
+        chunks: list[bytes] = []
+        size = 0
         try:
-            body = await self.response.aread()
+            async for chunk in self.response.aiter_raw():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise UpstreamBroken(f"engine {self.engine.name!r} sent a body over {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
         except TRANSPORT_ERRORS as exc:
             raise from_transport_error(exc, self.engine.name) from exc
         finally:
             await self.response.aclose()
+        body = b"".join(chunks)
         try:
             doc = loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed body") from exc
         if not isinstance(doc, dict):
             raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object body")
@@ -329,7 +355,17 @@ class Attempt:
                 self._text.append(text_of(choices))
         # a non-stream body has no token events: TTFT/TPOT stay unset; e2e and engine timings still count
         self.outcome = "ok"
-        return self._rewrite_model(body, doc)
+        if self.add_timings and "timings" not in doc:
+            return self._with_timings(doc, data=False)
+        return self._rewrite_model(body, doc, sse=False)
+
+    def _with_timings(self, doc: dict[str, Any], *, data: bool = True) -> bytes:
+        """``doc`` with the proxy-measured ``timings`` block, re-serialized (an SSE event when ``data``)."""
+        doc["timings"] = timings_block(self.timer, self.usage, stream=data)
+        if self.client_model is not None and "model" in doc:
+            doc["model"] = self.client_model
+        raw = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+        return encode_data(raw) if data else raw
 
     def finish(self, outcome: Outcome | None = None, error: str | None = None) -> Result | None:
         """Emit the one Result of this attempt. Idempotent."""
@@ -344,6 +380,7 @@ class Attempt:
         timing = StreamTiming.derive(self.timer, self.usage, self.engine_timings)
         result = Result(
             request_id=self.request_id,
+            client_request_id=self.client_request_id,
             engine=self.engine.name,
             engine_kind=self.engine.effective_kind,
             role=self.role,
@@ -371,11 +408,11 @@ class Attempt:
 
 
 class RelayResponse:
-    """ASGI response for an SSE relay that notices a client disconnect at once.
+    """ASGI response for an SSE relay. A client hang-up is noticed by the caller's watcher
+    (``Gateway.respond``), which cancels this response; the relay's ``finally`` closes the upstream.
 
-    Starlette's StreamingResponse (ASGI spec >= 2.4) only learns of a disconnect on its next send, which can
-    be many seconds away during a long prefill; here a second task waits on ``receive()`` and cancels the relay
-    the moment ``http.disconnect`` arrives, so the upstream connection closes and the engine frees its slot.
+    HTTP/1.0 has no chunked encoding and uvicorn's httptools protocol cannot end a body by closing the
+    connection, so an HTTP/1.0 client gets the stream whole, with a Content-Length, once it has ended.
     """
 
     media_type = "text/event-stream"
@@ -387,37 +424,34 @@ class RelayResponse:
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
-            *((k.encode(), v.encode()) for k, v in headers.items()),
+            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            try:
-                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-                async for chunk in self.body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:
-                pass  # the client went away mid-send; the relay's finally records it
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self.body.aclose()
-                    await self.attempt.close()
-            tg.cancel_scope.cancel()
+        try:
+            if scope.get("http_version") == "1.0":
+                whole = b"".join([chunk async for chunk in self.body])
+                headers = [*self.headers, (b"content-length", str(len(whole)).encode())]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": whole, "more_body": False})
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client went away mid-send; the relay's finally records it
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body.aclose()
+                await self.attempt.close()
 
 
-def error_response(exc: ProxyError, request_id: str, engine: str | None = None) -> Response:
+def error_response(
+    exc: ProxyError, request_id: str, engine: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
     """The proxy's own error (OpenAI-style envelope marked ``"enginemeter": true``) as a JSON response."""
-    headers = {"x-enginemeter-request-id": request_id}
+    headers = {"x-enginemeter-request-id": request_id, **(headers or {})}
     if engine:
         headers["x-enginemeter-engine"] = engine
     return Response(exc.to_bytes(), status_code=exc.status, headers=headers, media_type="application/json")

@@ -11,17 +11,18 @@ import os
 from dataclasses import dataclass
 
 from proxy.timing import EngineTimings, StreamTiming, Usage
-from proxy.types import Endpoint, EngineKind, Outcome, Role
+from proxy.types import EndpointLabel, EngineKind, Outcome, Role
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
+    #: the proxy's own id for the request (pairs primary and shadow; sent back as x-enginemeter-request-id)
     request_id: str
     engine: str
     engine_kind: EngineKind
     role: Role
     model: str  # bounded label: configured alias / engine model name, else "other"
-    endpoint: Endpoint
+    endpoint: EndpointLabel  # a generation endpoint, or a pass-through one (no tokens, no text)
     stream: bool
     outcome: Outcome
     status: int
@@ -38,6 +39,8 @@ class Result:
     usage_stripped: int = 0
     #: events re-serialized instead of byte-rewritten (unusual engine formatting, usage on a content event)
     reserialized: int = 0
+    #: the client's ``x-request-id``, if it sent one (echoed, forwarded to the engine; never used for pairing)
+    client_request_id: str | None = None
 
 
 _ids = itertools.count()

@@ -16,6 +16,7 @@ path (SGLang: ``/ready``, or ``/health`` on versions without it).
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import httpx
 from yarl import URL
 
 from proxy import engines
+from proxy.errors import redact_url
 from proxy.server.h1 import H1Streams
 from proxy.settings import EngineSettings
 from proxy.types import EngineKind
@@ -46,8 +48,12 @@ def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None
     t = e.timeouts
     headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
     limit = e.max_connections
+    # credentials in the URL become Basic auth, never part of the base URL httpx logs each request with
+    url = httpx.URL(e.url)
+    auth = httpx.BasicAuth(url.username, url.password) if url.username or url.password else None
     return httpx.AsyncClient(
-        base_url=e.url,
+        base_url=url.copy_with(username=None, password=None) if auth else url,
+        auth=auth,
         timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
         limits=httpx.Limits(
             max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=KEEPALIVE_EXPIRY_S
@@ -117,7 +123,10 @@ class AiohttpStreams:
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = URL(self._base + path)
-        resp = await session.post(url, data=content, headers=headers)
+        # redirects are the relay's to refuse (a POST re-sent to another server), never followed here
+        # bodies over 1 MiB as a stream (aiohttp writes them in 64 KiB pieces instead of warning about one write)
+        data: bytes | io.BytesIO = content if len(content) < 1 << 20 else io.BytesIO(content)
+        resp = await session.post(url, data=data, headers=headers, allow_redirects=False)
         return _AiohttpResponse(resp)
 
     async def aclose(self) -> None:
@@ -191,7 +200,7 @@ class Engine:
         self.up = p.error is None
         self.last_error = p.error
         if p.error:
-            log.warning("probing engine %s at %s failed: %s", self.name, self.settings.url, p.error)
+            log.warning("probing engine %s at %s failed: %s", self.name, redact_url(self.settings.url), p.error)
 
     async def check(self, timeout: float = 2.0) -> dict[str, object]:
         """Cheap reachability check for /health (the kind's readiness path; never a generation where the
@@ -202,7 +211,7 @@ class Engine:
         self.up, self.last_error = h.up, h.error
         return {
             "name": self.name,
-            "url": self.settings.url,
+            "url": redact_url(self.settings.url),
             "kind": self.kind,
             "model": self.model,
             "up": self.up,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import sys
 import threading
@@ -146,7 +147,10 @@ def capture_engine(name: str, base: str, out: Path) -> dict[str, Any]:
         ctype = x.get("headers", {}).get("content-type")
         body = x["body"].decode("utf-8", "replace")
         if p == "/metrics":
-            save(d / "metrics.txt", body)
+            raw = x["body"]
+            if x.get("headers", {}).get("content-encoding") == "gzip":  # SGLang gzips /metrics: store the text
+                raw = gzip.decompress(raw)
+            save(d / "metrics.txt", raw.decode("utf-8", "replace"))
             body = f"<{len(x['body'])} bytes: metrics.txt>"
         eps[p] = {
             "status": x["status"],

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Issue 11, runs HERE (network to the package index): download the exact SGLang 0.5.17 and vLLM 0.26.0 wheel
 # sets that started on the GPU machine (shared/reference/gpu.md), slim them, and split them into carries that
-# each fit beside the repo in one device call (64 MiB with the working tree).
+# each fit beside the repo in one device call (64 MiB with the working tree), plus the model and llama.cpp source.
 #
 #   scripts/gpu/fetch-wheels.sh            all: download (cached), slim, pack carries, tokenizer
 #
-# Layout (ignored, never committed):
-#   .carry/cache/dl/      downloaded wheels (pip cache; a rerun downloads nothing)
-#   .carry/cache/slim/    slimmed wheels (sglang_kernel, xgrammar, vllm)
-#   .carry/sg1 .carry/sg2 SGLang carries         -> installed with --target /tmp/sg
-#   .carry/vl1 .. vl3     vLLM carries           -> installed with --target /tmp/vl
-#   .carry/em             enginemeter's wheels (starlette, uvicorn, httpx, ...), gguf, tokenizer files, vocab GGUF
-# Each carry holds wheels (or .tar.xz parts of wheels); scripts/gpu/install.sh puts them together there.
+# Layout (ignored, never committed), everything cached so a rerun only re-cuts the carries:
+#   .carry/cache/dl/{sg,vl}/   downloaded wheels (exact versions of shared/reference/gpu.md)
+#   .carry/cache/slim/         slimmed wheels, RECORD rewritten (sglang_kernel without flash_ops.abi3.so, sm100/,
+#                              infllm_ops*; xgrammar without lib/; vllm without fa2, vllm-rs,
+#                              _moe_C_stable_libtorch, vendored include/ trees, deep_gemm for other Pythons)
+#   .carry/cache/{sg,vl}.tar.xz  the --target install trees (pip --target here, for cp312 manylinux), xz -9:
+#                              CUDA fat binaries shrink far more than in the wheels' deflate (fa3 38 -> 8 MB);
+#                              SGLang 417 MB -> 61 MB, vLLM 498 MB -> 98 MB
+#   .carry/cache/em.tar        enginemeter's own wheels (scripts/gpu-check.sh wheels) incl. gguf
+#   .carry/cache/llama.tar.xz  llama.cpp source from the sdist without docs, vocab GGUFs, tests, other backends (7.5 MB)
+#   .carry/model/, .carry/cache/model.tar.xz  the HF model dir + vocab-only GGUF (scripts/gpu/make_model_dir.py)
+#   .carry/c1 .. c3            the carries (58 MiB each at most): parts + manifests, scripts/gpu/pack_carries.py
+# On the GPU machine scripts/gpu/device.sh stage puts the parts together (/tmp/w) and starts the engines.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD

@@ -1,0 +1,169 @@
+"""The report's charts, as SVG (vector: sharp on screen and in print). Latency axes are logarithmic: TTFT
+spans milliseconds to seconds between a short prompt at c=1 and a long one under load.
+
+Needs matplotlib (the ``report`` extra, Agg backend); without it the report says so and has tables only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from proxy.bench.results import Data
+from proxy.bench.suite import length_rank
+
+CHART_FILES = ("ttft_vs_load", "decode_vs_load", "throughput_vs_load", "ttft_vs_prompt_length",
+               "latency_vs_throughput", "memory")  # fmt: skip
+
+
+def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}, "Charts skipped: matplotlib is not installed (pip install 'enginemeter[report]')."
+    plt.rcParams["svg.hashsalt"] = "enginemeter"  # the same data gives the same file
+    r = d.results
+    names = [e.name for e in r.engines]
+    charts: dict[str, Path] = {}
+    caches = sorted({s.cell.cache for s in r.samples})
+    base_mt, base_pl = r.base_max_tokens, r.base_prompt_len
+    open_loop = any(s.cell.rate is not None for s in r.samples)
+    load_key = "rate" if open_loop else "concurrency"
+
+    def series(cache: str, engine: str, value: Callable[[Any], Any], key: str) -> tuple[list[Any], list[list[float]]]:
+        pts: dict[Any, list[float]] = {}
+        for s in r.samples:
+            if s.engine != engine or s.cell.cache != cache:
+                continue
+            c = s.cell
+            if key in ("concurrency", "rate") and (c.max_tokens != base_mt or c.prompt_len != base_pl):
+                continue
+            if key == "rate" and c.rate is None:
+                continue
+            if key == "prompt_len" and (c.concurrency != 1 or c.max_tokens != base_mt or c.rate is not None):
+                continue
+            v = value(s)
+            if isinstance(v, int | float):
+                pts.setdefault(getattr(c, key), []).append(float(v))
+        xs = sorted(pts, key=lambda x: length_rank(x) if isinstance(x, str) else x)
+        return xs, [pts[x] for x in xs]
+
+    def save(fig: Any, fname: str, title: str) -> None:
+        fig.tight_layout()
+        p = out / f"{fname}.svg"
+        fig.savefig(p, format="svg", metadata={"Date": None})
+        plt.close(fig)
+        charts[title] = p
+
+    lk = "request rate (req/s)" if open_loop else "concurrent requests"
+    specs = [
+        ("ttft_vs_load", f"TTFT vs {lk}", load_key, lambda s: s.ttft_s, "TTFT (ms, log)", 1000.0, True),
+        ("decode_vs_load", f"Per-request decode tok/s vs {lk}", load_key, lambda s: s.decode_tps, "decode tok/s", 1.0, False),
+        ("throughput_vs_load", f"Aggregate output tok/s vs {lk}", load_key, lambda s: s.output_tps, "output tok/s", 1.0, False),
+        ("ttft_vs_prompt_length", "TTFT vs prompt length (c=1)", "prompt_len", lambda s: s.ttft_s, "TTFT (ms, log)", 1000.0, True),
+    ]  # fmt: skip
+    for fname, title, key, value, ylabel, scale, logy in specs:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        drew = False
+        for cache in caches:
+            for ni, n in enumerate(names):
+                xs, vals = series(cache, n, value, key)
+                if not xs:
+                    continue
+                drew = True
+                ys = [statistics.median(v) * scale for v in vals]
+                lo = [(statistics.median(v) - min(v)) * scale for v in vals]
+                hi = [(max(v) - statistics.median(v)) * scale for v in vals]
+                pos = list(range(len(xs))) if key == "prompt_len" else xs
+                ax.errorbar(pos, ys, yerr=[lo, hi], marker="o", capsize=3, color=f"C{ni}",
+                            linestyle="-" if cache != "warm" else "--", label=f"{n} ({cache})")  # fmt: skip
+                if key == "prompt_len":
+                    ax.set_xticks(pos, [str(x) for x in xs])
+        if not drew:
+            plt.close(fig)
+            continue
+        if logy:
+            ax.set_yscale("log")
+        if key in ("concurrency", "rate"):
+            ax.set_xscale("log", base=2)
+            loads = {s.cell.rate if key == "rate" else float(s.cell.concurrency) for s in r.samples}
+            ticks = sorted(x for x in loads if x is not None)
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel(lk)
+        else:
+            ax.set_xlabel("prompt length class")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title + " — median, bars = min–max over repeats", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        save(fig, fname, title)
+
+    # latency vs throughput: one point per load level (median over repeats), joined in load order; where the
+    # curve bends upward the engine is out of capacity
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    drew = False
+    judged = caches[0] if caches else None
+    for ni, n in enumerate(names):
+        levels: dict[float, list[Any]] = {}
+        for s in r.samples:
+            c = s.cell
+            if (
+                s.engine == n
+                and c.cache == judged
+                and c.max_tokens == base_mt
+                and c.prompt_len == base_pl
+                and s.output_tps
+            ):
+                levels.setdefault(c.rate if c.rate is not None else float(c.concurrency), []).append(s)
+        for q, marker in (("ttft_p50_s", "o"), ("ttft_p99_s", "^")):
+            xy: list[tuple[float, float, float]] = []
+            for load in sorted(levels):
+                raw: list[Any] = [
+                    (s.percentiles or {}).get(q) or (s.ttft_s if q == "ttft_p50_s" else None) for s in levels[load]
+                ]
+                yv = [float(y) for y in raw if isinstance(y, int | float) and y > 0]
+                if yv:
+                    xy.append(
+                        (statistics.median(float(s.output_tps) for s in levels[load]), statistics.median(yv), load)
+                    )
+            if xy:
+                drew = True
+                ax.plot([p[0] for p in xy], [p[1] * 1000 for p in xy], marker=marker, color=f"C{ni}",
+                        linestyle="-" if q == "ttft_p50_s" else ":", label=f"{n} TTFT {q[5:8]}")  # fmt: skip
+                if q == "ttft_p50_s":
+                    for x, y, load in xy:
+                        ax.annotate(f"{load:g}", (x, y * 1000), fontsize=6, xytext=(3, -8), textcoords="offset points")
+    if drew:
+        ax.set_yscale("log")
+        ax.set_xlabel("aggregate output tok/s (median over repeats)")
+        ax.set_ylabel("TTFT (ms, log)")
+        ax.set_title(f"Latency vs throughput ({judged} cache; points labelled with their {load_key})", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        save(fig, "latency_vs_throughput", "Latency vs throughput")
+    else:
+        plt.close(fig)
+
+    mem: dict[str, int] = {}
+    for s in r.samples:
+        if s.gpu_mem_peak_bytes is not None:
+            mem[s.engine] = max(mem.get(s.engine, 0), s.gpu_mem_peak_bytes)
+    note = None
+    if mem:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar(list(mem), [v / 2**30 for v in mem.values()])
+        ax.set_ylabel("GiB")
+        ax.set_title("GPU memory peak during the bench", fontsize=9)
+        if r.memory_budget_bytes:
+            ax.axhline(r.memory_budget_bytes / 2**30, color="red", linestyle="--", label="budget")
+            ax.legend(fontsize=7)
+        save(fig, "memory", "GPU memory peak")
+    else:
+        note = "No memory chart: GPU memory was unknown (no proxy /metrics given and no NVML device)."
+    return charts, note

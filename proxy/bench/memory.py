@@ -1,0 +1,154 @@
+"""GPU memory while a cell repeat runs, per engine where anything can tell.
+
+Sources, best first: the proxy's ``/metrics`` per-engine gauges (``enginemeter_engine_gpu_memory_used_bytes``
+then ``..._peak_bytes``: the proxy attributes GPU processes to engines through /proc), then its device gauge,
+then NVML locally (whole device). Only a per-engine source can judge "memory fits"; a device-wide reading
+includes whatever else runs on that GPU (the other engine too), and the verdict says so instead of judging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)")
+PER_ENGINE = frozenset({"proxy engine gauge", "proxy engine peak"})
+
+
+def parse_metrics(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        with contextlib.suppress(ValueError):
+            yield m.group(1), labels, float(m.group(3))
+
+
+@dataclass(frozen=True, slots=True)
+class MemReading:
+    used_bytes: int | None
+    source: str
+    gpus: tuple[int, ...] = ()  # the GPUs this engine holds memory on (per-engine sources only)
+    total_bytes: int | None = None  # installed memory of those GPUs (of all, for a device-wide source)
+
+
+def read_memory(text: str, engine: str) -> MemReading:
+    """The engine's GPU memory now (or its peak, or the device's) from the proxy's /metrics."""
+    used: dict[int, float] = {}
+    peak: dict[int, float] = {}
+    device: dict[int, float] = {}
+    total: dict[int, float] = {}
+    for name, labels, v in parse_metrics(text):
+        gpu = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else -1
+        if name == "enginemeter_engine_gpu_memory_used_bytes" and labels.get("engine") == engine:
+            used[gpu] = used.get(gpu, 0) + v
+        elif name == "enginemeter_engine_gpu_memory_peak_bytes" and labels.get("engine") == engine:
+            peak[gpu] = peak.get(gpu, 0) + v
+        elif name == "enginemeter_gpu_memory_used_bytes":
+            device[gpu] = device.get(gpu, 0) + v
+        elif name == "enginemeter_gpu_memory_total_bytes":
+            total[gpu] = total.get(gpu, 0) + v
+
+    def of(vals: dict[int, float], source: str, per_engine: bool) -> MemReading:
+        gpus = tuple(sorted(g for g, x in vals.items() if x > 0)) if per_engine else tuple(sorted(vals))
+        tot = [total[g] for g in gpus if g in total]
+        return MemReading(int(sum(vals.values())), source, gpus, int(sum(tot)) if tot else None)
+
+    if used:
+        return of(used, "proxy engine gauge", True)
+    if peak:
+        return of(peak, "proxy engine peak", True)
+    if device:
+        return of(device, "proxy device gauge", False)
+    return MemReading(None, "unknown")
+
+
+def memory_from_metrics(text: str, engine: str) -> tuple[int | None, str]:
+    m = read_memory(text, engine)
+    return m.used_bytes, m.source
+
+
+class MemoryProbe:
+    """Polls GPU memory while a cell repeat runs; ``box["peak"]`` is the highest reading (None: unknown)."""
+
+    def __init__(self, metrics_url: str | None) -> None:
+        self.metrics_url = metrics_url
+        self.source = "unknown"
+        self.gpus: dict[str, tuple[int, ...]] = {}
+        self.total_bytes: int | None = None
+        self._nvml: Any = None
+        if metrics_url is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                if pynvml.nvmlDeviceGetCount() > 0:
+                    self._nvml = pynvml
+                    self.source = "NVML (whole device)"
+            except Exception:  # no driver, no GPU: memory stays unknown
+                self._nvml = None
+
+    def _nvml_used(self) -> tuple[int, int]:
+        nv = self._nvml
+        used = total = 0
+        for i in range(nv.nvmlDeviceGetCount()):
+            info = nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i))
+            used += int(info.used)
+            total += int(info.total)
+        return used, total
+
+    async def read(self, client: httpx.AsyncClient | None, engine: str) -> int | None:
+        if self.metrics_url and client is not None:
+            try:
+                r = await client.get(self.metrics_url, timeout=5)
+            except httpx.HTTPError:
+                return None
+            m = read_memory(r.text, engine)
+            self.source = m.source
+            if m.gpus:
+                self.gpus[engine] = m.gpus
+            self.total_bytes = m.total_bytes or self.total_bytes
+            return m.used_bytes
+        if self._nvml is not None:
+            try:
+                used, self.total_bytes = await asyncio.to_thread(self._nvml_used)
+                return used
+            except Exception:
+                return None
+        return None
+
+    @contextlib.asynccontextmanager
+    async def watch(
+        self, client: httpx.AsyncClient | None, engine: str, period_s: float = 0.5
+    ) -> AsyncIterator[dict[str, int | None]]:
+        box: dict[str, int | None] = {"peak": None}
+
+        async def loop() -> None:
+            while True:
+                v = await self.read(client, engine)
+                if v is not None:
+                    box["peak"] = max(v, box["peak"] or 0)
+                await asyncio.sleep(period_s)  # sampling period, not synchronisation
+
+        if self.metrics_url is None and self._nvml is None:
+            yield box
+            return
+        task = asyncio.create_task(loop())
+        try:
+            yield box
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            v = await self.read(client, engine)
+            if v is not None:
+                box["peak"] = max(v, box["peak"] or 0)

@@ -1,0 +1,123 @@
+"""The records the verdict reads, whatever produced them (bench JSONL of either version, the proxy's log)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Decision = Literal["stay", "switch", "inconclusive"]
+Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "noisy", "unresolved", "stay", "note"]
+#: the gates, in order
+STEPS: tuple[str, ...] = ("parity", "data", "memory", "decode", "throughput", "long-context")
+#: outcomes that fail their gate
+FAILS: frozenset[str] = frozenset({"inconclusive", "noisy", "unresolved", "stay"})
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One point of a sweep. ``cache`` is cold|warm|live; ``prompt_len`` a length class or ``mixed``."""
+
+    cache: str
+    concurrency: int
+    max_tokens: int
+    prompt_len: str
+    rate: float | None = None
+
+    def label(self) -> str:
+        if self.cache == "live":  # max_tokens holds the group's upper bound (0: open)
+            lo, hi = self.concurrency, self.max_tokens
+            return "live, observed " + (f"c={lo}" if hi == lo else f"c≥{lo}" if hi == 0 else f"c={lo}–{hi}")
+        rate = f", rate={self.rate:g}/s" if self.rate is not None else ""
+        return f"{self.cache}, c={self.concurrency}{rate}, max_tokens={self.max_tokens}, prompt={self.prompt_len}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One repeat of one cell on one engine: medians over its requests plus the cell's aggregates."""
+
+    engine: str
+    cell: Cell
+    repeat: int
+    n_ok: int
+    n_err: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    decode_tps: float | None = None
+    e2e_s: float | None = None
+    completion_tokens: float | None = None  # mean per request
+    prompt_tokens: float | None = None  # mean per request (engine usage)
+    output_tps: float | None = None  # all output tokens of the repeat / its wall time
+    gpu_mem_peak_bytes: int | None = None
+    errors: tuple[str, ...] = ()
+    gpu_mem_source: str | None = None
+    gpus: tuple[int, ...] = ()
+    gpu_mem_total_bytes: int | None = None
+    goodput_rps: float | None = None
+    percentiles: Mapping[str, float | None] = field(default_factory=dict)  # ttft_p50_s ... itl_p99_s
+
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    """One measured request: the unit of the paired comparison (same cell, repeat and index on each engine)."""
+
+    engine: str
+    cell: Cell
+    repeat: int
+    index: int
+    ok: bool
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    decode_tps: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    name: str
+    kind: str | None = None
+    model: str | None = None
+    quantization: str | None = None
+    #: the sampling each engine actually got, canonical (top_k "off", one penalty name)
+    sampling: Mapping[str, object] = field(default_factory=dict)
+    max_tokens: tuple[int, ...] = ()
+    #: sampling params the per-kind mapping dropped for this engine (None: not recorded)
+    dropped: tuple[str, ...] | None = ()
+    context_per_slot: int | None = None
+    slots: int | None = None
+    aa_of: str | None = None
+    quantization_source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    step: str  # one of STEPS
+    outcome: Outcome
+    text: str
+    check: str = ""  # within a gate: prompt tokens, sampling, context, quantization, ...
+    decisive: bool = True  # False: shown after the verdict stopped at an earlier gate
+
+
+@dataclass(frozen=True, slots=True)
+class Results:
+    engines: tuple[EngineInfo, ...]
+    baseline: str
+    samples: tuple[Sample, ...]
+    #: engine -> prompt key -> prompt tokens (tokenizer measurement and/or per-request usage)
+    prompt_tokens: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    base_max_tokens: int | None = None
+    base_prompt_len: str | None = None
+    memory_budget_bytes: int | None = None
+    min_repeats: int = 3
+    #: run-to-run variation (CV over repeats) above which a step refuses to judge
+    max_variation: float = 0.20
+    #: no difference smaller than this is ever called, whatever the A/A pass measured
+    min_floor: float = 0.01
+    requests: tuple[Req, ...] = ()
+    shared_prefix: bool = False
+    #: mirrored live traffic (max tokens equal by construction; cells are observed concurrency)
+    live: bool = False
+    #: reasons the source adds to the parity gate (live: contention on a shared GPU)
+    extra_parity: tuple[Reason, ...] = ()

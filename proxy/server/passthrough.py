@@ -1,0 +1,408 @@
+"""Pass-through: every ``/v1/*`` route the proxy does not serve itself, and the engines' ``/tokenize`` and
+``/detokenize``, go to one engine as they are.
+
+receive -> authenticate -> read body (bounded) -> route by ``model`` -> map alias -> served name
+        -> send upstream -> relay the response as it comes -> one Result
+
+- **Which engine**: the primary of the route the body's ``model`` picks (``Router.route_for``: alias, ``*``,
+  ``default_route``); a body without ``model`` (``/tokenize``, multipart uploads, GET) goes to the primary of
+  ``default_route``, else of the ``*`` route, else of the first route. No split, pin, fallback or shadow: a
+  pass-through request is never mirrored.
+- **What changes**: a JSON body's ``model`` alias becomes the engine's served name (as for generation); a
+  small (<= 1 MiB) non-stream JSON answer gets the alias back (``"model":"<served>"`` replaced once, as bytes).
+  Nothing else: the body, the method, the query string and the status pass as they are. Request headers sent
+  upstream: ``content-type``, ``accept``, ``x-request-id``, ``traceparent``/``tracestate`` (and the engine's
+  own ``api_key``); response headers come back without hop-by-hop ones.
+- **Unbuffered**: an SSE or chunked answer (``/v1/responses`` with ``stream``, ``/v1/audio/speech``) is
+  forwarded read by read, and a client that hangs up cancels the upstream request at once (as the relay does).
+- **Counted**: one ``Result`` per request with an ``endpoint`` label from ``proxy.types.PassthroughEndpoint``,
+  ``role="primary"``, the outcome, the status and e2e timing (no tokens, no TTFT): in
+  ``enginemeter_requests_total``, ``enginemeter_passthrough_duration_seconds``, the request log and traces.
+- The proxy's own paths (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) with another method
+  get the proxy's 405, never the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.routing import BaseRoute, Route
+from starlette.types import Message, Receive, Scope, Send
+
+from proxy.errors import TRANSPORT_ERRORS, BadRequest, NotFound, PayloadTooLarge, ProxyError, from_transport_error
+from proxy.server.attempt import Attempts
+from proxy.server.context import current
+from proxy.server.relay import error_response
+from proxy.server.result import Result
+from proxy.server.routing import Router
+from proxy.server.upstream import Engine
+from proxy.settings import Settings
+from proxy.timing import StreamTimer, StreamTiming
+from proxy.types import Outcome, PassthroughEndpoint
+
+if TYPE_CHECKING:
+    from proxy.server.tracing import Tracing
+
+log = logging.getLogger("enginemeter.passthrough")
+
+#: the proxy's own paths under /v1 (their other methods are the proxy's 405, not the engine's)
+OWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+#: request headers sent upstream besides x-request-id and the trace headers
+FORWARD_REQUEST = (b"content-type", b"accept")
+#: never copied from the engine's response: hop-by-hop, and what the proxy's server sets itself
+DROP_RESPONSE = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"server",
+        b"date",
+        b"content-length",
+    }
+)
+#: a non-stream JSON answer up to this size gets the client's model name back; larger ones pass untouched
+MAX_REWRITE_BYTES = 1 << 20
+_ENDPOINTS: dict[str, PassthroughEndpoint] = {
+    "/embeddings": "embeddings",
+    "/responses": "responses",
+    "/rerank": "rerank",
+    "/reranking": "rerank",
+    "/score": "rerank",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+
+
+def endpoint_of(path: str) -> PassthroughEndpoint:
+    """The bounded ``endpoint`` label of a pass-through path."""
+    p = path.removeprefix("/v1")
+    if p.startswith("/audio/"):
+        return "audio"
+    if p.startswith("/responses/"):
+        return "responses"
+    return _ENDPOINTS.get(p, "other")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was whole."""
+
+
+class Passthrough:
+    """The ASGI app behind every pass-through route."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        router: Router,
+        engines: dict[str, Engine],
+        attempts: Attempts,
+        authenticate: Callable[[Request], None],
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = router
+        self.engines = engines
+        self.attempts = attempts
+        self.authenticate = authenticate
+        self.tracing = tracing
+
+    def engine_for(self, model: str | None) -> Engine:
+        try:
+            _, route = self.router.route_for(model)
+        except NotFound:
+            if model is not None:
+                raise
+            s = self.settings
+            route = s.routes[s.default_route if s.default_route is not None else 0]
+        return self.engines[route.primary]
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timer = StreamTimer()
+        headers = dict(scope["headers"])  # lower-case names; a repeated header keeps its last value
+        # the proxy owns request ids (as for generation requests); the client's x-request-id is forwarded and logged
+        request_id = uuid.uuid4().hex
+        client_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path in OWN_PATHS:
+            err = ProxyError(f"Method Not Allowed: {method} {path}")
+            err.status, err.type = 405, "invalid_request_error"
+            await error_response(err, request_id)(scope, receive, send)
+            return
+        endpoint = endpoint_of(path)
+        client_model: str | None = None
+        try:
+            self.authenticate(Request(scope))
+            content = await self.read_body(scope, receive)
+            client_model, content = self._model(headers, content)
+            engine = self.engine_for(client_model)
+        except ProxyError as exc:
+            self.rejected(endpoint, client_model, "rejected")
+            await error_response(exc, request_id)(scope, receive, send)
+            return
+        except _ClientGone:
+            self.rejected(endpoint, client_model, "client_disconnect")
+            return  # the client left while sending its body: nothing reached an engine
+        served = self.attempts.served_model(client_model, engine) if client_model is not None else None
+        if client_model is not None and served is not None and served != client_model:
+            content = _set_model(content, served)
+        call = _Call(self, engine, endpoint, request_id, client_model, served, timer, client_id)
+        await call.run(scope, receive, send, method, path, headers, content)
+
+    def rejected(self, endpoint: PassthroughEndpoint, model: str | None, outcome: Outcome) -> None:
+        """A request that never reached an engine still counts once (engine="none"), as a generation one does."""
+        label = self.attempts.model_label(model)
+        self.attempts.metrics.requests.labels("none", label, "primary", "false", endpoint, outcome).inc()
+
+    @staticmethod
+    def _model(headers: dict[bytes, bytes], content: bytes) -> tuple[str | None, bytes]:
+        """The body's ``model`` when it is a JSON object with one (else None); refuses a non-string model."""
+        ctype = headers.get(b"content-type", b"")
+        if not content or not (ctype.startswith(b"application/json") or content[:1] == b"{"):
+            return None, content
+        try:
+            doc = json.loads(content)
+        except ValueError:
+            return None, content  # the engine answers malformed JSON itself
+        if not isinstance(doc, dict) or "model" not in doc:
+            return None, content
+        model = doc["model"]
+        if not isinstance(model, str):
+            raise BadRequest("`model` must be a string", param="model")
+        return model, content
+
+
+def _set_model(content: bytes, served: str) -> bytes:
+    doc = json.loads(content)
+    doc["model"] = served
+    return json.dumps(doc, ensure_ascii=False).encode()
+
+
+class _Call:
+    """One pass-through request on one engine, ended by exactly one Result."""
+
+    def __init__(
+        self,
+        owner: Passthrough,
+        engine: Engine,
+        endpoint: PassthroughEndpoint,
+        request_id: str,
+        client_model: str | None,
+        served: str | None,
+        timer: StreamTimer,
+        client_request_id: str | None = None,
+    ) -> None:
+        self.owner = owner
+        self.client_request_id = client_request_id
+        self.engine = engine
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.client_model = client_model
+        self.served = served
+        self.timer = timer
+        self.status = 0
+        self.stream = False
+        self.outcome: Outcome | None = None
+        self.error: str | None = None
+        self.span: Any = None
+
+    def upstream_headers(self, headers: dict[bytes, bytes]) -> dict[str, str]:
+        out = {k.decode(): headers[k].decode("latin-1") for k in FORWARD_REQUEST if k in headers}
+        out["accept-encoding"] = "identity"
+        out["x-request-id"] = self.client_request_id or self.request_id
+        ctx = current()
+        if ctx is not None:
+            out.update(ctx.trace_headers)
+        tracing = self.owner.tracing
+        if tracing is not None:
+            self.span, trace = tracing.start_passthrough(self.engine, self.endpoint, self.served)
+            out.update(trace)
+        return out
+
+    async def run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        method: str,
+        path: str,
+        headers: dict[bytes, bytes],
+        content: bytes,
+    ) -> None:
+        metrics = self.owner.attempts.metrics
+        metrics.in_flight.labels(self.engine.name, "primary").inc()  # until the one Result (Attempts.record)
+        client = self.engine.client
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = path + ("?" + query if query else "")
+        response: httpx.Response | None = None
+        try:
+            request = client.build_request(method, url, content=content, headers=self.upstream_headers(headers))
+            self.timer.sent()
+            try:
+                response = await client.send(request, stream=True)
+            except TRANSPORT_ERRORS as exc:
+                err = from_transport_error(exc, self.engine.name)
+                self.outcome, self.error, self.status = err.outcome, err.message, err.status
+                await error_response(err, self.request_id, engine=self.engine.name)(scope, receive, send)
+                return
+            self.timer.headers()
+            self.status = response.status_code
+            await self._relay(response, scope, receive, send)
+        except Exception as exc:
+            if self.outcome is None:
+                self.outcome, self.error = "upstream_broken", f"{type(exc).__name__}: {exc}"
+            raise
+        except BaseException:
+            if self.outcome is None:
+                self.outcome = "client_disconnect"
+            raise
+        finally:
+            if response is not None:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+            self._finish()
+
+    async def _relay(self, response: httpx.Response, scope: Scope, receive: Receive, send: Send) -> None:
+        ctype = response.headers.get("content-type", "")
+        self.stream = ctype.startswith("text/event-stream")
+        out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in DROP_RESPONSE]
+        out_headers += [
+            (b"x-enginemeter-engine", self.engine.name.encode()),
+            (b"x-enginemeter-request-id", self.request_id.encode()),
+        ]
+        length = response.headers.get("content-length")
+        rewrite = (
+            self.client_model is not None
+            and self.served is not None
+            and self.served != self.client_model
+            and ctype.startswith("application/json")
+            and length is not None
+            and length.isdigit()
+            and int(length) <= MAX_REWRITE_BYTES
+        )
+        if rewrite:
+            try:
+                body = await response.aread()
+            except TRANSPORT_ERRORS as exc:
+                self._broken(exc)
+                return  # nothing was sent: the client's connection closes without an answer
+            body = _rewrite_model(body, self.served or "", self.client_model or "")
+            out_headers.append((b"content-length", str(len(body)).encode()))
+            await send({"type": "http.response.start", "status": self.status, "headers": out_headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            self._ended()
+            return
+        if length is not None:
+            out_headers.append((b"content-length", length.encode()))
+        await _relay_watched(self, response, out_headers, receive, send)
+
+    def _broken(self, exc: BaseException) -> None:
+        self.outcome = "upstream_broken"
+        self.error = f"engine {self.engine.name!r} broke off its answer: {type(exc).__name__}: {exc}"
+
+    def _ended(self) -> None:
+        if self.outcome is None:
+            self.outcome = "ok" if self.status < 400 else "engine_error"
+
+    def _finish(self) -> None:
+        self.timer.done()
+        owner = self.owner
+        result = Result(
+            request_id=self.request_id,
+            client_request_id=self.client_request_id,
+            engine=self.engine.name,
+            engine_kind=self.engine.effective_kind,
+            role="primary",
+            model=owner.attempts.model_label(self.client_model),
+            endpoint=self.endpoint,
+            stream=self.stream,
+            outcome=self.outcome or "upstream_broken",
+            status=self.status,
+            timing=StreamTiming.derive(self.timer, None, None),
+            usage=None,
+            engine_timings=None,
+            finish_reason=None,
+            n_token_events=0,
+            greedy=False,
+            error=self.error,
+        )
+        if self.span is not None and owner.tracing is not None:
+            owner.tracing.end_attempt(self.span, result, self.timer)
+        owner.attempts.record(result)
+
+
+async def _relay_watched(
+    call: _Call, response: httpx.Response, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send
+) -> None:
+    """Forward the body read by read; a client disconnect cancels it at once (``RelayResponse``'s pattern)."""
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while True:
+                message: Message = await receive()
+                if message["type"] == "http.disconnect":
+                    call.outcome = call.outcome or "client_disconnect"
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        await send({"type": "http.response.start", "status": call.status, "headers": headers})
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except TRANSPORT_ERRORS as exc:
+            call._broken(exc)
+            tg.cancel_scope.cancel()
+            return  # the response stays incomplete: the server closes the connection, the client sees a cut
+        except OSError:
+            call.outcome = call.outcome or "client_disconnect"
+            tg.cancel_scope.cancel()
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        call._ended()
+        tg.cancel_scope.cancel()
+
+
+def _rewrite_model(body: bytes, served: str, alias: str) -> bytes:
+    for sep in (b":", b": "):
+        old = b'"model"' + sep + json.dumps(served, ensure_ascii=False).encode()
+        if old in body:
+            return body.replace(old, b'"model"' + sep + json.dumps(alias, ensure_ascii=False).encode(), 1)
+    return body
+
+
+def passthrough_routes(app: Passthrough) -> Iterable[BaseRoute]:
+    """Routes to add after the proxy's own: ``/v1/*`` and the engines' tokenizer paths, any method."""
+    return [
+        Route("/tokenize", app),
+        Route("/detokenize", app),
+        Route("/v1/{path:path}", app),
+    ]
