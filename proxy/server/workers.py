@@ -68,7 +68,7 @@ MAX_QUICK_CRASHES = 3
 def default_workers() -> int:
     """Half the CPUs this process may run on (the engines, and the clients on a test box, need the rest), 1 to 8.
 
-    One worker relays ~10k chunks/s on one core (docs/performance.md); 8 covers a 16-core host."""
+    One worker relays ~8,000 chunks/s on one core (docs/performance.md, the 16-core run); 8 cover a 16-core host."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
