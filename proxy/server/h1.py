@@ -21,9 +21,12 @@ A response closed before its end closes its connection, so the engine frees the 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -31,6 +34,8 @@ import aiohttp
 import httptools
 
 from proxy.settings import EngineSettings
+
+log = logging.getLogger("enginemeter.upstream")
 
 #: as ``upstream.KEEPALIVE_EXPIRY_S`` (not imported: upstream imports this module)
 KEEPALIVE_EXPIRY_S = 4.0
@@ -63,6 +68,7 @@ class _Conn(asyncio.Protocol):
         "headers_done",
         "idle_since",
         "keep_alive",
+        "on_idle_close",
         "parser",
         "status",
         "transport",
@@ -80,6 +86,8 @@ class _Conn(asyncio.Protocol):
         self.done = False
         self.error: BaseException | None = None
         self.idle_since = 0.0
+        #: set while the connection waits in the pool: the engine closing it then teaches the pool (H1Streams)
+        self.on_idle_close: Callable[[], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -100,6 +108,8 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.on_idle_close is not None:
+            self.on_idle_close()
         if self.headers_done and not self.done and not self.framed and exc is None:
             self.done = True  # no content-length, not chunked: the body ends where the connection does
             self._wake()
@@ -181,6 +191,22 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+def _peer_closed(t: asyncio.Transport) -> bool:
+    """Whether the engine has closed this idle connection, even if the loop has not seen its FIN yet (a peek at the
+    socket: three syscalls a reuse). llama-server closes after every streamed response though its headers say
+    keep-alive, and the relay never retries a request on the same engine: a stale reuse would fail the request."""
+    sock = t.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        with socket.socket(fileno=os.dup(sock.fileno())) as peek:
+            return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # nothing to read: open
+    except OSError:
+        return True
+
+
 def _timeout(w: asyncio.Future[None]) -> None:
     if not w.done():
         w.set_exception(TimeoutError("no data from the engine within the read timeout"))
@@ -204,6 +230,11 @@ class H1Streams:
         self._sem: asyncio.Semaphore | None = None
         self._idle: list[_Conn] = []
         self._heads: dict[str, bytes] = {}
+        #: the engine closed a pooled connection by itself (llama-server does after every streamed response,
+        #: though its headers say keep-alive): from then on no connection is pooled, since reusing one would race
+        #: the engine's FIN and the relay never retries a request on the same engine
+        self._closes = False
+        self._host_port = f"{self._host}:{self._port}"
 
     async def _acquire(self) -> None:
         if self._sem is None:
@@ -234,18 +265,26 @@ class H1Streams:
             raise EngineUnreachable(self._host, self._port, exc) from exc
         return conn
 
+    def _learn_closes(self) -> None:
+        if not self._closes:
+            log.info("engine %s closes idle connections after a response: not keeping them", self._host_port)
+        self._closes = True
+
     def _pop_idle(self) -> _Conn | None:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
+            conn.on_idle_close = None
             t = conn.transport
-            if t is not None and not t.is_closing() and now - conn.idle_since < KEEPALIVE_EXPIRY_S:
+            fresh = t is not None and not t.is_closing() and now - conn.idle_since < KEEPALIVE_EXPIRY_S
+            if fresh and t is not None and not _peer_closed(t):
                 return conn
             conn.close()
         return None
 
     def _put_idle(self, conn: _Conn) -> None:
         conn.reset()
+        conn.on_idle_close = self._learn_closes
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
@@ -278,6 +317,7 @@ class H1Streams:
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
         for conn in idle:
+            conn.on_idle_close = None
             conn.close()
 
 
@@ -317,12 +357,11 @@ class _H1Response:
             return
         self._closed = True
         conn = self._conn
-        if conn.reusable() and not conn.chunks:
-            # llama-server closes its connection after every streamed response though its headers say
-            # keep-alive; its FIN follows the last chunk at once. One loop turn lets it land before the connection
-            # is pooled: the relay never retries a request on the same engine, so a stale reuse would fail it
+        if conn.reusable() and not conn.chunks and not self._pool._closes:
+            # an engine that closes after its response (llama-server after a stream) sends its FIN with the last
+            # chunk: one loop turn lets it land before the connection is pooled, and teaches the pool
             await asyncio.sleep(0)
-        if conn.reusable() and not conn.chunks:
+        if conn.reusable() and not conn.chunks and not self._pool._closes:
             self._pool._put_idle(conn)
         else:
             conn.close()  # cut off mid-body (client gone, error) or not kept alive: the engine frees its slot
