@@ -119,8 +119,11 @@ class LoadGen:
 
     async def _conn(self, host: str, port: int, fresh: bool = False) -> tuple[Conn, bool]:
         pool = self.pools.setdefault((host, port), [])
-        if pool and not fresh:
-            return pool.pop(), True
+        while pool and not fresh:
+            conn = pool.pop()
+            if not conn.reader.at_eof():
+                return conn, True
+            conn.close()  # the server closed it after its last response (llama-server does after every stream)
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
         return Conn(reader, writer), False
 
@@ -139,21 +142,22 @@ class LoadGen:
                 try:
                     data = await reader.read(65536)
                 except ConnectionResetError:
-                    if not (reused and not buf):
+                    if not (reused and not buf.strip()):
                         raise
                     data = b""  # the same race as below, seen as a reset
-                if not data and reused and not buf:
+                if not data and reused and not buf.strip():
                     # the server closed this idle keep-alive connection (uvicorn: after 5 s): retry once on a
                     # fresh one, as every HTTP client does; the connect counts in this stream's TTFT
                     conn.close()
                     conn, reused = await self._conn(host, port, fresh=True)
                     conn.writer.write(request)
                     reader = conn.reader
+                    buf = b""  # a stray CRLF after the last response's final chunk
                     continue
                 if not data:
                     raise ConnectionError("closed before response headers")
                 buf += data
-            head, _, rest = buf.partition(b"\r\n\r\n")
+            head, _, rest = buf.lstrip(b"\r\n").partition(b"\r\n\r\n")
             lines = head.split(b"\r\n")
             status = int(lines[0].split(b" ", 2)[1])
             headers = {}
@@ -255,6 +259,8 @@ class LoadGen:
             "gaps_ns": [g for r in ok for g in r.gaps_ns],
             "tokens": sum(r.tokens for r in ok),
             "wall_ns": t1 - t0,
+            "t0_ns": t0,
+            "t1_ns": t1,
             "errors": len(errors),
             "first_error": errors[0] if errors else None,
         }
@@ -324,6 +330,14 @@ def rss_mib(pids: list[int]) -> tuple[float, float]:
     return cur / 1024, peak / 1024
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (``serve --workers N``: the workers and multiprocessing's helper)."""
+    out = children(pid)
+    for c in list(out):
+        out += descendants(c)
+    return out
+
+
 def children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -362,6 +376,9 @@ http {{
             proxy_buffering off;
             proxy_request_buffering off;
             proxy_read_timeout 600s;
+            # llama-server closes its connection after every stream: retry a POST on a kept-alive connection the
+            # engine closed, as enginemeter does (else nginx answers 502)
+            proxy_next_upstream error timeout non_idempotent;
         }}
     }}
 }}
@@ -386,20 +403,58 @@ class Procs:
             print(f"  started {name} (pid {p.pid}): {' '.join(argv)}", file=sys.stderr)
         return p
 
-    def engine(self, name: str, tokens: int, cadence_ms: float, ttft_ms: float) -> tuple[int, subprocess.Popen[bytes]]:
+    def engine(
+        self, name: str, tokens: int, cadence_ms: float, ttft_ms: float, procs: int = 1
+    ) -> tuple[int, subprocess.Popen[bytes]]:
+        """The fake engine; ``procs`` > 1: that many processes on one port (SO_REUSEPORT), for loads one
+        asyncio process cannot serve."""
         port = free_port()
         argv = [sys.executable, "-m", "fakes.fault_engine", "--port", str(port), "--tokens", str(tokens)]
-        argv += ["--cadence-ms", str(cadence_ms), "--ttft-ms", str(ttft_ms)]
-        p = self.start(name, argv)
+        argv += ["--cadence-ms", str(cadence_ms), "--ttft-ms", str(ttft_ms), "--slots", "100000"]
+        if procs > 1:
+            argv.append("--reuse-port")
+        first = p = self.start(name, argv)
         wait_http(port, "/health", p)
+        for i in range(1, procs):
+            p = self.start(f"{name}-{i}", argv)
+        return port, first
+
+    def llama(
+        self, name: str, binary: str, model: str, threads: int, slots: int
+    ) -> tuple[int, subprocess.Popen[bytes]]:
+        """A real llama-server (``--engine llama``): ``-t threads``, ``-np slots``, 256 context tokens a slot."""
+        port = free_port()
+        argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
+        argv += ["-np", str(slots), "-c", str(256 * slots), "--no-webui", "--threads-http", str(slots + 32)]
+        p = self.start(name, argv)
+        wait_http(port, "/health", p, deadline_s=120.0)
         return port, p
 
     def proxy(
-        self, name: str, primary: int, shadow: int | None, env: dict[str, str], cwd: Path = ROOT
+        self,
+        name: str,
+        primary: int,
+        shadow: int | None,
+        env: dict[str, str],
+        cwd: Path = ROOT,
+        workers: int | None = None,
+        max_connections: int = 0,
     ) -> tuple[int, subprocess.Popen[bytes]]:
         port = free_port()
-        argv = [sys.executable, "-m", "proxy.cli", "serve", "--primary", f"http://127.0.0.1:{primary}"]
+        argv = [sys.executable, "-m", "proxy.cli", "serve"]
+        if max_connections:
+            # the quick form's pool (512 connections an engine) would queue thousands of streams
+            conf = self.tmp / f"{name}.yaml"
+            conf.write_text(
+                f"engines:\n  - {{name: primary, url: 'http://127.0.0.1:{primary}', max_connections: {max_connections}}}\n"
+                "routes:\n  - {models: ['*'], primary: primary}\n"
+            )
+            argv += ["--config", str(conf)]
+        else:
+            argv += ["--primary", f"http://127.0.0.1:{primary}"]
         argv += ["--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
+        if workers is not None:
+            argv += ["--workers", str(workers)]
         if shadow is not None:
             argv += ["--shadow", f"http://127.0.0.1:{shadow}"]
         p = self.start(name, argv, env, cwd)
@@ -412,7 +467,9 @@ class Procs:
         d.mkdir(exist_ok=True)
         conf = d / "nginx.conf"
         conf.write_text(NGINX_CONF.format(dir=d, upstream=upstream, port=port, workers=workers))
-        p = self.start("nginx", [binary, "-p", str(d), "-c", str(conf), "-e", str(d / "error.log")])
+        # a binary carried with its libraries (perf/README.md: the scale run) finds them beside itself
+        env = {"LD_LIBRARY_PATH": str(Path(binary).parent)} if (Path(binary).parent / "libssl.so.3").exists() else None
+        p = self.start("nginx", [binary, "-p", str(d), "-c", str(conf), "-e", str(d / "error.log")], env)
         wait_http(port, "/health", p)
         return port, p
 
@@ -507,9 +564,12 @@ def rotations(names: list[str]) -> Iterator[list[str]]:
 
 
 class Driver:
-    def __init__(self, args: argparse.Namespace, loadgen: subprocess.Popen[str]) -> None:
+    """Sends each round to the load generators (``--loadgen-procs``: the streams split between them) and merges
+    what they measured (``perf_counter_ns`` is CLOCK_MONOTONIC: one clock for every process)."""
+
+    def __init__(self, args: argparse.Namespace, loadgens: list[subprocess.Popen[str]]) -> None:
         self.args = args
-        self.loadgen = loadgen
+        self.loadgens = loadgens
         self.body = {
             "model": "bench",
             "stream": True,
@@ -522,16 +582,37 @@ class Driver:
         period_s = (self.args.ttft_ms + self.args.tokens * self.args.cadence_ms) / 1000
         cmd |= {"body": self.body, "ramp_ms": self.args.ramp_ms, "arrival": self.args.arrival}
         cmd |= {"period_s": period_s, "duration_s": self.args.duration_s or 2 * period_s}
-        assert self.loadgen.stdin is not None and self.loadgen.stdout is not None
+        k = len(self.loadgens)
+        shares = [streams // k + (1 if i < streams % k else 0) for i in range(k)]
         c0 = cpu_s(t.pids)
-        self.loadgen.stdin.write(json.dumps(cmd) + "\n")
-        self.loadgen.stdin.flush()
-        line = self.loadgen.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the load generator exited ({self.loadgen.poll()})")
+        busy = [(lg, n) for lg, n in zip(self.loadgens, shares, strict=True) if n]
+        for lg, n in busy:
+            assert lg.stdin is not None
+            lg.stdin.write(json.dumps(cmd | {"streams": n}) + "\n")
+            lg.stdin.flush()
+        parts: list[dict[str, Any]] = []
+        for lg, _ in busy:
+            assert lg.stdout is not None
+            line = lg.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a load generator exited ({lg.poll()})")
+            parts.append(json.loads(line))
         t.cpu_s += cpu_s(t.pids) - c0
-        out: dict[str, Any] = json.loads(line)
-        return out
+        if len(parts) == 1:
+            return parts[0]
+        errors = [p["first_error"] for p in parts if p["first_error"]]
+        t0s = [p["t0_ns"] for p in parts if p["t0_ns"]]
+        t1 = max(p["t1_ns"] for p in parts)
+        return {
+            "ttft_ns": [x for p in parts for x in p["ttft_ns"]],
+            "gaps_ns": [x for p in parts for x in p["gaps_ns"]],
+            "tokens": sum(p["tokens"] for p in parts),
+            "wall_ns": t1 - min(t0s) if t0s else 0,
+            "t0_ns": min(t0s) if t0s else 0,
+            "t1_ns": t1,
+            "errors": sum(p["errors"] for p in parts),
+            "first_error": errors[0] if errors else None,
+        }
 
 
 def fmt_range(r: tuple[float, float]) -> str:
@@ -617,6 +698,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="token chunks per stream")
     ap.add_argument("--cadence-ms", type=float, default=20.0, help="fake engine's gap between chunks")
     ap.add_argument("--ttft-ms", type=float, default=50.0, help="fake engine's time to first token")
+    ap.add_argument(
+        "--engine",
+        choices=["fake", "llama"],
+        default="fake",
+        help="fake: fakes.fault_engine (fixed cadence); llama: a real llama-server ($LLAMA_SERVER_BIN) on the"
+        " generated tiny model (proxy.embedded.make_model); --cadence-ms/--ttft-ms then only size the rounds",
+    )
+    ap.add_argument("--llama-threads", type=int, default=1, help="llama-server -t")
+    ap.add_argument("--llama-slots", type=int, default=0, help="llama-server -np (default: the largest --streams)")
     ap.add_argument("--rounds", type=int, default=8, help="measured rounds per target (plus one warm-up)")
     ap.add_argument(
         "--ramp-ms", type=float, default=0.0, help="spread stream starts over this many ms (0: all at once)"
@@ -630,6 +720,7 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=0.0, help="steady round length (default: 2 stream lengths)")
     ap.add_argument("--mirror", default="off", help="off | fast | slow | dead | all | a comma list")
     ap.add_argument("--nginx", choices=["auto", "off"], default="auto")
+    ap.add_argument("--nginx-bin", help="the nginx binary (default: nginx on PATH, /usr/sbin/nginx)")
     ap.add_argument("--nginx-workers", type=int, default=1, help="1 = one event loop, like the proxy")
     ap.add_argument("--proxy-env", action="append", default=[], help="KEY=VALUE for the proxy processes")
     ap.add_argument(
@@ -637,6 +728,14 @@ def main() -> int:
         help="another checkout of the repo (e.g. `git archive <commit> | tar -x -C DIR`): its proxy runs as"
         " target `proxy@base`, interleaved with the others, for a before/after in the same rounds",
     )
+    ap.add_argument(
+        "--proxy-workers",
+        default="1",
+        help="serve --workers for the proxy; a comma list runs one proxy target per count (proxy-wN)",
+    )
+    ap.add_argument("--max-connections", type=int, default=0, help="the proxy's pool per engine (0: the default)")
+    ap.add_argument("--engine-procs", type=int, default=1, help="fake engine processes on one port")
+    ap.add_argument("--loadgen-procs", type=int, default=1, help="load generator processes (streams split)")
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
@@ -651,7 +750,9 @@ def main() -> int:
         print("proxy/server/mirror.py is not there: mirror modes skipped", file=sys.stderr)
         modes = []
     env = dict(kv.split("=", 1) for kv in args.proxy_env)
-    nginx_bin = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    nginx_bin = (
+        args.nginx_bin or shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    )
     if args.nginx == "auto" and nginx_bin is None:
         print("nginx is not installed (apt-get install -y nginx-light): no nginx baseline", file=sys.stderr)
 
@@ -666,10 +767,23 @@ def main() -> int:
     }
     print(f"(process logs in {tmp}; removed after a clean run)", file=sys.stderr)
     try:
-        e_port, _ = procs.engine("engine", args.tokens, args.cadence_ms, args.ttft_ms)
+        if args.engine == "llama":
+            binary = os.environ.get("LLAMA_SERVER_BIN") or str(
+                Path.home() / ".cache/enginemeter/llama-server-11434.0.0-cpu/bin/llama-server"
+            )
+            from proxy.embedded import make_model
+
+            model = str(make_model())
+            slots = args.llama_slots or max(counts)
+            e_port, _ = procs.llama("engine", binary, model, args.llama_threads, slots)
+        else:
+            e_port, _ = procs.engine("engine", args.tokens, args.cadence_ms, args.ttft_ms, args.engine_procs)
         targets = [Target("direct", e_port, [])]
-        p_port, p_proc = procs.proxy("proxy", e_port, None, env)
-        targets.append(Target("proxy", p_port, [p_proc.pid]))
+        worker_counts = [int(w) for w in str(args.proxy_workers).split(",") if w] or [1]
+        for w in worker_counts:
+            name = "proxy" if len(worker_counts) == 1 else f"proxy-w{w}"
+            p_port, p_proc = procs.proxy(name, e_port, None, env, workers=w, max_connections=args.max_connections)
+            targets.append(Target(name, p_port, [p_proc.pid, *descendants(p_proc.pid)]))
         if args.baseline_tree:
             b_port, b_proc = procs.proxy("proxy-base", e_port, None, env, Path(args.baseline_tree).resolve())
             targets.append(Target("proxy@base", b_port, [b_proc.pid]))
@@ -688,15 +802,18 @@ def main() -> int:
             m_port, m_proc = procs.proxy(f"proxy-mirror-{mode}", e_port, s_port, env)
             targets.append(Target(f"proxy+mirror-{mode}", m_port, [m_proc.pid], shadow=mode))
 
-        lg = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--role", "loadgen"],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs.procs.append(("loadgen", lg))  # type: ignore[arg-type]
-        driver = Driver(args, lg)
+        loadgens = []
+        for i in range(args.loadgen_procs):
+            lg = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--role", "loadgen"],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            procs.procs.append((f"loadgen-{i}", lg))  # type: ignore[arg-type]
+            loadgens.append(lg)
+        driver = Driver(args, loadgens)
         for streams in counts:
             for t in targets:
                 t.rounds, t.cpu_s = [], 0.0
@@ -724,9 +841,12 @@ def main() -> int:
             rows = [summarize(t, direct) for t in targets]
             print_table(streams, rows, args)
             results["blocks"][str(streams)] = rows
+            if args.json:  # after every block: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(results, indent=1, default=list))
             sys.stdout.flush()
-        assert lg.stdin is not None
-        lg.stdin.close()
+        for lg in loadgens:
+            assert lg.stdin is not None
+            lg.stdin.close()
     finally:
         procs.stop_all()
     if args.json:

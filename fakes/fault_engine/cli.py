@@ -27,6 +27,7 @@ def _parse_args(argv: list[str] | None) -> FaultEngineConfig:
     p.add_argument("--queue-ms", type=float, default=0.0)
     p.add_argument("--multi", type=int, default=1)
     p.add_argument("--ping", action="store_true")
+    p.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: more engine processes on this port")
     p.add_argument("--fault", default="", help="default knobs in x-fault syntax, e.g. 'die_after=5'")
     args = p.parse_args(argv)
     knobs = Knobs(
@@ -44,6 +45,7 @@ def _parse_args(argv: list[str] | None) -> FaultEngineConfig:
     return FaultEngineConfig(
         host=args.host,
         port=args.port,
+        reuse_port=args.reuse_port,
         model=args.model,
         n_ctx=args.n_ctx,
         total_slots=args.slots,

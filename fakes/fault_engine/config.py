@@ -125,3 +125,4 @@ class FaultEngineConfig:
     total_slots: int = 4
     record_limit: int = 256  # POST bodies kept for /_fake/requests
     knobs: Knobs = field(default_factory=Knobs)  # defaults for requests without x-fault
+    reuse_port: bool = False  # SO_REUSEPORT: several engine processes share one port (perf/overhead.py at scale)

@@ -106,8 +106,9 @@ class FaultEngine:
 
     async def start(self) -> asyncio.Server:
         self.server = await asyncio.start_server(
-            self._handle, self.config.host, self.config.port, limit=MAX_HEAD_BYTES, backlog=1024
-        )
+            self._handle, self.config.host, self.config.port, limit=MAX_HEAD_BYTES, backlog=4096,
+            reuse_port=self.config.reuse_port or None,
+        )  # fmt: skip
         return self.server
 
     async def aclose(self) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,12 +25,14 @@ from proxy.server.nvml import PynvmlReader
 from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
 from proxy.server.routing import Router
+from proxy.server.workers import snapshot_health
 from proxy.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from proxy.server.tracing import Tracing
+    from proxy.server.workers import WorkerRole
 
 
 def build_app(
@@ -39,16 +42,24 @@ def build_app(
     nvml: Opener | None = None,
     on_shutdown: Sequence[Callable[[], None]] = (),
     span_exporter: SpanExporter | None = None,
+    worker: WorkerRole | None = None,
 ) -> Starlette:
     """The proxy for ``settings``: relay, routing, mirror + comparison, pass-through routes, GPU and engine-state
     collectors, and the opt-in request log, traces and timings block.
 
     ``registry``: where every metric goes (default a fresh one); ``nvml``: opens the NVML reader (tests replay
     recorded readings); ``on_shutdown``: called once the app has shut down; ``span_exporter``: where spans go
-    when tracing is on (tests: an in-memory exporter; default OTLP/HTTP to ``tracing.endpoint``).
+    when tracing is on (tests: an in-memory exporter; default OTLP/HTTP to ``tracing.endpoint``); ``worker``: one
+    of several processes (``proxy.server.workers``): the metrics go to the shared multiprocess files, a scrape
+    merges them, and only worker 0 runs the GPU and engine-state collectors.
     """
-    registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, settings.metrics)
+    if worker is not None:
+        registry = worker.registry()
+        # the values live in the multiprocess files, which `registry` merges; this one is never scraped
+        metrics = Metrics(CollectorRegistry(), settings.metrics)
+    else:
+        registry = registry if registry is not None else CollectorRegistry()
+        metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
     router = Router(settings)
@@ -71,12 +82,18 @@ def build_app(
             attempts.on_new.append(request_log.on_attempt)
         shutdown.insert(0, request_log.close)
     c = settings.collectors
-    gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
-    registry.register(gpu)
-    mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of)
+    gpu: GpuMonitor | None = None
+    engine_state: EngineStatePoller | None = None
+    if worker is None or worker.index == 0:
+        gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
+        registry.register(gpu)
+        engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
+        registry.register(engine_state)
+        if worker is not None:
+            worker.collectors += [gpu, engine_state]
+    # other workers do not sample GPUs: their pairs' records leave `gpus`/`contended` unknown
+    mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None)
     attempts.observers.append(mirror.on_result)
-    engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
-    registry.register(engine_state)
     gw = Gateway(
         settings=settings,
         registry=registry,
@@ -88,6 +105,9 @@ def build_app(
         gpu=gpu,
         engine_state=engine_state,
         on_shutdown=shutdown,
+        health_sections=(
+            functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None
+        ),
     )
     app = asgi_app(gw)
     app.state.request_log = request_log

@@ -18,7 +18,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from proxy.server.guard import raise_fd_limit
 from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.mirror import Mirror
 from proxy.server.relay import RelayResponse, error_response
+from proxy.server.result import new_request_id
 from proxy.server.routing import Decision, Router
 from proxy.server.upstream import Engine, make_client, probe_all
 from proxy.settings import Settings
@@ -109,6 +109,8 @@ class Gateway:
     mirror: Mirror | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
+    #: /health sections of collectors that run in another process (``serve --workers``: worker 0's snapshot)
+    health_sections: Callable[[], dict[str, Any]] | None = None
     #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
     on_shutdown: Sequence[Callable[[], None]] = ()
     body_timeout_s: float = BODY_TIMEOUT_S
@@ -190,7 +192,7 @@ class Gateway:
         request = Request(scope)
         # the proxy's own id pairs primary and shadow; a client's x-request-id is echoed and sent on to the
         # engine, never trusted to be unique
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         client_id = request.headers.get("x-request-id")
         client_id = client_id[:MAX_CLIENT_ID] if client_id else None
         echo = {"x-request-id": client_id} if client_id else {}
@@ -363,6 +365,8 @@ def asgi_app(gw: Gateway) -> Starlette:
             status.update(gw.gpu.health())
         if gw.engine_state is not None:
             status.update(gw.engine_state.health())
+        if gw.health_sections is not None:
+            status.update(gw.health_sections())
         return JSONResponse(status)
 
     async def metrics(request: Request) -> Response:

@@ -23,13 +23,15 @@ only puts a dict on a bounded queue (and drops it, counted, when the writer cann
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,6 +261,16 @@ def to_record(
     return rec
 
 
+@contextlib.contextmanager
+def _dir_locked(path: str) -> Iterator[None]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class ComparisonLog:
     """Bounded, rotating JSONL file written by one daemon thread.
 
@@ -343,13 +355,16 @@ class ComparisonLog:
                 continue
             try:
                 line = (json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-                size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-                if size and size + len(line) > self.max_bytes:
-                    self._rotate()
-                # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
-                with os.fdopen(fd, "ab") as f:
-                    f.write(line)
+                # `serve --workers N`: every worker appends to this file; a lock on its directory keeps a
+                # rotation and another worker's line apart (each line is one O_APPEND write)
+                with _dir_locked(d or "."):
+                    size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+                    if size and size + len(line) > self.max_bytes:
+                        self._rotate()
+                    # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+                    with os.fdopen(fd, "ab") as f:
+                        f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on
                 self.errors += 1

@@ -5,7 +5,7 @@ Guarantees (each one is tested in tests/test_mirror.py):
 - **The primary never waits.** ``submit()`` is synchronous and O(shadows): it draws the sample, checks the
   bounds and spawns one referenced task per shadow copy (held in ``Mirror._tasks``). Nothing on the primary's path
   awaits the shadow; the shadow's failures are recorded as its Result's outcome, never raised.
-- **Own pool.** Every shadow engine gets its own stream client (``AiohttpStreams``; pool size
+- **Own pool.** Every shadow engine gets its own stream client (``H1Streams``; pool size
   ``mirror.max_in_flight``), so a slow or hanging shadow cannot hold connections the primary needs, even when
   the same engine is a primary on another route.
 - **Bounded.** At most ``mirror.max_in_flight`` copies per shadow engine are in flight; when full the copy is
@@ -44,11 +44,12 @@ from typing import Any
 from proxy.errors import BadRequest
 from proxy.server.attempt import Attempts, drain
 from proxy.server.compare import ComparisonLog, compare, observe_comparison, to_record
+from proxy.server.h1 import H1Streams
 from proxy.server.metrics import Metrics
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
 from proxy.server.routing import Decision
-from proxy.server.upstream import AiohttpStreams, Engine, StreamClient
+from proxy.server.upstream import Engine, StreamClient
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint
@@ -240,7 +241,7 @@ class Mirror:
     def _pool(self, engine: Engine) -> StreamClient:
         streams = self._streams.get(engine.name)
         if streams is None:
-            streams = self._streams[engine.name] = AiohttpStreams(engine.settings, self.max_in_flight)
+            streams = self._streams[engine.name] = H1Streams(engine.settings, self.max_in_flight)
         return streams
 
     async def _shadow(

@@ -56,6 +56,7 @@ from proxy.types import Endpoint, Outcome, Role
 
 log = logging.getLogger("enginemeter.relay")
 
+
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_ERROR_BODY = 1 << 20
 #: the largest non-stream body taken from an engine (a stream's events are bounded by ``sse.MAX_EVENT_BYTES``)

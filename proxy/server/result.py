@@ -6,6 +6,8 @@ the metrics and — for mirrored pairs — to the comparison.
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 
 from proxy.timing import EngineTimings, StreamTiming, Usage
@@ -39,3 +41,18 @@ class Result:
     reserialized: int = 0
     #: the client's ``x-request-id``, if it sent one (echoed, forwarded to the engine; never used for pairing)
     client_request_id: str | None = None
+
+
+_ids = itertools.count()
+_id_prefix: tuple[int, str] = (0, "")
+
+
+def new_request_id() -> str:
+    """A request id unique across processes and restarts: 16 random hex digits drawn once per process, then a
+    counter (32 hex digits, like ``uuid4().hex``). ``uuid4`` reads the kernel's random source per call, and
+    cost 7 % of the proxy's CPU at 1,000 requests/s on the 2-core VM."""
+    global _id_prefix
+    pid = os.getpid()
+    if _id_prefix[0] != pid:  # a forked worker draws its own
+        _id_prefix = (pid, os.urandom(8).hex())
+    return f"{_id_prefix[1]}{next(_ids):016x}"

@@ -2,10 +2,10 @@
 generation requests, both with explicit timeouts and pool limits; kind and model probing; cheap reachability
 checks. Transport errors are mapped to ``proxy.errors`` in one place (``errors.from_transport_error``).
 
-The relay's stream client is aiohttp (``AiohttpStreams``): its C (llhttp) response parser and one buffer per
-connection cost a fraction of httpx/httpcore's pure-Python read path (h11 events, anyio cancel scopes and five
-async-iterator layers per chunk; docs/performance.md). Tests fake engines as real servers on 127.0.0.1
-(``fakes/``); the httpx client takes a ``transport`` (``httpx.MockTransport``) for probe and poll tests.
+The relay's stream client is ``proxy.server.h1.H1Streams`` (plain asyncio connections and httptools; it replaced
+``AiohttpStreams``, kept below, whose request path cost ~1 ms of CPU a request: docs/performance.md). Tests
+fake engines as real servers on 127.0.0.1 (``fakes/``); the httpx client takes a ``transport``
+(``httpx.MockTransport``) for probe and poll tests.
 
 Probing (only when the config leaves ``kind`` / ``model`` out) and health checks are the engine dialects'
 (``proxy.engines``): detection in dialect order (llama.cpp ``/props``, SGLang ``/server_info``, vLLM
@@ -28,6 +28,7 @@ from yarl import URL
 
 from proxy import engines
 from proxy.errors import redact_url
+from proxy.server.h1 import H1Streams
 from proxy.settings import EngineSettings
 from proxy.types import EngineKind
 
@@ -166,7 +167,7 @@ class Engine:
     up: bool | None = None
     last_error: str | None = None
     info: dict[str, object] = field(default_factory=dict)
-    #: the relay's client for generation requests; made on first use (``AiohttpStreams``)
+    #: the relay's client for generation requests; made on first use (``proxy.server.h1.H1Streams``)
     stream_client: StreamClient | None = None
 
     @property
@@ -176,7 +177,7 @@ class Engine:
     @property
     def streams(self) -> StreamClient:
         if self.stream_client is None:
-            self.stream_client = AiohttpStreams(self.settings, self.settings.max_connections)
+            self.stream_client = H1Streams(self.settings, self.settings.max_connections)
         return self.stream_client
 
     async def aclose(self) -> None:
