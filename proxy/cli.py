@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import errno
 import io
-import ipaddress
 import json
 import logging
 import os
@@ -21,15 +19,15 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
-from urllib.parse import urlsplit
 
 import uvicorn
 
 from proxy import __version__
 from proxy.configfile import load, parse_file
 from proxy.errors import redact_url
+from proxy.listen import BindError, bind_socket, engine_at_listen_address
 from proxy.server.workers import default_workers
-from proxy.settings import DEFAULT_LISTEN, EngineSettings, Settings, SettingsError, json_schema, split_listen
+from proxy.settings import DEFAULT_LISTEN, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -125,54 +123,6 @@ def default_log_path(env: Mapping[str, str] | None = None) -> Path:
 
 
 # --------------------------------------------------------------------------------------------- serve
-
-
-class BindError(OSError):
-    """The proxy's own address cannot be bound (in use, not local, no permission)."""
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind (not yet listen) the proxy's TCP socket, as uvicorn would; uvicorn starts listening on it."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as exc:
-        sock.close()
-        why = (exc.strerror or str(exc)).lower()
-        hint = " (is another enginemeter or an engine using it? pick another with --listen)"
-        raise BindError(
-            f"cannot listen on {host}:{port}: {why}{hint if exc.errno == errno.EADDRINUSE else ''}"
-        ) from None
-    return sock
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def engine_at_listen_address(s: Settings) -> EngineSettings | None:
-    """The engine whose URL is the proxy's own listen address, if any (the proxy would call itself)."""
-    for e in s.engines:
-        url = urlsplit(e.url)
-        host = url.hostname or ""
-        port = url.port or (443 if url.scheme == "https" else 80)
-        if port != s.port:
-            continue
-        wildcard = s.host in ("0.0.0.0", "::", "")
-        if host == s.host or (_loopback(host) and (wildcard or _loopback(s.host))):
-            return e
-    return None
 
 
 def _probe_kind(url: str) -> EngineKind | None:

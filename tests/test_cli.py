@@ -20,7 +20,7 @@ import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy import __version__
-from proxy.cli import engine_at_listen_address
+from proxy.listen import engine_at_listen_address
 from proxy.settings import EngineSettings, RouteSettings, Settings, json_schema
 from tests.helpers import REPO, wait_until
 
