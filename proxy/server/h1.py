@@ -215,7 +215,7 @@ def _timeout(w: asyncio.Future[None]) -> None:
 class H1Streams:
     """Generation requests to one engine (a ``StreamClient``)."""
 
-    def __init__(self, e: EngineSettings, max_connections: int) -> None:
+    def __init__(self, e: EngineSettings, max_connections: int, *, keep_alive: bool = True) -> None:
         u = urlsplit(e.url)
         self._https = u.scheme == "https"
         self._host = u.hostname or "127.0.0.1"
@@ -233,7 +233,7 @@ class H1Streams:
         #: the engine closed a pooled connection by itself (llama-server does after every streamed response,
         #: though its headers say keep-alive): from then on no connection is pooled, since reusing one would race
         #: the engine's FIN and the relay never retries a request on the same engine
-        self._closes = False
+        self._closes = not keep_alive
         self._host_port = f"{self._host}:{self._port}"
 
     async def _acquire(self) -> None:

@@ -241,7 +241,9 @@ class Mirror:
     def _pool(self, engine: Engine) -> StreamClient:
         streams = self._streams.get(engine.name)
         if streams is None:
-            streams = self._streams[engine.name] = H1Streams(engine.settings, self.max_in_flight)
+            streams = self._streams[engine.name] = H1Streams(
+                engine.settings, self.max_in_flight, keep_alive=engine.keeps_alive
+            )
         return streams
 
     async def _shadow(

@@ -175,9 +175,18 @@ class Engine:
         return self.settings.name
 
     @property
+    def keeps_alive(self) -> bool:
+        """Whether the relay may reuse a connection to this engine. Not llama.cpp's: llama-server closes after
+        every streamed response though its headers say keep-alive, so a reused connection races its FIN — and
+        the relay never retries a request on the same engine (it may already be generating). A full run of the
+        test suite still met that race (a 502 "Server disconnected") with the pool learning it only after the
+        first close; a fresh connection per request costs one loopback connect."""
+        return self.effective_kind != "llamacpp"
+
+    @property
     def streams(self) -> StreamClient:
         if self.stream_client is None:
-            self.stream_client = H1Streams(self.settings, self.settings.max_connections)
+            self.stream_client = H1Streams(self.settings, self.settings.max_connections, keep_alive=self.keeps_alive)
         return self.stream_client
 
     async def aclose(self) -> None:
