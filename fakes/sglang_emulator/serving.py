@@ -175,13 +175,19 @@ class _Serving:
             parts.append(last.text)
         return "".join(parts), last
 
-    async def _chat_whole(self, request: Request, job: _Job, model: str) -> Response:
+    async def _collect_whole(self, request: Request, job: _Job) -> tuple[str, _Output] | Response:
+        """A non-stream answer's text and last output, or the Response that ends it instead (an engine error;
+        499 when the client left first)."""
         try:
             collected = await _unless_disconnected(request, self._collect(job))
         except _APIError as exc:
             return exc.response()
-        if collected is None:
-            return Response(status_code=499)
+        return Response(status_code=499) if collected is None else collected
+
+    async def _chat_whole(self, request: Request, job: _Job, model: str) -> Response:
+        collected = await self._collect_whole(request, job)
+        if isinstance(collected, Response):
+            return collected
         text, last = collected
         return JSONResponse(
             {
@@ -270,12 +276,9 @@ class _Serving:
             await outputs.aclose()
 
     async def _completion_whole(self, request: Request, job: _Job, model: str) -> Response:
-        try:
-            collected = await _unless_disconnected(request, self._collect(job))
-        except _APIError as exc:
-            return exc.response()
-        if collected is None:
-            return Response(status_code=499)
+        collected = await self._collect_whole(request, job)
+        if isinstance(collected, Response):
+            return collected
         text, last = collected
         return JSONResponse(
             {
