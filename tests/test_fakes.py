@@ -587,13 +587,17 @@ def test_emulator_info_endpoints_and_metrics(llama_server: LlamaServer) -> None:
         assert info["max_total_num_tokens"] == backend["default_generation_settings"]["n_ctx"] * backend["total_slots"]
         assert httpx.get(f"{url}/get_server_info").json()["version"] == "0.5.17"
         assert httpx.get(f"{url}/model_info").json()["model_path"] == backend["model_path"]
-        assert httpx.get(f"{url}/v1/models").json() == {
+        t0 = int(time.time())
+        models = httpx.get(f"{url}/v1/models").json()
+        created = models["data"][0]["created"]  # the second it answered: read once, never from a second call
+        assert isinstance(created, int) and t0 <= created <= int(time.time())
+        assert models == {
             "object": "list",
             "data": [
                 {
                     "id": "tiny",
                     "object": "model",
-                    "created": httpx.get(f"{url}/v1/models").json()["data"][0]["created"],
+                    "created": created,
                     "owned_by": "sglang",
                     "root": "tiny",
                     "parent": None,
