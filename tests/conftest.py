@@ -148,7 +148,7 @@ def llama_server_factory(llama_server_bin: Path, tiny_model: Path, tmp_path: Pat
 def proxy_factory() -> Iterator[ProxyFactory]:
     with ExitStack() as stack:
 
-        def start(settings: Settings, *, nvml: Opener | None = None) -> ProxyUnderTest:
-            return helpers.start_proxy(stack, settings, nvml=nvml)
+        def start(settings: Settings, *, nvml: Opener | None = None, http: str | None = None) -> ProxyUnderTest:
+            return helpers.start_proxy(stack, settings, nvml=nvml, http=http)
 
         yield start

@@ -280,13 +280,18 @@ class ProxyUnderTest:
 class ProxyFactory(Protocol):
     """The ``proxy_factory`` fixture (tests/conftest.py): ``proxy_factory(settings, nvml=None)``."""
 
-    def __call__(self, settings: Settings, *, nvml: Opener | None = None) -> ProxyUnderTest: ...
+    def __call__(
+        self, settings: Settings, *, nvml: Opener | None = None, http: str | None = None
+    ) -> ProxyUnderTest: ...
 
 
-def start_proxy(stack: contextlib.ExitStack, settings: Settings, *, nvml: Opener | None = None) -> ProxyUnderTest:
+def start_proxy(
+    stack: contextlib.ExitStack, settings: Settings, *, nvml: Opener | None = None, http: str | None = None
+) -> ProxyUnderTest:
     """Serve ``build_app(settings)`` until ``stack`` closes; every Result lands in ``.results``.
 
-    ``nvml`` opens the GPU sampler's NVML reader (recorded readings); default: the real one.
+    ``nvml`` opens the GPU sampler's NVML reader (recorded readings); default: the real one. ``http``: another
+    uvicorn protocol (``"h11"``) instead of the production one, where the relay cannot reach the client's socket.
     """
     from proxy.server import build_app
     from proxy.server.guard import server_options
@@ -295,7 +300,8 @@ def start_proxy(stack: contextlib.ExitStack, settings: Settings, *, nvml: Opener
     app = build_app(settings, registry=registry, nvml=nvml)
     gateway: Gateway = app.state.gateway
     # the production connection limits (proxy.server.guard), as ``enginemeter serve`` runs it
-    url = stack.enter_context(run_uvicorn_app(app, **server_options()))
+    options = server_options() if http is None else {"http": http}
+    url = stack.enter_context(run_uvicorn_app(app, **options))
     client = stack.enter_context(httpx.Client(base_url=url, timeout=30))
     p = ProxyUnderTest(url=url, registry=registry, gateway=gateway, client=client)
     gateway.attempts.observers.append(p.results.append)

@@ -42,13 +42,14 @@ def settings_for(engine_url: str) -> Settings:
 Start = Callable[[Knobs], tuple[str, ProxyUnderTest]]
 
 
-@pytest.fixture
-def start(proxy_factory: ProxyFactory) -> Iterator[Start]:
+@pytest.fixture(params=[None, "h11"], ids=["socket", "asgi-send"])
+def start(proxy_factory: ProxyFactory, request: pytest.FixtureRequest) -> Iterator[Start]:
+    """The production server (the relay writes to the client's socket) and uvicorn's h11 (through ``send``)."""
     with ExitStack() as stack:
 
         def go(knobs: Knobs) -> tuple[str, ProxyUnderTest]:
             engine_url = stack.enter_context(run_in_thread(FaultEngineConfig(model="engine-name", knobs=knobs)))
-            return engine_url, proxy_factory(settings_for(engine_url))
+            return engine_url, proxy_factory(settings_for(engine_url), http=request.param)
 
         yield go
 

@@ -45,8 +45,10 @@ class Setup:
         return self.proxy.wait_results(1)[0]
 
 
-@pytest.fixture
-def setup(proxy_factory: ProxyFactory) -> Iterator[Callable[..., Setup]]:
+@pytest.fixture(params=[None, "h11"], ids=["socket", "asgi-send"])
+def setup(proxy_factory: ProxyFactory, request: pytest.FixtureRequest) -> Iterator[Callable[..., Setup]]:
+    """The proxy on the production server (the relay writes to the client's socket, ``output.SocketOutput``) and
+    on uvicorn's h11 protocol (through ASGI ``send``, ``output.SendOutput``): every fault reads the same."""
     with ExitStack() as stack:
 
         def start(knobs: Knobs, read_timeout: float = 30.0) -> Setup:
@@ -57,7 +59,7 @@ def setup(proxy_factory: ProxyFactory) -> Iterator[Callable[..., Setup]]:
                 routes=(RouteSettings(models=(ALIAS,), primary="fake"),),
                 models=(ModelAlias(alias=ALIAS, engines={"fake": "served-name"}),),
             )
-            return Setup(engine_url, proxy_factory(settings))
+            return Setup(engine_url, proxy_factory(settings, http=request.param))
 
         yield start
 

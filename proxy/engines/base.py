@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httpx
+import orjson
 
 from proxy.types import EngineKind
 
@@ -89,7 +90,7 @@ async def get_json(client: httpx.AsyncClient, path: str, timeout: float) -> Any:
     if r.status_code != 200:
         raise PollError(f"HTTP {r.status_code} from {path}")
     try:
-        return r.json()
+        return orjson.loads(r.content)  # polled every few seconds, with every stream waiting on the same loop
     except ValueError as exc:
         raise PollError(f"{path} did not return JSON") from exc
 

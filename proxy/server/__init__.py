@@ -115,6 +115,7 @@ def build_app(
     passthrough = Passthrough(settings, router, engines, attempts, gw.authenticate, tracing)
     app.router.routes.extend(passthrough_routes(passthrough))
     app.add_middleware(RequestContextMiddleware, tracing=tracing)
+    app.fast = {path: RequestContextMiddleware(fn, tracing=tracing) for path, fn in app.fast.items()}
     return app
 
 

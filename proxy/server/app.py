@@ -6,7 +6,9 @@ receive -> authenticate -> read body (bounded in size and time) -> parse (orjson
 
 From the end of the body on, a watcher waits on ``receive()``: a client that hangs up in any phase cancels the
 attempt, which closes the upstream connection (``Gateway.respond``). The generation routes are raw ASGI apps for
-that reason: they own ``receive`` for the whole request.
+that reason: they own ``receive`` for the whole request. They are also served before Starlette's middleware and
+router (``ProxyApp``): ``send`` reaches them as the server's own, so the relay can write chunks straight to the
+client's socket (``proxy.server.output``).
 
 The stages are the ``Gateway``'s typed fields; ``proxy.server.build_app`` (the composition root) builds them.
 None of them imports this module: each gets the narrow things it needs (engines, metrics, ``Attempts``).
@@ -32,7 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy import __version__
 from proxy.errors import (
@@ -141,7 +143,7 @@ class Gateway:
         chunks: list[bytes] = []
         size = 0
         try:
-            with anyio.fail_after(self.body_timeout_s):
+            async with asyncio.timeout(self.body_timeout_s):  # anyio's fail_after: ~15 µs more a request
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
@@ -232,35 +234,29 @@ class Gateway:
         """Serve the primary while a watcher waits on ``receive()``: the client hanging up in any phase (queued,
         prefill, streaming, a non-stream wait) cancels the attempt at once, which closes the upstream connection
         so the engine stops working for nobody (counted ``client_disconnect``)."""
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            try:
-                response = await self.serve(
-                    request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
-                )
-                await response(scope, receive, send_tracked)
-            except Exception:
-                log.exception("request %s failed inside the proxy", request_id)
-                if not started:
-                    err = ProxyError("internal error in the proxy (logged)")
-                    await error_response(err, request_id)(scope, receive, send)
-            finally:
-                tg.cancel_scope.cancel()
+        watch = _Watch(receive)
+        response: Response | RelayResponse | None = None
+        try:
+            response = await self.serve(
+                request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
+            )
+            if isinstance(response, RelayResponse):
+                response.on_end = watch.disarm
+            else:
+                watch.disarm()  # a whole body: one write, nothing left to cancel
+            await response(scope, receive, send)
+        except asyncio.CancelledError:
+            if watch.fired:  # the client hung up: the attempt has ended with its Result; nothing to answer
+                watch.task.uncancel()
+                return
+            raise
+        except Exception:
+            log.exception("request %s failed inside the proxy", request_id)
+            if response is None:
+                err = ProxyError("internal error in the proxy (logged)")
+                await error_response(err, request_id)(scope, receive, send)
+        finally:
+            watch.stop()
 
     async def serve(
         self,
@@ -320,6 +316,56 @@ class Gateway:
         self.metrics.requests.labels("none", label, "primary", stream, endpoint, outcome).inc()
 
 
+class _Watch:
+    """Waits on ``receive()`` in a task of its own; a disconnect while armed cancels the request's task.
+
+    uvicorn answers ``receive()`` with ``http.disconnect`` once the response is complete too, so the response
+    disarms it before its last message. One plain asyncio task a request (an anyio task group cost ~16 % of the
+    proxy's CPU at 32 streams: docs/performance.md)."""
+
+    __slots__ = ("_waiter", "armed", "fired", "task")
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.armed = True
+        self.fired = False
+        self._waiter = asyncio.get_running_loop().create_task(self._wait(receive))
+
+    async def _wait(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self.armed:
+            self.armed = False
+            self.fired = True
+            self.task.cancel()
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def stop(self) -> None:
+        self.armed = False
+        self._waiter.cancel()
+
+
+class ProxyApp(Starlette):
+    """Starlette, with the generation routes (``fast``: exact path -> raw ASGI app, POST only) served before its
+    middleware stack and router. Everything else, and those paths with another method, goes through Starlette as
+    usual (the same routes are registered there too)."""
+
+    fast: dict[str, ASGIApp]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            app = self.fast.get(scope["path"])
+            if app is not None:
+                scope["app"] = self
+                await app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
     """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
     registry = registry if registry is not None else CollectorRegistry()
@@ -329,7 +375,7 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
     return asgi_app(Gateway(settings, registry, metrics, Router(settings), engines, attempts))
 
 
-def asgi_app(gw: Gateway) -> Starlette:
+def asgi_app(gw: Gateway) -> ProxyApp:
     """Routes and lifespan around ``gw``."""
 
     async def chat(scope: Scope, receive: Receive, send: Send) -> None:
@@ -410,7 +456,7 @@ def asgi_app(gw: Gateway) -> Starlette:
         err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(err, "")
 
-    app = Starlette(
+    app = ProxyApp(
         routes=[
             # raw ASGI endpoints (not request/response functions): they own ``receive`` for the request's life
             Route("/v1/chat/completions", _Asgi(chat), methods=["POST"]),
@@ -424,6 +470,7 @@ def asgi_app(gw: Gateway) -> Starlette:
         exception_handlers={HTTPException: http_error},
     )
     app.state.gateway = gw
+    app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
     return app
 
 

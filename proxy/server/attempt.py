@@ -6,7 +6,7 @@
 - ``Failed``: the engine could not be reached, or its body broke off before it was whole. Result emitted; the
   primary may fall back to its next engine (nothing reached the client).
 - ``Answered``: an engine error body (normalized, its status kept) or a whole non-stream body. Result emitted.
-- ``Streaming``: the stream is open and its first event is in; ``Attempt.iter_relay()`` relays it and emits the
+- ``Streaming``: the stream is open and its first event is in; ``Attempt.relay(output)`` relays it and emits the
   Result at its end (``Attempt.close()`` if it never starts).
 
 The primary turns the outcome into a Response (``Gateway.serve``); the shadow drains it (``drain``).
@@ -23,6 +23,7 @@ from typing import Any
 from proxy.errors import UpstreamError
 from proxy.normalize import normalize_request, param_label
 from proxy.server.metrics import Metrics, observe
+from proxy.server.output import DISCARD
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient
@@ -51,7 +52,7 @@ class Answered:
 
 @dataclass(frozen=True, slots=True)
 class Streaming:
-    """The stream is open; ``attempt.iter_relay()`` owns the rest and emits the Result."""
+    """The stream is open; ``attempt.relay(output)`` owns the rest and emits the Result."""
 
     attempt: Attempt
 
@@ -85,8 +86,7 @@ async def run_attempt(attempt: Attempt) -> Outcome:
 async def drain(attempt: Attempt) -> None:
     """Run an attempt to its end, discarding what the engine sends (a shadow copy)."""
     if isinstance(await run_attempt(attempt), Streaming):
-        async for _ in attempt.iter_relay():
-            pass
+        await attempt.relay(DISCARD)
 
 
 class Attempts:

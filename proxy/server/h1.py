@@ -7,6 +7,10 @@ response) it cost 0.6-1.2 ms of CPU and ~1 ms of TTFT per request over a plain a
 (docs/performance.md). Here a request is one ``transport.write`` of a prebuilt head and the body, the parser
 calls back into the connection's protocol, and a body read hands over whatever arrived since the last read.
 
+Two ways to read a body: ``async for chunk in response`` (each read wakes the reader's task), or ``pump(sink,
+output)``, the relay's: the parser hands every read to ``sink`` inside the connection's own ``data_received``,
+so a stream's chunk goes from the engine's socket to the client's without a task switch (``proxy.server.output``).
+
 It is a ``StreamClient`` (``proxy.server.upstream``) and raises what the relay already maps
 (``proxy.errors.from_transport_error``): aiohttp's exception classes, so a refused connection is still a
 ``connect_error``, a connection the engine closed before answering a ``ServerDisconnectedError``, a timeout still
@@ -27,13 +31,16 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 import aiohttp
 import httptools
 
 from proxy.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from proxy.server.output import Output
 
 log = logging.getLogger("enginemeter.upstream")
 
@@ -64,12 +71,15 @@ class _Conn(asyncio.Protocol):
         "chunks",
         "done",
         "error",
+        "flush_wanted",
         "framed",
         "headers_done",
         "idle_since",
         "keep_alive",
+        "last_rx",
         "on_idle_close",
         "parser",
+        "sink",
         "status",
         "transport",
     )
@@ -90,12 +100,18 @@ class _Conn(asyncio.Protocol):
         self.on_idle_close: Callable[[], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        #: set while ``pump`` runs: takes each body read in the parser's callback; True asks for a flush
+        self.sink: Callable[[bytes], bool] | None = None
+        self.flush_wanted = False
+        #: ``time.monotonic()`` of the last read (the read timeout counts silence, not one timer per read)
+        self.last_rx = 0.0
 
     # ---- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's TCPTransport is no asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
+        self.last_rx = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -131,6 +147,17 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            try:
+                if sink(body):
+                    self.flush_wanted = True
+                    self._wake()
+            except Exception as exc:  # the relay refused what the engine sent (malformed, oversized event)
+                self.sink = None
+                self.pause()
+                self._fail(exc)
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and self.transport is not None and not self._paused:
@@ -166,6 +193,32 @@ class _Conn(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
 
+    def pause(self) -> None:
+        if self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    async def wait_read(self, timeout: float | None) -> None:
+        """As ``wait``, but the timeout counts silence since the last read (``last_rx``): a stream whose reads go
+        to a sink arms one timer per ``timeout`` seconds, not one per read."""
+        if not timeout:
+            await self.wait(None)
+            return
+        while True:
+            left = timeout - (time.monotonic() - self.last_rx)
+            if left <= 0:
+                raise TimeoutError("no data from the engine within the read timeout")
+            try:
+                await self.wait(left)
+                return
+            except TimeoutError:
+                continue  # something arrived meanwhile (the sink took it): wait out the rest of the new silence
+
     def take(self) -> bytes:
         chunks = self.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -183,8 +236,9 @@ class _Conn(asyncio.Protocol):
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.chunks, self.buffered, self.status = [], 0, 0
-        self.headers_done = self.done = self.keep_alive = self.framed = False
+        self.headers_done = self.done = self.keep_alive = self.framed = self.flush_wanted = False
         self.error = None
+        self.sink = None
 
     def close(self) -> None:
         if self.transport is not None:
@@ -352,17 +406,48 @@ class _H1Response:
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self])
 
+    async def pump(self, sink: Callable[[bytes], bool], output: Output) -> None:
+        """Hand the rest of the body to ``sink``, read by read, from the connection's callback; ``output.flush()``
+        whenever ``sink`` asks (True), with the engine's socket paused meanwhile (backpressure). Returns at the
+        body's end; raises the transport's error, ``TimeoutError`` after ``timeouts.read`` of silence, or what
+        ``sink`` raised."""
+        conn = self._conn
+        if conn.chunks and sink(conn.take()):
+            await output.flush()
+        conn.sink = sink
+        try:
+            while True:
+                if conn.error is not None:
+                    raise conn.error
+                if conn.done:
+                    return
+                await conn.wait_read(self._pool._read_s)
+                if conn.flush_wanted:
+                    conn.flush_wanted = False
+                    conn.pause()
+                    try:
+                        await output.flush()
+                    finally:
+                        conn.resume()
+        finally:
+            conn.sink = None
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         conn = self._conn
-        if conn.reusable() and not conn.chunks and not self._pool._closes:
-            # an engine that closes after its response (llama-server after a stream) sends its FIN with the last
-            # chunk: one loop turn lets it land before the connection is pooled, and teaches the pool
-            await asyncio.sleep(0)
-        if conn.reusable() and not conn.chunks and not self._pool._closes:
-            self._pool._put_idle(conn)
-        else:
-            conn.close()  # cut off mid-body (client gone, error) or not kept alive: the engine frees its slot
-        self._pool._release()
+        try:
+            if conn.reusable() and not conn.chunks and not self._pool._closes:
+                # an engine that closes after its response (llama-server after a stream) sends its FIN with the
+                # last chunk: one loop turn lets it land before the connection is pooled, and teaches the pool
+                await asyncio.sleep(0)
+            if conn.reusable() and not conn.chunks and not self._pool._closes:
+                self._pool._put_idle(conn)
+            else:
+                conn.close()  # cut off mid-body (client gone, error) or not kept alive: the engine frees its slot
+        except BaseException:
+            conn.close()  # cancelled in the turn above: never pooled, never a leaked slot
+            raise
+        finally:
+            self._pool._release()

@@ -8,7 +8,9 @@ Life of one attempt (``Attempt``):
 2. Engine error status -> the engine's body passes through with its status (SGLang's flat shape nested).
 3. Streams: ``open()`` also waits for the first SSE event, so an error the engine puts in its first event
    (SGLang's "queue full" under HTTP 200) still becomes a proper HTTP error before any byte reaches the client.
-4. ``iter_relay()`` forwards each upstream read as soon as it holds whole events. Events pass as the bytes the
+4. ``relay(output)`` forwards each upstream read as soon as it holds whole events: ``_on_chunk`` runs inside the
+   upstream connection's read callback (``h1._H1Response.pump``) and writes to the ``Output``
+   (``proxy.server.output``: the client's socket, an ASGI send, a buffer, nowhere). Events pass as the bytes the
    engine sent, except the documented rewrites: ``"model":"<engine name>"`` -> the client's alias (a byte
    replace, no re-serialization), and the usage event is dropped when the client did not ask for usage.
    Comments (keep-alives) and events without a ``data:`` field pass untouched. One event is at most
@@ -17,7 +19,7 @@ Life of one attempt (``Attempt``):
 6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``; cancelled in any phase (the client
    hung up: ``Gateway.respond``'s watcher), ``close()`` closes the upstream so the engine stops.
 
-Per chunk the loop does: one ``perf_counter_ns``, the framer split, one ``orjson.loads`` per event (needed to
+Per chunk ``_on_chunk`` does: one ``perf_counter_ns`` (in the read callback, before any task switch), the framer split, one ``orjson.loads`` per event (needed to
 tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name. Parsing
 never feeds the output: pass-through events are forwarded as the bytes that arrived.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ from proxy.errors import (
 )
 from proxy.normalize import Normalized
 from proxy.server.llamatimings import timings_block
+from proxy.server.output import DISCARD, BufferOutput, Output, SendOutput, socket_output
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
 from proxy.sse import Event, EventTooLarge, SSEFramer, encode_data
@@ -100,6 +103,7 @@ class Attempt:
     _model_to: bytes | None = None
     _error_body: bytes | None = None
     _raw: AsyncIterator[bytes] | None = None
+    _out: Output = DISCARD
     _finished: bool = False
     reserialized: int = 0
     usage_stripped: int = 0
@@ -275,23 +279,35 @@ class Attempt:
 
     # ------------------------------------------------------------------------------------ relaying
 
-    async def iter_relay(self) -> AsyncGenerator[bytes, None]:
-        """Yield the client's stream. Holds the upstream response; closes it in ``finally``."""
+    def _on_chunk(self, chunk: bytes) -> bool:
+        """One upstream read, in the connection's read callback: stamp, frame, process, write. True: flush."""
+        t = time.perf_counter_ns()
+        events = self._framer.feed(chunk)
+        if not events:
+            return False
+        data = self._process(events, t)
+        return self._out.write(data) if data else False
+
+    async def relay(self, output: Output) -> None:
+        """Relay the rest of the stream to ``output``. Holds the upstream response; closes it and emits the Result
+        in ``finally``. Raises only cancellation (the client went away)."""
         assert self.response is not None
-        assert self._raw is not None
+        self._out = output
         try:
             try:
                 data = self._process(self._first, self._first_t)
                 self._first = []
-                if data:
-                    yield data
-                async for chunk in self._raw:
-                    t = time.perf_counter_ns()
-                    events = self._framer.feed(chunk)
-                    if events:
-                        data = self._process(events, t)
-                        if data:
-                            yield data
+                if data and output.write(data):
+                    await output.flush()
+                pump = getattr(self.response, "pump", None)
+                if pump is not None:
+                    await pump(self._on_chunk, output)
+                else:  # an UpstreamResponse without a read callback: one task wake-up per read
+                    assert self._raw is not None
+                    async for chunk in self._raw:
+                        if self._on_chunk(chunk):
+                            await output.flush()
+                await output.flush()
                 if self.outcome is None and not self.saw_done and self.finish_reason is None:
                     raise UpstreamBroken(f"engine {self.engine.name!r} ended the stream before finishing")
                 if self.outcome is None:
@@ -303,7 +319,8 @@ class Attempt:
         except UpstreamError as exc:
             self.outcome = exc.outcome
             self.error = exc.message
-            yield encode_data(json.dumps(error_body(exc.message, exc.type, exc.status)).encode())
+            output.write(encode_data(json.dumps(error_body(exc.message, exc.type, exc.status)).encode()))
+            await output.flush()
         except BaseException:
             # cancelled (client went away) or torn down: the upstream is closed below, freeing the slot.
             # A client that hangs up after [DONE] was relayed got the whole answer: that is "ok".
@@ -311,18 +328,21 @@ class Attempt:
                 self.outcome = "ok" if self.saw_done else "client_disconnect"
             raise
         finally:
+            self._out = DISCARD
             await self.close()
 
     async def close(self, outcome: Outcome = "client_disconnect", error: str | None = None) -> None:
         """Close the upstream response and emit the Result (``outcome`` unless one is set), if not done yet.
         Idempotent.
 
-        Also the safety net for a relay whose generator never started (the client left before the first send),
-        and for an attempt cancelled while opening (the client hung up while queued or in prefill).
+        Also the safety net for a relay that never started (the client left before the first send), and for an
+        attempt cancelled while opening (the client hung up while queued or in prefill).
         """
-        if self.response is not None:
-            await self.response.aclose()
-        self.finish(outcome if self.outcome is None else None, error if self.outcome is None else None)
+        try:
+            if self.response is not None:
+                await self.response.aclose()
+        finally:
+            self.finish(outcome if self.outcome is None else None, error if self.outcome is None else None)
 
     async def read_body(self) -> bytes:
         """Non-stream: read the whole body, record usage/timings, rewrite the model. Raises UpstreamError."""
@@ -411,6 +431,10 @@ class RelayResponse:
     """ASGI response for an SSE relay. A client hang-up is noticed by the caller's watcher
     (``Gateway.respond``), which cancels this response; the relay's ``finally`` closes the upstream.
 
+    The chunks go straight to the client's socket when ``send`` is uvicorn's own (``output.socket_output``), else
+    through ``send``. ``on_end`` runs just before the response's last message (the watcher stops there: uvicorn
+    reports a finished response as a disconnect).
+
     HTTP/1.0 has no chunked encoding and uvicorn's httptools protocol cannot end a body by closing the
     connection, so an HTTP/1.0 client gets the stream whole, with a Content-Length, once it has ended.
     """
@@ -419,7 +443,7 @@ class RelayResponse:
 
     def __init__(self, attempt: Attempt, headers: dict[str, str]) -> None:
         self.attempt = attempt
-        self.body = attempt.iter_relay()
+        self.on_end: Callable[[], None] = _nothing
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -430,21 +454,27 @@ class RelayResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             if scope.get("http_version") == "1.0":
-                whole = b"".join([chunk async for chunk in self.body])
+                buffer = BufferOutput()
+                await self.attempt.relay(buffer)
+                whole = b"".join(buffer.chunks)
                 headers = [*self.headers, (b"content-length", str(len(whole)).encode())]
+                self.on_end()
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": whole, "more_body": False})
                 return
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            async for chunk in self.body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self.attempt.relay(socket_output(send) or SendOutput(send))
+            self.on_end()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass  # the client went away mid-send; the relay's finally records it
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body.aclose()
                 await self.attempt.close()
+
+
+def _nothing() -> None:
+    return None
 
 
 def error_response(

@@ -1,0 +1,108 @@
+"""``proxy.server.output``: the relay's direct path to the client's socket exists exactly where uvicorn's httptools
+cycle is behind ``send`` (the installed uvicorn, real servers, real sockets), what it writes is a valid chunked
+body, the connection stays reusable (the response's end still goes through uvicorn), and a client that stops
+reading makes it ask for a flush (uvicorn's flow control) instead of buffering without bound.
+
+The proxy's own relay runs over both outputs in tests/test_faults.py and tests/test_cancel.py (``socket`` and
+``asgi-send`` ids)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.server.guard import server_options
+from proxy.server.output import Output, SendOutput, SocketOutput, socket_output
+from tests.helpers import run_uvicorn_app
+
+CHUNKS = [b"data: one\n\n", b"data: two\n\n", b"x" * 70_000, b"data: [DONE]\n\n"]
+
+App = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def relay_app(seen: list[dict[str, Any]], chunks: list[bytes]) -> App:
+    """An ASGI app that streams ``chunks`` the way the relay does: head through ``send``, body through the
+    output (``socket_output`` or ``SendOutput``), end through ``send``; records what it found."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        note: dict[str, Any] = {"client": scope["client"], "before_start": socket_output(send), "flushes": 0}
+        seen.append(note)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        found = socket_output(send)
+        note["after_start"] = found
+        out: Output = found or SendOutput(send)
+        for c in chunks:
+            if out.write(c):
+                note["flushes"] += 1
+                await out.flush()
+        await out.flush()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (server_options(), SocketOutput),  # enginemeter serve's protocol (uvicorn's httptools, guarded)
+        ({"http": "httptools"}, SocketOutput),
+        ({"http": "h11"}, type(None)),
+    ],
+    ids=["guarded-httptools", "httptools", "h11"],
+)
+def test_socket_output_only_behind_uvicorns_httptools_send(options: dict[str, Any], expected: type) -> None:
+    seen: list[dict[str, Any]] = []
+    with (
+        run_uvicorn_app(relay_app(seen, CHUNKS), lifespan="off", **options) as url,
+        httpx.Client(base_url=url) as client,
+    ):
+        for _ in range(2):
+            r = client.get("/")
+            assert r.status_code == 200
+            assert r.headers["transfer-encoding"] == "chunked"
+            assert r.content == b"".join(CHUNKS)
+    assert len(seen) == 2
+    for note in seen:
+        assert note["before_start"] is None  # nothing to write to before the head is out
+        assert type(note["after_start"]) is expected
+    assert seen[0]["client"] == seen[1]["client"]  # one kept-alive connection: the cycle ended cleanly
+
+
+def test_a_client_slower_than_the_writes_makes_the_socket_output_ask_for_a_flush() -> None:
+    """16 MiB written without a pause, faster than any socket takes it: uvicorn's flow control pauses writing,
+    ``write`` says so, and the writer waits (``flush``) instead of buffering it all."""
+    chunks = [bytes([65 + i % 26]) * 65_536 for i in range(256)]  # 16 MiB, more than any socket buffer
+    seen: list[dict[str, Any]] = []
+    with run_uvicorn_app(relay_app(seen, chunks), lifespan="off", **server_options()) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            got = bytearray()
+            while not got.endswith(b"0\r\n\r\n"):
+                data = sock.recv(1 << 16)
+                assert data, "the server closed before the end of the body"
+                got += data
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert dechunk(body) == b"".join(chunks)
+    (note,) = seen
+    assert type(note["after_start"]) is SocketOutput
+    assert note["flushes"] > 0  # write_paused was seen and waited out, not 16 MiB buffered
+
+
+def dechunk(body: bytes) -> bytes:
+    out = bytearray()
+    while True:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(out)
+        out += rest[:size]
+        assert rest[size : size + 2] == b"\r\n"
+        body = rest[size + 2 :]
