@@ -22,8 +22,7 @@ What happens to a client request on its way to an engine of kind ``llamacpp|sgla
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.types import Endpoint, EngineKind
 
@@ -93,14 +92,15 @@ DEFAULTABLE = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_p
 TOKEN_LIMIT_ALIASES = ("max_completion_tokens", "n_predict")
 
 
-@dataclass(frozen=True, slots=True)
-class ParamChange:
+class ParamChange(NamedTuple):
+    """NamedTuples here, not frozen dataclasses: made on every request's path (a frozen dataclass sets each field
+    with ``object.__setattr__``)."""
+
     param: str  # a name from SUPPORT (or "other"), so it is a bounded label
     action: str  # dropped | defaulted | renamed | changed | unknown
 
 
-@dataclass(frozen=True, slots=True)
-class Normalized:
+class Normalized(NamedTuple):
     body: dict[str, Any]
     changes: tuple[ParamChange, ...]
     stream: bool

@@ -67,6 +67,8 @@ log = logging.getLogger("enginemeter")
 BODY_TIMEOUT_S = 30.0
 #: bodies this large are parsed in a worker thread (a 3.4 MB body takes the event loop ~10 ms otherwise)
 PARSE_IN_THREAD_BYTES = 256 * 1024
+#: orjson serializes at most this many levels of nesting
+MAX_DEPTH = 254
 #: the longest client x-request-id echoed and sent on
 MAX_CLIENT_ID = 200
 
@@ -86,10 +88,12 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    try:
-        orjson.dumps(body)
-    except orjson.JSONEncodeError:
-        raise BadRequest("request body is nested too deeply") from None
+    # nesting deeper than orjson writes needs that many brackets: count them (C speed) before serializing
+    if raw.count(b"[") + raw.count(b"{") >= MAX_DEPTH:
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise BadRequest("request body is nested too deeply") from None
     return body
 
 

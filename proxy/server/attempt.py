@@ -15,14 +15,15 @@ In flight (``enginemeter_requests_in_flight``) from ``Attempts.new`` until the a
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import UpstreamError
-from proxy.normalize import normalize_request, param_label
-from proxy.server.metrics import Metrics, observe
+from proxy.normalize import ParamChange, normalize_request, param_label
+from proxy.server.metrics import Metrics, child, observe
 from proxy.server.output import DISCARD
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
@@ -121,6 +122,12 @@ class Attempts:
             return a.engines[engine.name]
         return engine.model or alias
 
+    def _count_changes(self, engine: str, changes: tuple[ParamChange, ...]) -> None:
+        """What normalization changed in the request (``enginemeter_param_changes_total``). Counted once the
+        request is written (``Attempt.deferred``): off the path to the engine's first byte."""
+        for ch in changes:
+            child(self.metrics, self.metrics.params, engine, param_label(ch.param), ch.action).inc()
+
     def record(self, result: Result) -> None:
         """Every attempt's one Result: the attempt leaves the in-flight gauge, metrics, then observers."""
         self.metrics.in_flight.labels(result.engine, result.role).dec()
@@ -153,8 +160,6 @@ class Attempts:
             served_model=self.served_model(client_model, engine),
             defaults=self.settings.sampling_defaults,
         )
-        for ch in norm.changes:
-            self.metrics.params.labels(engine.name, param_label(ch.param), ch.action).inc()
         attempt = Attempt(
             request_id=request_id,
             endpoint=endpoint,
@@ -168,6 +173,7 @@ class Attempts:
             on_result=self.record,
             collect_text=collect_text,
             client_request_id=client_request_id,
+            deferred=functools.partial(self._count_changes, engine.name, norm.changes) if norm.changes else None,
         )
         for hook in self.on_new:
             try:

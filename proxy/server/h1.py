@@ -342,7 +342,9 @@ class H1Streams:
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
-    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> _H1Response:
+    async def post(
+        self, path: str, content: bytes, headers: dict[str, str], after_write: Callable[[], None] | None = None
+    ) -> _H1Response:
         head = self._heads.get(path)
         if head is None:
             head = self._heads[path] = b"POST " + (self._prefix + path).encode() + self._head_tail
@@ -356,6 +358,8 @@ class H1Streams:
                 conn = await self._connect()
             assert conn.transport is not None
             conn.transport.write(request)
+            if after_write is not None:
+                after_write()  # the caller's bookkeeping, while the engine reads the request
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error

@@ -98,7 +98,7 @@ def configured_pairs(routes: Iterable[RouteSettings]) -> list[tuple[str, str]]:
 class Metrics:
     registry: CollectorRegistry
     settings: MetricsSettings = field(default_factory=MetricsSettings)
-    #: labelled children by (metric, labels), for ``observe`` (``_child``)
+    #: labelled children by (metric, labels), for ``observe`` (``child``)
     children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -210,7 +210,7 @@ class Metrics:
             self.finish_mismatch.labels(p, s)
 
 
-def _child(m: Metrics, metric: Any, *labels: str) -> Any:
+def child(m: Metrics, metric: Any, *labels: str) -> Any:
     """``metric.labels(*labels)``, remembered: ``labels()`` validates and hashes on every call (12 calls a
     request were 5 % of the proxy's CPU at 32 streams); label sets are bounded, and so is this cache."""
     key = (id(metric), labels)
@@ -223,63 +223,63 @@ def _child(m: Metrics, metric: Any, *labels: str) -> Any:
 def observe(m: Metrics, r: Result) -> None:
     """Record one finished attempt. Called once per attempt, never per chunk."""
     stream = "true" if r.stream else "false"
-    _child(m, m.requests, r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
+    child(m, m.requests, r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
     if r.endpoint not in ENDPOINTS:  # pass-through: counted and timed end to end, no token figures
         if r.timing.e2e_s is not None:
-            _child(m, m.passthrough, r.engine, r.model, r.endpoint).observe(r.timing.e2e_s)
+            child(m, m.passthrough, r.engine, r.model, r.endpoint).observe(r.timing.e2e_s)
         return
     lab = (r.engine, r.model, r.role, stream)
     if r.usage_stripped:
-        _child(m, m.usage_stripped, r.engine).inc(r.usage_stripped)
+        child(m, m.usage_stripped, r.engine).inc(r.usage_stripped)
     if r.reserialized:
-        _child(m, m.rewrites, r.engine, "reserialized").inc(r.reserialized)
+        child(m, m.rewrites, r.engine, "reserialized").inc(r.reserialized)
     t = r.timing
     if t.e2e_s is not None:
-        _child(m, m.e2e, *lab).observe(t.e2e_s)
+        child(m, m.e2e, *lab).observe(t.e2e_s)
     if t.overhead_s is not None:
-        _child(m, m.overhead, *lab).observe(t.overhead_s)
+        child(m, m.overhead, *lab).observe(t.overhead_s)
     if t.headers_s is not None:
-        _child(m, m.headers, *lab).observe(t.headers_s)
+        child(m, m.headers, *lab).observe(t.headers_s)
     if r.outcome == "ok":
-        _child(m, m.finish, r.engine, r.model, r.role, finish_label(r.finish_reason)).inc()
+        child(m, m.finish, r.engine, r.model, r.role, finish_label(r.finish_reason)).inc()
         # latency figures only from successful requests, so error bodies never pose as fast TTFTs
         if t.ttft_s is not None:
-            _child(m, m.ttft, *lab).observe(t.ttft_s)
+            child(m, m.ttft, *lab).observe(t.ttft_s)
         if t.upstream_ttft_s is not None:
-            _child(m, m.upstream_ttft, *lab).observe(t.upstream_ttft_s)
+            child(m, m.upstream_ttft, *lab).observe(t.upstream_ttft_s)
         if t.tpot_s is not None:
-            _child(m, m.tpot, *lab).observe(t.tpot_s)
+            child(m, m.tpot, *lab).observe(t.tpot_s)
         if t.decode_tps is not None:
-            _child(m, m.decode_tps, *lab).observe(t.decode_tps)
+            child(m, m.decode_tps, *lab).observe(t.decode_tps)
         if t.gaps_s:
-            h = _child(m, m.gap, *lab)
+            h = child(m, m.gap, *lab)
             for g in t.gaps_s:
                 h.observe(g)
         if t.queue_s is not None:
-            _child(m, m.engine_queue, *lab).observe(t.queue_s)
+            child(m, m.engine_queue, *lab).observe(t.queue_s)
     u = r.usage
     if u is not None:
         if u.prompt_tokens is not None:
-            _child(m, m.prompt_tokens, *lab).inc(u.prompt_tokens)
-            _child(m, m.prompt_tokens_h, *lab).observe(u.prompt_tokens)
+            child(m, m.prompt_tokens, *lab).inc(u.prompt_tokens)
+            child(m, m.prompt_tokens_h, *lab).observe(u.prompt_tokens)
         if u.completion_tokens is not None:
-            _child(m, m.completion_tokens, *lab).inc(u.completion_tokens)
-            _child(m, m.completion_tokens_h, *lab).observe(u.completion_tokens)
+            child(m, m.completion_tokens, *lab).inc(u.completion_tokens)
+            child(m, m.completion_tokens_h, *lab).observe(u.completion_tokens)
     cached = u.cached_tokens if u else None
     et = r.engine_timings
     if cached is None and et is not None:
         cached = et.cache_n
     if cached is not None:
-        _child(m, m.cached_tokens, *lab).inc(cached)
+        child(m, m.cached_tokens, *lab).inc(cached)
     up_ttft = t.upstream_ttft_s
     if r.outcome == "ok" and u is not None and u.prompt_tokens and up_ttft is not None and up_ttft > 0:
         # the tokens the engine really had to prefill over the time to its first token: a lower bound on its
         # prefill rate (queueing and the first decode step are in the denominator)
         uncached = u.prompt_tokens - min(cached or 0, u.prompt_tokens)
         if uncached > 0:
-            _child(m, m.prefill_tps, *lab).observe(uncached / up_ttft)
+            child(m, m.prefill_tps, *lab).observe(uncached / up_ttft)
     if et is not None and r.outcome == "ok":
         if et.prompt_ms is not None:
-            _child(m, m.engine_prompt, *lab).observe(et.prompt_ms / 1000)
+            child(m, m.engine_prompt, *lab).observe(et.prompt_ms / 1000)
         if et.predicted_per_second is not None and (et.predicted_n or 0) > 1:
-            _child(m, m.engine_decode_tps, *lab).observe(et.predicted_per_second)
+            child(m, m.engine_decode_tps, *lab).observe(et.predicted_per_second)

@@ -85,6 +85,9 @@ class Attempt:
     extra_headers: dict[str, str] = field(default_factory=dict)
     #: add a proxy-measured llama.cpp-shaped ``timings`` block where the engine sends none (``llamatimings``)
     add_timings: bool = False
+    #: bookkeeping that can wait until the request is on its way to the engine (``Attempts.new``): run once,
+    #: right after the request is written, or when the attempt finishes if it never was
+    deferred: Callable[[], None] | None = None
 
     response: UpstreamResponse | None = None
     status: int = 0
@@ -134,7 +137,7 @@ class Attempt:
         # idle ones before engines do, upstream.KEEPALIVE_EXPIRY_S); a failure here falls back to the route's
         # next engine, if any.
         try:
-            self.response = await self.streams.post(path, content, headers)
+            self.response = await self.streams.post(path, content, headers, self._run_deferred)
         except TRANSPORT_ERRORS as exc:
             raise from_transport_error(exc, e.name) from exc
         self.timer.headers()
@@ -174,6 +177,15 @@ class Attempt:
                 self.status = code if isinstance(code, int) and 400 <= code < 600 else 502
                 self._error_body = json.dumps(doc).encode()
                 await self.response.aclose()
+
+    def _run_deferred(self) -> None:
+        d = self.deferred
+        if d is not None:
+            self.deferred = None
+            try:
+                d()
+            except Exception:  # a metrics bug must never break the traffic
+                log.exception("deferred bookkeeping of %s failed", self.request_id)
 
     @property
     def failed_status(self) -> bool:
@@ -393,6 +405,7 @@ class Attempt:
             return None
         self._finished = True
         self.timer.done()
+        self._run_deferred()
         if outcome is not None:
             self.outcome = outcome
         if error is not None:

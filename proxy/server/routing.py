@@ -16,14 +16,13 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.errors import BadRequest, NotFound
 from proxy.settings import RouteSettings, Settings
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     route: int
     engines: tuple[str, ...]  # the serving engine first, then fallbacks in order
     shadows: tuple[str, ...]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -81,7 +81,12 @@ class UpstreamResponse(Protocol):
 class StreamClient(Protocol):
     """Sends a generation request; returns once the response headers are in, the body still unread."""
 
-    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse: ...
+    async def post(
+        self, path: str, content: bytes, headers: dict[str, str], after_write: Callable[[], None] | None = None
+    ) -> UpstreamResponse:
+        """``after_write``: called once the request is on its way (the engine works while the caller's
+        bookkeeping runs), if it got that far."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -118,7 +123,9 @@ class AiohttpStreams:
         )
         return self._session
 
-    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def post(
+        self, path: str, content: bytes, headers: dict[str, str], after_write: Callable[[], None] | None = None
+    ) -> UpstreamResponse:
         session = self._session or self._open()
         url = self._urls.get(path)
         if url is None:
@@ -127,6 +134,8 @@ class AiohttpStreams:
         # bodies over 1 MiB as a stream (aiohttp writes them in 64 KiB pieces instead of warning about one write)
         data: bytes | io.BytesIO = content if len(content) < 1 << 20 else io.BytesIO(content)
         resp = await session.post(url, data=data, headers=headers, allow_redirects=False)
+        if after_write is not None:
+            after_write()
         return _AiohttpResponse(resp)
 
     async def aclose(self) -> None:
