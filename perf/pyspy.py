@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (layer, predicate on one frame "function (file:line)"), first match from the innermost frame wins
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the upstream client (h1.py)", ("proxy/server/h1.py",)),
+    ("the write to the client (output.py: one transport write a read)", ("proxy/server/output.py",)),
     ("uvicorn: send (the write per chunk, head, terminator)", ("send (uvicorn/",)),
     ("uvicorn: HTTP parsing and protocol", ("uvicorn/",)),
     ("anyio (task groups, cancel scopes, threads)", ("anyio/",)),
@@ -78,6 +79,7 @@ def summarize(stacks: Path, top: int = 25) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--summarize", action="store_true", help="only rewrite OUT/summary.txt from OUT/stacks.txt")
     ap.add_argument("--streams", default="32")
     ap.add_argument("--tokens", default="64")
     ap.add_argument("--cadence-ms", default="10")
@@ -87,6 +89,11 @@ def main() -> None:
     ap.add_argument("--blocking", action="store_true", help="pause the proxy for each sample (exact stacks)")
     ap.add_argument("rest", nargs="*", help="more perf/overhead.py arguments (after --)")
     a = ap.parse_args()
+    if a.summarize:
+        report = summarize(a.out / "stacks.txt")
+        (a.out / "summary.txt").write_text(report + "\n")
+        print(report)
+        return
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     a.out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "perf/overhead.py"), "--streams", a.streams, "--tokens", a.tokens]

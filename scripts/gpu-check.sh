@@ -31,7 +31,7 @@ if [ "${1:-}" = wheels ]; then
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --implementation cp --abi cp312 --abi abi3 --abi none \
     starlette uvicorn httptools orjson httpx prometheus-client PyYAML gguf anyio idna certifi h11 httpcore click \
-    typing_extensions sniffio tqdm
+    typing_extensions sniffio tqdm pydantic pydantic-core annotated-types typing-inspection
   rm -f "$dest"/numpy-*.whl
   ls -la "$dest"
   exit 0

@@ -147,7 +147,7 @@ class Gateway:
         chunks: list[bytes] = []
         size = 0
         try:
-            async with asyncio.timeout(self.body_timeout_s):  # anyio's fail_after: ~15 µs more a request
+            async with asyncio.timeout(self.body_timeout_s):  # anyio's fail_after: ~3 % of a request's CPU (py-spy)
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
