@@ -19,9 +19,10 @@ Life of one attempt (``Attempt``):
 6. Whatever happens, ``finish()`` runs exactly once and emits one ``Result``; cancelled in any phase (the client
    hung up: ``Gateway.respond``'s watcher), ``close()`` closes the upstream so the engine stops.
 
-Per chunk ``_on_chunk`` does: one ``perf_counter_ns`` (in the read callback, before any task switch), the framer split, one ``orjson.loads`` per event (needed to
-tell token events from role/finish/usage events), and at most a ``bytes.replace`` for the model name. Parsing
-never feeds the output: pass-through events are forwarded as the bytes that arrived.
+Per chunk ``_on_chunk`` does: one ``perf_counter_ns`` (in the read callback, before any task switch), the framer
+split, one ``orjson.loads`` per event (needed to tell token events from role/finish/usage events), at most a
+``bytes.replace`` for the model name, and one write. Parsing never feeds the output: pass-through events are
+forwarded as the bytes that arrived.
 """
 
 from __future__ import annotations
