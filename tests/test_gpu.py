@@ -273,6 +273,20 @@ def test_attribution_by_listening_port(listener: tuple[subprocess.Popen[bytes], 
     assert att["gpu_pids"] == [proc.pid]
 
 
+def test_two_names_for_one_server_both_show_its_memory(listener: tuple[subprocess.Popen[bytes], int]) -> None:
+    """An A/A twin (two engine names, one URL): the bench reads each name's memory, so both get the server's."""
+    proc, port = listener
+    reg = CollectorRegistry()
+    reader = RecordedReader([([dev()], {0: [ProcReading(proc.pid, 7 * GB), ProcReading(os.getpid(), GB)]})])
+    url = f"http://127.0.0.1:{port}"
+    mon = monitor([EngineSettings(name="a", url=url), EngineSettings(name="a-twin", url=url)], reader, reg)
+    assert mon.sample_once()
+    for name in ("a", "a-twin"):
+        assert val(reg, "enginemeter_engine_gpu_memory_used_bytes", engine=name, gpu="0") == 7 * GB
+        assert mon.health()["gpu"]["engines"][name]["gpu_pids"] == [proc.pid]
+    assert val(reg, "enginemeter_gpu_other_processes_memory_used_bytes", gpu="0") == GB
+
+
 def test_port_lookup_finds_ipv4_and_ipv6_listeners_and_ignores_connections() -> None:
     v4 = socket.socket()
     v4.bind(("127.0.0.1", 0))

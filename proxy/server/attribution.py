@@ -159,16 +159,20 @@ class Attributor:
                 self.roots[e.name] = self._lookup(e, now)
         return self.roots
 
-    def owner(self, pid: int, max_depth: int = 64) -> str | None:
-        """The engine whose root pid is ``pid`` or its nearest ancestor."""
-        by_pid = {p: name for name, r in self.roots.items() for p in r.pids}
+    def owners(self, pid: int, max_depth: int = 64) -> tuple[str, ...]:
+        """The engines whose root pid is ``pid`` or its nearest ancestor: several when several names are one server
+        (an A/A twin: two names, one URL), each of which then shows that server's memory; () when none."""
+        by_pid: dict[int, list[str]] = {}
+        for name, r in self.roots.items():
+            for p in r.pids:
+                by_pid.setdefault(p, []).append(name)
         cur: int | None = pid
         for _ in range(max_depth):
             if cur is None or cur <= 0:
-                return None
+                return ()
             if cur in by_pid:
-                return by_pid[cur]
+                return tuple(by_pid[cur])
             if cur == 1:
-                return None
+                return ()
             cur = parent_pid(cur, self.proc)
-        return None
+        return ()

@@ -74,14 +74,15 @@ def sample(reader: NvmlReader, attributor: Attributor, previous_peaks: Mapping[t
     other: dict[int, int] = {d.index: 0 for d in devices}
     for idx, plist in procs.items():
         for p in set(plist):  # NVML has been seen listing one context twice
-            name = attributor.owner(p.pid)
-            if name is None:
+            names = attributor.owners(p.pid)
+            if not names:
                 other[idx] += p.used_bytes or 0
                 continue
-            engine_pids[name].add(p.pid)
-            key = (name, idx)
-            cur = engine_used.get(key, 0)
-            engine_used[key] = None if cur is None or p.used_bytes is None else cur + p.used_bytes
+            for name in names:
+                engine_pids[name].add(p.pid)
+                key = (name, idx)
+                cur = engine_used.get(key, 0)
+                engine_used[key] = None if cur is None or p.used_bytes is None else cur + p.used_bytes
     peaks = dict(previous_peaks)
     for key, v in engine_used.items():
         if v is not None and v > peaks.get(key, -1):
