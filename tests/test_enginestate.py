@@ -292,17 +292,19 @@ def test_drift_is_pure() -> None:
     s = settings({"a": "http://h:1", "b": "http://h:2", "c": "http://h:3"}, shadows=("b", "c"))
     states = {
         "a": enginestate.EngineState(
-            "a", up=True, model="/models/Qwen2.5-7B.gguf", quantization="F16", context_length=8192
+            name="a", up=True, model="/models/Qwen2.5-7B.gguf", quantization="F16", context_length=8192
         ),
-        "b": enginestate.EngineState("b", up=True, model="qwen2.5-7b", quantization="float16", context_length=8192),
-        "c": enginestate.EngineState("c", up=False),
+        "b": enginestate.EngineState(
+            name="b", up=True, model="qwen2.5-7b", quantization="float16", context_length=8192
+        ),
+        "c": enginestate.EngineState(name="c", up=False),
     }
     d = {x["field"]: x["drift"] for x in enginestate.drift(s, states)}
     assert d == {"context_length": False, "model": False, "quantization": False}
     # a catch-all route: any configured alias can declare two served names one model
     named = {
-        "a": enginestate.EngineState("a", up=True, model="qwen-7b-q8"),
-        "b": enginestate.EngineState("b", up=True, model="Qwen/Qwen2.5-7B-Instruct"),
+        "a": enginestate.EngineState(name="a", up=True, model="qwen-7b-q8"),
+        "b": enginestate.EngineState(name="b", up=True, model="Qwen/Qwen2.5-7B-Instruct"),
     }
     assert [x["drift"] for x in enginestate.drift(s, named)] == [True]
     team = ModelAlias(alias="team", engines={"a": "qwen-7b-q8", "b": "Qwen/Qwen2.5-7B-Instruct"})

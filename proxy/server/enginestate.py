@@ -26,7 +26,7 @@ import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from proxy import engines
-from proxy.engines import PollError, quant_key
+from proxy.engines import Facts, PollError, quant_key
 from proxy.server.upstream import Engine
 from proxy.settings import Settings
 
@@ -37,20 +37,13 @@ DRIFT_FIELDS = ("context_length", "model", "slots", "quantization")
 HEALTH_FIELDS = ("up", "kind", "model", "model_path", "context_length", "slots", "busy_slots", "quantization", "build", "error")  # fmt: skip
 
 
-@dataclass(frozen=True)
-class EngineState:
+@dataclass(frozen=True, kw_only=True)
+class EngineState(Facts):
+    """An engine's ``Facts`` as of its last poll, and how that poll went."""
+
     name: str
     up: bool = False
     kind: str | None = None
-    #: served model id (``/v1/models`` ``data[0].id``)
-    model: str | None = None
-    model_path: str | None = None
-    context_length: int | None = None
-    #: llama.cpp total slots; SGLang max running requests; vLLM: unknown
-    slots: int | None = None
-    busy_slots: int | None = None
-    quantization: str | None = None
-    build: str | None = None
     error: str | None = None
     #: time.monotonic() of the last poll (any outcome), and of the last successful one
     t_poll: float | None = None
@@ -123,7 +116,7 @@ class EngineStatePoller:
         self.polls = 0
 
     async def poll(self, engine: Engine) -> EngineState:
-        prev = self.states.get(engine.name, EngineState(engine.name))
+        prev = self.states.get(engine.name, EngineState(name=engine.name))
         now = time.monotonic()
         try:
             if engine.kind is None:
