@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -72,3 +73,89 @@ def test_a_refused_connection_is_a_connect_error() -> None:
         await h.aclose()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------------------- pump: the relay's read callback path
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _scripted_engine(script: list[tuple[float, bytes]]) -> tuple[asyncio.Server, str]:
+    """A raw HTTP/1.1 engine on a real socket: reads one request, then writes each step's bytes after its pause
+    (the engine's cadence), the first step together with the response head."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for pause, data in script:
+                await asyncio.sleep(pause)
+                writer.write(data)
+            await writer.drain()
+            await reader.read()  # until the client closes
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+class _SlowOutput:
+    """A client that takes ``stall_s`` to accept the first read (a full socket), then keeps up."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self.flushes = 0
+
+    def write(self, data: bytes) -> bool:
+        return self.flushes == 0
+
+    async def flush(self) -> None:
+        self.flushes += 1
+        if self.flushes == 1:
+            await asyncio.sleep(self.stall_s)  # the slow client, not synchronisation
+
+
+def _pump(script: list[tuple[float, bytes]], *, stall_s: float, read_s: float) -> list[bytes]:
+    got: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return out.write(data)
+
+    out = _SlowOutput(stall_s)
+
+    async def run() -> None:
+        server, url = await _scripted_engine(script)
+        e = load(primary=f"e={url}", env={}).engines[0]
+        h = H1Streams(dataclasses.replace(e, timeouts=dataclasses.replace(e.timeouts, read=read_s)), 4)
+        r = await h.post(PATH, BODY, HEADERS)
+        while not r._conn.chunks:  # the first event, as Attempt.open waits for it before relaying
+            await r._conn.wait(read_s)
+        await r.pump(sink, out)
+        await r.aclose()
+        await h.aclose()
+        server.close()
+
+    asyncio.run(run())
+    return got
+
+
+def test_reads_that_arrive_while_the_pump_flushes_its_first_read_are_relayed_in_order() -> None:
+    a, b, c = b"data: A\n\n", b"data: B\n\n", b"data: C\n\n"
+    got = _pump([(0, _chunk(a)), (0.01, _chunk(b)), (0.2, _chunk(c) + b"0\r\n\r\n")], stall_s=0.1, read_s=5)
+    assert b"".join(got) == a + b + c
+
+
+def test_a_client_slower_than_the_read_timeout_is_no_engine_timeout() -> None:
+    """The engine's socket is paused while the client catches up: that time is not the engine's silence."""
+    a, b = b"data: A\n\n", b"data: B\n\n"
+    got = _pump([(0, _chunk(a)), (0.02, _chunk(b) + b"0\r\n\r\n")], stall_s=0.4, read_s=0.25)
+    assert b"".join(got) == a + b

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import time
@@ -186,6 +187,36 @@ def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFact
         state = httpx.get(f"{p.url}/admin/mirror", headers=ADMIN).json()
         assert state["dropped"]["dropped_full"] == 2
         assert state["in_flight"]["h"] == 1
+
+
+def test_a_shadow_cut_off_before_its_first_event_frees_its_connection(proxy_factory: ProxyFactory) -> None:
+    """mirror.timeout while the shadow engine is still prefilling (headers sent, no event yet): the engine sees
+    its connection close, and the shadow's pool slot (max_in_flight 1) is free for the next copy."""
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=4))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(hang=True))) as hang,
+    ):
+        p = proxy_factory(
+            mirrored(
+                engine("p", primary, kind="llamacpp"), engine("h", hang, kind="llamacpp"), max_in_flight=1, timeout=0.5
+            )
+        )
+
+        def ended(n: int) -> bool:
+            return len(p.of("shadow")) == n
+
+        def cancelled(n: int) -> dict[str, Any] | None:
+            st: dict[str, Any] = httpx.get(f"{hang}/_fake/stats").json()
+            return st if st["cancelled"] == n else None
+
+        for n in (1, 2):
+            timed_stream(p)
+            wait_until(functools.partial(ended, n), timeout=10, message=f"shadow copy {n} to end")
+            assert p.of("shadow")[-1].outcome == "timeout"
+            stats = wait_until(functools.partial(cancelled, n), timeout=5, message=f"the engine to see copy {n} close")
+            assert stats is not None
+            assert stats["requests"] == n  # the second copy got the pool's one slot: the first gave it back
+        assert p.value("enginemeter_in_flight_requests", engine="h", role="shadow") == 0
 
 
 def test_the_client_hanging_up_does_not_cancel_the_shadow(proxy_factory: ProxyFactory, tmp_path: Path) -> None:

@@ -256,6 +256,7 @@ class Gateway:
             raise
         except Exception:
             log.exception("request %s failed inside the proxy", request_id)
+            watch.disarm()
             if response is None:
                 err = ProxyError("internal error in the proxy (logged)")
                 await error_response(err, request_id)(scope, receive, send)

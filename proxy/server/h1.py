@@ -202,6 +202,8 @@ class _Conn(asyncio.Protocol):
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+            # the read timeout is the engine's silence: time spent paused for a slow client is not
+            self.last_rx = time.monotonic()
 
     async def wait_read(self, timeout: float | None) -> None:
         """As ``wait``, but the timeout counts silence since the last read (``last_rx``): a stream whose reads go
@@ -224,9 +226,7 @@ class _Conn(asyncio.Protocol):
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.chunks = []
         self.buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self.resume()
         return data
 
     def reusable(self) -> bool:
@@ -416,16 +416,13 @@ class _H1Response:
         body's end; raises the transport's error, ``TimeoutError`` after ``timeouts.read`` of silence, or what
         ``sink`` raised."""
         conn = self._conn
-        if conn.chunks and sink(conn.take()):
-            await output.flush()
-        conn.sink = sink
+        conn.sink = sink  # from here every read goes to the sink; what arrived before is taken below, first
         try:
             while True:
                 if conn.error is not None:
                     raise conn.error
-                if conn.done:
-                    return
-                await conn.wait_read(self._pool._read_s)
+                if conn.chunks and sink(conn.take()):
+                    conn.flush_wanted = True
                 if conn.flush_wanted:
                     conn.flush_wanted = False
                     conn.pause()
@@ -433,6 +430,10 @@ class _H1Response:
                         await output.flush()
                     finally:
                         conn.resume()
+                    continue
+                if conn.done:
+                    return
+                await conn.wait_read(self._pool._read_s)
         finally:
             conn.sink = None
 

@@ -163,6 +163,11 @@ class Attempt:
         except EventTooLarge as exc:
             await self.response.aclose()
             raise UpstreamBroken(f"engine {e.name!r}: {exc}") from exc
+        except BaseException:
+            # cancelled while the engine queues or prefills (a shadow's deadline, the client gone): free the
+            # connection and its pool slot here, whoever the caller is
+            await self.response.aclose()
+            raise
         if not self._first:
             await self.response.aclose()
             raise UpstreamBroken(f"engine {e.name!r} closed the stream before its first event")
