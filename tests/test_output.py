@@ -15,9 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
+from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.server import relay
 from proxy.server.guard import server_options
 from proxy.server.output import Output, SendOutput, SocketOutput, socket_output
-from tests.helpers import run_uvicorn_app
+from proxy.settings import EngineSettings, RouteSettings, Settings
+from tests.helpers import ProxyFactory, run_uvicorn_app
 
 CHUNKS = [b"data: one\n\n", b"data: two\n\n", b"x" * 70_000, b"data: [DONE]\n\n"]
 
@@ -106,3 +109,33 @@ def dechunk(body: bytes) -> bytes:
         out += rest[:size]
         assert rest[size : size + 2] == b"\r\n"
         body = rest[size + 2 :]
+
+
+@pytest.mark.parametrize(
+    ("http", "path"), [(None, "straight to the client's socket"), ("h11", "through the server's ASGI send")]
+)
+def test_the_proxy_says_which_way_its_stream_chunks_go(
+    proxy_factory: ProxyFactory,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    http: str | None,
+    path: str,
+) -> None:
+    """``enginemeter serve``'s server takes the direct path (a silent fallback to the slower ASGI path would show
+    here); any other server the ASGI one. Logged once per process and path."""
+    monkeypatch.setattr(relay, "_said", set())
+    with run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as engine:
+        p = proxy_factory(
+            Settings(
+                engines=(EngineSettings(name="fake", url=engine, kind="llamacpp"),),
+                routes=(RouteSettings(models=("*",), primary="fake"),),
+            ),
+            http=http,
+        )
+        with caplog.at_level("INFO", logger="enginemeter.relay"):
+            for _ in range(2):
+                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                r = p.client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stream chunks go")]
+    assert len(said) == 1 and path in said[0], said

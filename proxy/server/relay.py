@@ -482,7 +482,11 @@ class RelayResponse:
                 await send({"type": "http.response.body", "body": whole, "more_body": False})
                 return
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            await self.attempt.relay(socket_output(send) or SendOutput(send))
+            output: Output | None = socket_output(send)
+            if output is None:
+                output = SendOutput(send)
+            _say_path(output)
+            await self.attempt.relay(output)
             self.on_end()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
@@ -494,6 +498,21 @@ class RelayResponse:
 
 def _nothing() -> None:
     return None
+
+
+_said: set[type] = set()
+
+
+def _say_path(output: Output) -> None:
+    """Log once per process which way streamed chunks go (an operator can tell the fast path from the fallback)."""
+    kind = type(output)
+    if kind not in _said:
+        _said.add(kind)
+        if isinstance(output, SendOutput):
+            how = "through the server's ASGI send (not uvicorn's httptools protocol, or a middleware wraps send)"
+        else:
+            how = "straight to the client's socket (uvicorn's httptools protocol)"
+        log.info("stream chunks go %s", how)
 
 
 def error_response(
