@@ -160,9 +160,8 @@ class _Conn(asyncio.Protocol):
             return
         self.chunks.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        if self.buffered > HIGH_WATER:
+            self.pause()
         self._wake()
 
     def on_message_complete(self) -> None:

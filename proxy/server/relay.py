@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +106,6 @@ class Attempt:
     _model_from: bytes | None = None
     _model_to: bytes | None = None
     _error_body: bytes | None = None
-    _raw: AsyncIterator[bytes] | None = None
     _out: Output = DISCARD
     _finished: bool = False
     reserialized: int = 0
@@ -149,28 +148,24 @@ class Attempt:
             raise UpstreamBroken(f"engine {e.name!r} answered with a redirect ({self.status}); not followed")
         if self.status >= 400 or not self.norm.stream:
             return
-        self._raw = self.response.aiter_raw()
+        raw = self.response.aiter_raw()
         try:
-            while not self._first:
-                chunk = await anext(self._raw)
-                self._first_t = time.perf_counter_ns()
-                self._first = self._framer.feed(chunk)
-        except StopAsyncIteration:
-            pass
-        except TRANSPORT_ERRORS as exc:
-            await self.response.aclose()
-            raise from_transport_error(exc, e.name) from exc
-        except EventTooLarge as exc:
-            await self.response.aclose()
-            raise UpstreamBroken(f"engine {e.name!r}: {exc}") from exc
+            try:
+                while not self._first:
+                    chunk = await anext(raw)
+                    self._first_t = time.perf_counter_ns()
+                    self._first = self._framer.feed(chunk)
+            except StopAsyncIteration:
+                raise UpstreamBroken(f"engine {e.name!r} closed the stream before its first event") from None
+            except TRANSPORT_ERRORS as exc:
+                raise from_transport_error(exc, e.name) from exc
+            except EventTooLarge as exc:
+                raise UpstreamBroken(f"engine {e.name!r}: {exc}") from exc
         except BaseException:
-            # cancelled while the engine queues or prefills (a shadow's deadline, the client gone): free the
-            # connection and its pool slot here, whoever the caller is
+            # whatever ends the wait for the first event (an engine fault, a shadow's deadline, the client gone):
+            # free the connection and its pool slot here, whoever the caller is
             await self.response.aclose()
             raise
-        if not self._first:
-            await self.response.aclose()
-            raise UpstreamBroken(f"engine {e.name!r} closed the stream before its first event")
         first = self._first[0]
         if not first.is_comment and not first.is_done:
             try:
@@ -317,14 +312,7 @@ class Attempt:
                 self._first = []
                 if data and output.write(data):
                     await output.flush()
-                pump = getattr(self.response, "pump", None)
-                if pump is not None:
-                    await pump(self._on_chunk, output)
-                else:  # an UpstreamResponse without a read callback: one task wake-up per read
-                    assert self._raw is not None
-                    async for chunk in self._raw:
-                        if self._on_chunk(chunk):
-                            await output.flush()
+                await self.response.pump(self._on_chunk, output)
                 await output.flush()
                 if self.outcome is None and not self.saw_done and self.finish_reason is None:
                     raise UpstreamBroken(f"engine {self.engine.name!r} ended the stream before finishing")

@@ -3,7 +3,7 @@ generation requests, both with explicit timeouts and pool limits; kind and model
 checks. Transport errors are mapped to ``proxy.errors`` in one place (``errors.from_transport_error``).
 
 The relay's stream client is ``proxy.server.h1.H1Streams`` (plain asyncio connections and httptools; it replaced
-``AiohttpStreams``, kept below, whose request path cost ~1 ms of CPU a request: docs/performance.md). Tests
+an aiohttp client whose request path cost ~1 ms of CPU a request: docs/performance.md). Tests
 fake engines as real servers on 127.0.0.1 (``fakes/``); the httpx client takes a ``transport``
 (``httpx.MockTransport``) for probe and poll tests.
 
@@ -16,21 +16,21 @@ path (SGLang: ``/ready``, or ``/health`` on versions without it).
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
 import httpx
-from yarl import URL
 
 from proxy import engines
 from proxy.errors import redact_url
 from proxy.server.h1 import H1Streams
 from proxy.settings import EngineSettings
 from proxy.types import EngineKind
+
+if TYPE_CHECKING:
+    from proxy.server.output import Output
 
 log = logging.getLogger("enginemeter.upstream")
 
@@ -43,7 +43,7 @@ KEEPALIVE_EXPIRY_S = 4.0
 def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """The engine's httpx client for probes, health and state polls (``transport``: a test's MockTransport).
 
-    Generation requests never go through it (``AiohttpStreams``), so a handful of connections is all it holds.
+    Generation requests never go through it (``H1Streams``), so a handful of connections is all it holds.
     """
     t = e.timeouts
     headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
@@ -66,7 +66,7 @@ def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None
 
 
 class UpstreamResponse(Protocol):
-    """What the relay needs of a response (``_AiohttpResponse``; ``httpx.Response`` is one as it is)."""
+    """What the relay needs of a response (``h1._H1Response``)."""
 
     @property
     def status_code(self) -> int: ...
@@ -74,6 +74,10 @@ class UpstreamResponse(Protocol):
     def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
     async def aread(self) -> bytes: ...
+
+    async def pump(self, sink: Callable[[bytes], bool], output: Output) -> None:
+        """The rest of the body to ``sink`` from the connection's read callback (``h1._H1Response.pump``)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -89,80 +93,6 @@ class StreamClient(Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
-class AiohttpStreams:
-    """Generation requests through one ``aiohttp.ClientSession`` per engine (made on first use, in the loop).
-
-    Timeouts from ``EngineSettings.timeouts``: ``connect`` per new socket, ``pool`` + ``connect`` to get a
-    connection at all (aiohttp's ``connect`` covers waiting for a free one), ``read`` between two reads (as
-    httpx's). aiohttp has no write timeout; a request body is one small JSON document. Idle connections are
-    dropped after ``KEEPALIVE_EXPIRY_S``, before the engine drops them. No cookies, no decompression.
-    """
-
-    def __init__(self, e: EngineSettings, max_connections: int) -> None:
-        t = e.timeouts
-        self._base = e.url.rstrip("/")
-        self._limit = max_connections
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=t.pool + t.connect, sock_connect=t.connect, sock_read=t.read
-        )
-        self._headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, URL] = {}
-
-    def _open(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            headers=self._headers,
-            auto_decompress=False,  # the proxy forwards the bytes the engine sent
-            cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies are no other client's business
-            trust_env=False,
-        )
-        return self._session
-
-    async def post(
-        self, path: str, content: bytes, headers: dict[str, str], after_write: Callable[[], None] | None = None
-    ) -> UpstreamResponse:
-        session = self._session or self._open()
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = URL(self._base + path)
-        # redirects are the relay's to refuse (a POST re-sent to another server), never followed here
-        # bodies over 1 MiB as a stream (aiohttp writes them in 64 KiB pieces instead of warning about one write)
-        data: bytes | io.BytesIO = content if len(content) < 1 << 20 else io.BytesIO(content)
-        resp = await session.post(url, data=data, headers=headers, allow_redirects=False)
-        if after_write is not None:
-            after_write()
-        return _AiohttpResponse(resp)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
-
-
-class _AiohttpResponse:
-    __slots__ = ("_resp", "status_code")
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status_code = resp.status
-
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        return self._resp.content.iter_any()  # whatever the socket delivered, no generator of our own
-
-    async def aread(self) -> bytes:
-        return await self._resp.read()
-
-    async def aclose(self) -> None:
-        r = self._resp
-        if r.content.at_eof():
-            r.release()  # back to the pool
-        else:
-            r.close()  # cut off mid-body (client gone, error): close, so the engine frees its slot at once
 
 
 @dataclass
