@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httpx
-import orjson
 
+from proxy.stream import loads
 from proxy.types import EngineKind
 
 Message = Mapping[str, Any]
@@ -90,7 +90,7 @@ async def get_json(client: httpx.AsyncClient, path: str, timeout: float) -> Any:
     if r.status_code != 200:
         raise PollError(f"HTTP {r.status_code} from {path}")
     try:
-        return orjson.loads(r.content)  # polled every few seconds, with every stream waiting on the same loop
+        return loads(r.content)  # orjson first: polled every few seconds, with every stream waiting on the same loop
     except ValueError as exc:
         raise PollError(f"{path} did not return JSON") from exc
 
