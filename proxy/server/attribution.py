@@ -131,8 +131,10 @@ class Attributor:
         self.refresh_s = refresh_s
         self.roots: dict[str, _Roots] = {e.name: _Roots() for e in self.engines}
         self._local: dict[str, bool] = {}
+        #: root pid -> the engines it is the root of (several: names that are one server), made by ``refresh``
+        self._by_pid: dict[int, tuple[str, ...]] = {}
 
-    def _lookup(self, e: EngineSettings, now: float) -> _Roots:
+    def _lookup(self, e: EngineSettings, now: float, scanned: dict[int, frozenset[int]]) -> _Roots:
         if e.pid is not None:
             return _Roots(frozenset({e.pid}), "pid", None if alive(e.pid, self.proc) else "pid not running", now)
         if e.pid_file:
@@ -147,31 +149,37 @@ class Attributor:
         if not self._local[e.name]:
             return _Roots(frozenset(), "none", f"{host} is not this host; set pid or pid_file", now)
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        pids = pids_holding(listening_inodes(port, self.proc), self.proc)
-        return _Roots(frozenset(pids), "port", None if pids else f"no local process listens on port {port}", now)
+        pids = scanned.get(port)
+        if pids is None:  # one /proc scan per port and refresh, however many engine names share it
+            pids = scanned[port] = frozenset(pids_holding(listening_inodes(port, self.proc), self.proc))
+        return _Roots(pids, "port", None if pids else f"no local process listens on port {port}", now)
 
     def refresh(self, now: float | None = None) -> dict[str, _Roots]:
         now = time.monotonic() if now is None else now
+        scanned: dict[int, frozenset[int]] = {}
         for e in self.engines:
             r = self.roots[e.name]
             stale = now - r.looked_up >= self.refresh_s or not r.pids or not all(alive(p, self.proc) for p in r.pids)
             if e.pid_file or stale:
-                self.roots[e.name] = self._lookup(e, now)
-        return self.roots
-
-    def owners(self, pid: int, max_depth: int = 64) -> tuple[str, ...]:
-        """The engines whose root pid is ``pid`` or its nearest ancestor: several when several names are one server
-        (an A/A twin: two names, one URL), each of which then shows that server's memory; () when none."""
+                self.roots[e.name] = self._lookup(e, now, scanned)
         by_pid: dict[int, list[str]] = {}
         for name, r in self.roots.items():
             for p in r.pids:
                 by_pid.setdefault(p, []).append(name)
+        self._by_pid = {p: tuple(names) for p, names in by_pid.items()}
+        return self.roots
+
+    def owners(self, pid: int, max_depth: int = 64) -> tuple[str, ...]:
+        """The engines whose root pid is ``pid`` or its nearest ancestor, as of the last ``refresh``: several when
+        several names are one server (an A/A twin: two names, one URL), each of which then shows that server's
+        memory; () when none."""
+        by_pid = self._by_pid
         cur: int | None = pid
         for _ in range(max_depth):
             if cur is None or cur <= 0:
                 return ()
             if cur in by_pid:
-                return tuple(by_pid[cur])
+                return by_pid[cur]
             if cur == 1:
                 return ()
             cur = parent_pid(cur, self.proc)
