@@ -11,6 +11,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 if [ ! -d "$base" ]; then
   commit=$(git -C "$root" rev-parse "$base")
   base=$(mktemp -d /tmp/enginemeter-base.XXXXXX)
+  trap 'rm -rf "$base"' EXIT
   git -C "$root" archive "$commit" | tar -x -C "$base"
   base_note="$commit (in $base)"
 else

@@ -160,16 +160,22 @@ def test_slow_refusing_and_hanging_shadows_leave_the_primary_alone(
         assert ratio_sum / (n + 1) > 3, "the 10x slower shadow should show a TPOT ratio well above 1"
 
 
-def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFactory) -> None:
+@contextmanager
+def hanging_shadow(proxy_factory: ProxyFactory, timeout: float) -> Iterator[tuple[ProxyUnderTest, str]]:
+    """A proxy mirroring a 4-token primary to an engine that sends its headers and then nothing ("h"), one copy
+    in flight at most, cut off after ``timeout``; yields the proxy and the hanging engine's URL."""
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=4))) as primary,
         run_in_thread(FaultEngineConfig(knobs=Knobs(hang=True))) as hang,
     ):
-        p = proxy_factory(
-            mirrored(
-                engine("p", primary, kind="llamacpp"), engine("h", hang, kind="llamacpp"), max_in_flight=1, timeout=3.0
-            )
+        settings = mirrored(
+            engine("p", primary, kind="llamacpp"), engine("h", hang, kind="llamacpp"), max_in_flight=1, timeout=timeout
         )
+        yield proxy_factory(settings), hang
+
+
+def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFactory) -> None:
+    with hanging_shadow(proxy_factory, timeout=3.0) as (p, _):
         t0 = time.perf_counter()
         for _ in range(3):
             timed_stream(p)
@@ -192,15 +198,7 @@ def test_a_full_shadow_drops_copies_instead_of_queueing(proxy_factory: ProxyFact
 def test_a_shadow_cut_off_before_its_first_event_frees_its_connection(proxy_factory: ProxyFactory) -> None:
     """mirror.timeout while the shadow engine is still prefilling (headers sent, no event yet): the engine sees
     its connection close, and the shadow's pool slot (max_in_flight 1) is free for the next copy."""
-    with (
-        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=4))) as primary,
-        run_in_thread(FaultEngineConfig(knobs=Knobs(hang=True))) as hang,
-    ):
-        p = proxy_factory(
-            mirrored(
-                engine("p", primary, kind="llamacpp"), engine("h", hang, kind="llamacpp"), max_in_flight=1, timeout=0.5
-            )
-        )
+    with hanging_shadow(proxy_factory, timeout=0.5) as (p, hang):
 
         def ended(n: int) -> bool:
             return len(p.of("shadow")) == n
