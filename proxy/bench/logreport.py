@@ -28,7 +28,7 @@ from typing import Any
 
 from proxy.bench.config import canonical_sampling
 from proxy.bench.memory import PER_ENGINE, MemReading, parse_metrics, read_memory
-from proxy.bench.model import Cell, EngineInfo, Reason, Req, Results, Sample
+from proxy.bench.model import MIN_EFFECT, Cell, EngineInfo, Reason, Req, Results, Sample
 from proxy.bench.results import Data, read_jsonl
 from proxy.normalize import normalize_request
 from proxy.types import EngineKind
@@ -112,7 +112,7 @@ def load_log(
     quantization: Mapping[str, str] | None = None,
     blocks: int = 5,
     min_repeats: int = 3,
-    max_variation: float = 0.20,
+    min_effect: float | None = None,
     engine_info: Mapping[str, Mapping[str, Any]] | None = None,
     memory: Mapping[str, MemReading] | None = None,
     memory_budget_bytes: int | None = None,
@@ -211,7 +211,8 @@ def load_log(
                             f"on a shared GPU ({whys[0]}) — each slows the other, so the speeds are not the engines' "
                             "own; mirror to a shadow on its own GPU", "contention"))  # fmt: skip
     results = Results(engines=tuple(infos), baseline=bl, samples=tuple(samples), prompt_tokens=pt,
-                      min_repeats=min_repeats, max_variation=max_variation, requests=tuple(reqs), live=True,
+                      min_repeats=min_repeats, min_effect=MIN_EFFECT if min_effect is None else min_effect,
+                      requests=tuple(reqs), live=True,
                       extra_parity=tuple(extra), memory_budget_bytes=memory_budget_bytes)  # fmt: skip
     return Data(
         title="enginemeter report: mirrored traffic",

@@ -6,12 +6,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-Decision = Literal["stay", "switch", "inconclusive"]
-Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "noisy", "unresolved", "stay", "note"]
+#: partial: a regime the decision needs was not measured (neither switch nor stay)
+Decision = Literal["stay", "switch", "partial", "inconclusive"]
+#: flagged: the cell cannot decide (an engine was busy with requests the bench did not send)
+Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "unresolved", "flagged", "stay", "note"]
+#: the default minimum effect (``--min-effect``): smaller differences are called ties, never wins
+MIN_EFFECT = 0.05
 #: the gates, in order
 STEPS: tuple[str, ...] = ("parity", "data", "memory", "decode", "throughput", "long-context")
-#: outcomes that fail their gate
-FAILS: frozenset[str] = frozenset({"inconclusive", "noisy", "unresolved", "stay"})
+#: outcomes that fail their gate (parity, data, memory); speed outcomes are weighed per regime instead
+FAILS: frozenset[str] = frozenset({"inconclusive", "stay"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +115,10 @@ class Results:
     base_prompt_len: str | None = None
     memory_budget_bytes: int | None = None
     min_repeats: int = 3
-    #: run-to-run variation (CV over repeats) above which a step refuses to judge
-    max_variation: float = 0.20
-    #: no difference smaller than this is ever called, whatever the A/A pass measured
+    #: practical significance: no difference smaller than this is a win or a loss, and a tie is "within ±this"
+    #: at least (``--min-effect``; docs/bench.md)
+    min_effect: float = MIN_EFFECT
+    #: no noise floor is narrower than this, whatever the A/A pass measured
     min_floor: float = 0.01
     requests: tuple[Req, ...] = ()
     shared_prefix: bool = False
@@ -121,3 +126,7 @@ class Results:
     live: bool = False
     #: reasons the source adds to the parity gate (live: contention on a shared GPU)
     extra_parity: tuple[Reason, ...] = ()
+    #: (engine, cell) -> why that cell cannot decide (an engine busy with requests the bench did not send)
+    flags: Mapping[tuple[str, Cell], str] = field(default_factory=dict)
+    #: the command that made the results (for the rerun advice); None when unknown
+    command: str | None = None

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.model import Cell, EngineInfo, Req, Results, Sample
+from proxy.bench.model import MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
 from proxy.bench.suite import SHARED_PREFIX
 
 
@@ -32,6 +33,8 @@ class Data:
     interrupted: bool = False
     duration_s: float | None = None
     goodput: Mapping[str, float] = field(default_factory=dict)
+    #: each sample's engine and place in its repeat's order (results version 3)
+    positions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -66,7 +69,7 @@ def load_bench(
     baseline: str | None = None,
     quantization: Mapping[str, str] | None = None,
     min_repeats: int = 3,
-    max_variation: float = 0.20,
+    min_effect: float | None = None,
 ) -> Data:
     recs = read_jsonl(path)
     run = next((r for r in recs if r.get("type") == "run"), None)
@@ -130,8 +133,9 @@ def load_bench(
     results = Results(
         engines=tuple(infos), baseline=bl, samples=samples, prompt_tokens=pt, base_max_tokens=base.get("max_tokens"),
         base_prompt_len=base.get("prompt_len"), memory_budget_bytes=run.get("memory_budget_bytes"),
-        min_repeats=min_repeats, max_variation=max_variation, requests=reqs,
-        shared_prefix=cfg.get("suite") == SHARED_PREFIX,
+        min_repeats=min_repeats, requests=reqs, shared_prefix=cfg.get("suite") == SHARED_PREFIX,
+        min_effect=min_effect if min_effect is not None else float(cfg.get("min_effect") or MIN_EFFECT),
+        flags=_busy_flags(recs), command=bench_command(run),
     )  # fmt: skip
     return Data(
         title="enginemeter bench report",
@@ -144,7 +148,9 @@ def load_bench(
         interrupted=bool(end is None or end.get("interrupted")),
         duration_s=end.get("duration_s") if end else None,
         goodput=run.get("goodput") or {},
-    )
+        positions=[{"engine": r["engine"], "position": r["position"]} for r in recs
+                   if r.get("type") == "sample" and "position" in r],
+    )  # fmt: skip
 
 
 def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str]:
@@ -180,3 +186,43 @@ def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str
     if run.get("goodput"):
         out.append("goodput SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in run["goodput"].items()))
     return out
+
+
+def _busy_flags(recs: list[dict[str, Any]]) -> dict[tuple[str, Cell], str]:
+    """(engine, cell) -> why it cannot decide: a repeat in which the engine ran requests the bench did not send."""
+    out: dict[tuple[str, Cell], str] = {}
+    for r in recs:
+        busy = r.get("foreign") if r.get("type") == "sample" else None
+        if isinstance(busy, dict) and busy.get("flagged"):
+            key = (str(r["engine"]), _cell(r))
+            out.setdefault(
+                key,
+                f"engine busy with other clients: {r['engine']} ran {busy.get('max_excess')} "
+                f"request(s) the bench did not send (repeat {r.get('repeat')}, {busy.get('when')})",
+            )
+    return out
+
+
+def bench_command(run: Mapping[str, Any]) -> str:
+    """The command that made a run: as recorded, else rebuilt from its settings (older results)."""
+    argv = run.get("argv")
+    if isinstance(argv, list) and argv:
+        return shlex.join(str(a) for a in argv)
+    cfg = run.get("config", {})
+    out = ["enginemeter", "bench"]
+    for e in run.get("engines", []):
+        if e.get("aa_of") and e.get("name") == f"{e['aa_of']}-aa":
+            continue  # the bench's own second pass of the baseline, not an engine the user listed
+        out += ["--engine", f"{e['name']}={e.get('url') or ''}"]
+    for flag, key in (("--concurrency", "concurrency"), ("--output-lengths", "output_lengths"),
+                      ("--prompt-lengths", "prompt_lengths")):  # fmt: skip
+        if cfg.get(key):
+            out += [flag, ",".join(map(str, cfg[key]))]
+    for flag, key in (("--repeats", "repeats"), ("--warmup", "warmup"), ("--cache", "cache"),
+                      ("--max-tokens", "max_tokens"), ("--waves", "waves"), ("--requests", "requests"),
+                      ("--through", "through"), ("--model", "model"), ("--baseline", "baseline")):  # fmt: skip
+        if cfg.get(key) not in (None, ""):
+            out += [flag, str(cfg[key])]
+    if cfg.get("no_prompt_cache"):
+        out.append("--no-prompt-cache")
+    return shlex.join(out)

@@ -1,41 +1,52 @@
-"""Results -> stay | switch | inconclusive, through gates in a fixed order. Pure: no I/O, no clock.
+"""Results -> per-regime answers -> switch | stay | partial | inconclusive. Pure: no I/O, no clock.
 
-1. **data**: every engine answered without errors, every judged cell has >= ``min_repeats`` repeats, the
-   judged cache phase is what it says (cold: nothing served from the prompt cache; warm: cached tokens seen);
-2. **parity**: prompt tokens, effective sampling (what the per-kind mapping dropped included), max tokens,
+Gates first, in a fixed order; a failed gate stops the verdict there (which gate, which check, why):
+
+1. **parity**: prompt tokens, effective sampling (what the per-kind mapping dropped included), max tokens,
    output lengths, context per slot, quantization (normalized: F16 = FP16 = float16; bf16 ≠ f16); slots below
    the offered concurrency are stated;
+2. **data**: every engine answered without errors, every judged cell has >= ``min_repeats`` repeats, the
+   judged cache phase is what it says (cold: nothing served from the prompt cache; warm: cached tokens seen);
 3. **memory**: the candidate's per-engine peak against the user's budget, or its GPU's total when it held
-   that GPU alone; device-wide readings are not judged;
-4. **decode**: single-request decode speed (concurrency 1, base cell), judged on TPOT (decode tok/s = 1/TPOT;
-   the mean of a time stays robust when a starved client reads several chunks at once); a tie reads
-   "decode-bound";
-5. **throughput**: aggregate output tok/s and per-request TTFT (queueing included) at the highest concurrency
-   (or request rate) measured on both;
-6. **long context**: TTFT and TPOT at the longest prompt class, concurrency 1.
+   that GPU alone; device-wide readings are not judged.
 
-A failed gate stops the verdict there (which gate, which check, why); later steps are still computed and
-shown, marked not decisive. Steps 4-6 compare per-request pairs (``stats.paired_bootstrap``): a 95 % interval
-of the relative difference and an effect size, judged against the **noise floor** — the same comparison of the
-baseline with its own second pass (A/A) in the same run, or, without one, the run-to-run variation. A win needs
-the whole interval beyond the floor; a tie needs it inside; an interval across the floor is *unresolved*; a
-figure whose run-to-run variation exceeds ``max_variation`` (20 %) is refused (*noisy*). Decision: wins and no
-losses -> switch; losses and no wins, or only ties -> stay; both -> inconclusive (mixed).
+Then the speed, one **regime** at a time, the order the people deciding read it (``proxy.bench.regimes``):
+
+- **single request** (step ``decode``): TPOT at concurrency 1, the base cell (decode tok/s = 1/TPOT); TTFT
+  beside it;
+- **under load** (step ``throughput``): aggregate output tok/s at the highest concurrency (or request rate)
+  measured on both; TTFT under load beside it;
+- **long prompts** (step ``long-context``): TTFT at the longest prompt class, concurrency 1; TPOT beside it.
+
+Each comparison is paired per request (``stats.paired_bootstrap``): a 95 % interval of the relative
+difference whose width grows with the run-to-run variation. It is judged against a **band**: the larger of
+``min_effect`` (practical significance, ``--min-effect``) and the **noise floor** (the baseline against its
+own second pass, A/A, in the same run; without one, the run-to-run variation). A win needs the whole
+interval beyond the band, a tie the whole interval inside it; anything else is *unresolved*, with the
+repeats that would resolve it. An A/A pass whose own interval excludes 0 is a **protocol bias** (order,
+drift): it is named, and its size is added to the band a win must clear, never silently to the floor. A cell
+where an engine was busy with requests the bench did not send is *flagged* and cannot decide.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.gates import data_gate, memory_gate, parity_gate
-from proxy.bench.model import FAILS, STEPS, Cell, Decision, EngineInfo, Outcome, Reason, Req, Results, Sample
+from proxy.bench.model import Cell, Decision, EngineInfo, Outcome, Reason, Req, Results, Sample
+from proxy.bench.regimes import REGIMES, RegimeAnswer, band, conclude
 from proxy.bench.stats import Paired, paired_bootstrap, variation
 from proxy.bench.suite import length_rank
 
-__all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "Req", "Results", "Sample", "Verdict", "decide", "decide_all"]
+__all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", "Results", "Sample", "Verdict",
+           "decide", "decide_all"]  # fmt: skip
+
+#: more repeats than this is not a rerun anyone will make: "no feasible number resolves it"
+MAX_FEASIBLE_REPEATS = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +61,17 @@ class Comparison:
     floor: float
     floor_source: str
     variation: Mapping[str, float | None]
-    max_variation: float = 0.20
     base_repeats: tuple[float, ...] = ()  # per-repeat medians
     cand_repeats: tuple[float, ...] = ()
+    min_effect: float = 0.05
+    #: |Δ| of an A/A pass whose interval excludes 0 (a protocol bias); 0 when it includes 0 or there is none
+    bias: float = 0.0
+    #: why this cell cannot decide (an engine busy with other clients); None: it can
+    flagged: str | None = None
+    #: the regime's deciding metric (the others are shown beside it and can only make it "mixed")
+    primary: bool = True
+    #: the baseline against its own second pass, where there is one
+    aa: Paired | None = None
 
     @property
     def gain(self) -> tuple[float, float, float]:
@@ -61,34 +80,108 @@ class Comparison:
         return (s.rel, s.lo, s.hi) if self.higher_is_better else (-s.rel, -s.hi, -s.lo)
 
     @property
+    def log_gain(self) -> tuple[float, float, float]:
+        """The same on the log-ratio scale, where judging happens: ×2 faster and ×2 slower are equally far from
+        equal (on the relative scale a 16× faster TTFT is "-94 %" while noise can reach "+126 %")."""
+        s = self.stats
+        e, lo, hi = _log(s.rel), _log(s.lo), _log(s.hi)
+        return (e, lo, hi) if self.higher_is_better else (-e, -hi, -lo)
+
+    @property
+    def band(self) -> float:
+        """What a tie must stay inside, relative: the larger of the minimum effect and the noise floor."""
+        return max(self.min_effect, self.floor)
+
+    @property
+    def win_band(self) -> float:
+        """What a win (or loss) must clear, relative: the band, plus a protocol bias when the A/A pass showed one."""
+        floor = math.expm1(_log(self.floor) + _log(self.bias)) if self.bias else self.floor
+        return max(self.min_effect, floor)
+
+    @property
     def outcome(self) -> Outcome:
-        worst = max((v for v in self.variation.values() if v is not None), default=0.0)
-        if worst > self.max_variation:
-            return "noisy"
-        _, lo, hi = self.gain
-        if lo > self.floor:
+        if self.flagged:
+            return "flagged"
+        _, lo, hi = self.log_gain
+        if lo > _log(self.win_band):
             return "win"
-        if hi < -self.floor:
+        if hi < -_log(self.win_band):
             return "loss"
-        if -self.floor <= lo and hi <= self.floor:
+        # a tie is equivalence at the margin the user asked for: inside ±min_effect, with the floor (and any
+        # protocol bias) no wider; inside a wider floor it only says "no bigger than this run's noise":
+        # unresolved, never a tie — a noisier A/A pass must not make a tie, hence a stay, easier
+        m = _log(self.min_effect)
+        if self.win_band <= self.min_effect and -m <= lo and hi <= m:
             return "tie"
         return "unresolved"
+
+    @property
+    def coarse(self) -> bool:
+        """Inside the floor (plus bias), but that is wider than the minimum effect: no tie can be shown."""
+        _, lo, hi = self.log_gain
+        w = _log(self.win_band)
+        return self.win_band > self.min_effect and -w <= lo and hi <= w
+
+    @property
+    def detectable(self) -> float:
+        """The smallest difference (relative) this run could have called: the band plus the interval's spread."""
+        _, lo, hi = self.log_gain
+        return math.expm1(_log(self.win_band) + (hi - lo) / 2)
+
+    def repeats_to_resolve(self) -> int | None:
+        """Repeats that would resolve an unresolved comparison at the spread seen; None: no feasible number."""
+        est = abs(self.log_gain[0])
+        if self.coarse and self.aa is not None:  # the floor is what needs narrowing: more repeats of the A/A
+            n = self.aa.repeats_needed(self.min_effect / 2)
+            return n if n is not None and n <= MAX_FEASIBLE_REPEATS else None
+        wb, b = _log(self.win_band), _log(self.min_effect)
+        margin = est - wb if est > wb else b - est
+        if margin < 0.1 * b:  # the estimate sits on the threshold: more data moves it, not the answer
+            return None
+        n = self.stats.repeats_needed(math.expm1(margin))
+        return n if n is not None and n <= MAX_FEASIBLE_REPEATS else None
+
+    def figures(self) -> tuple[str, str]:
+        """Baseline and candidate figures as a person reads them (decode in tok/s, times in ms)."""
+        s = self.stats
+        return _show(self.metric, s.base_mean), _show(self.metric, s.cand_mean)
 
     def numbers(self, base: str, cand: str) -> str:
         s = self.stats
         eff = f", d_z {s.effect:+.2f}" if s.effect is not None else ""
+        fb, fc = self.figures()
+        floor = f"noise floor ±{band(self.floor)} ({self.floor_source})"
+        if self.bias:
+            floor += f", protocol bias {self.bias:.1%} added for a win"
         return (
-            f"{base} {_fmt(s.base_mean)} vs {cand} {_fmt(s.cand_mean)} {self.unit}: Δ {s.rel:+.1%} "
-            f"(95% CI {s.lo:+.1%} … {s.hi:+.1%}{eff}, {s.n_pairs} pairs in {s.n_groups} repeats); "
-            f"noise floor ±{self.floor:.1%} ({self.floor_source})"
+            f"{base} {fb} vs {cand} {fc}: Δ {s.rel:+.1%} (95% CI {s.lo:+.1%} … {s.hi:+.1%}{eff}, {s.n_pairs} pairs "
+            f"in {s.n_groups} repeats); min effect {self.min_effect:.0%}, {floor}"
         )
 
     def to_json(self) -> dict[str, Any]:
         s = self.stats
         return {"step": self.step, "metric": self.metric, "cell": self.cell.label(), "outcome": self.outcome,
-                "base_mean": s.base_mean, "cand_mean": s.cand_mean, "rel": s.rel, "ci95": [s.lo, s.hi],
-                "effect_size_dz": s.effect, "pairs": s.n_pairs, "repeats": s.n_groups, "noise_floor": self.floor,
-                "noise_floor_source": self.floor_source, "variation": dict(self.variation)}  # fmt: skip
+                "primary": self.primary, "base_mean": s.base_mean, "cand_mean": s.cand_mean, "rel": s.rel,
+                "ci95": [s.lo, s.hi], "ci95_bootstrap": list(s.boot),
+                "ci95_repeats_t": list(s.t_interval) if s.t_interval else None, "effect_size_dz": s.effect,
+                "pairs": s.n_pairs, "repeats": s.n_groups, "noise_floor": self.floor,
+                "noise_floor_source": self.floor_source, "protocol_bias": self.bias or None,
+                "min_effect": self.min_effect, "band": self.band, "detectable_effect": self.detectable,
+                "repeats_to_resolve": self.repeats_to_resolve() if self.outcome == "unresolved" else None,
+                "flagged": self.flagged, "variation": dict(self.variation)}  # fmt: skip
+
+
+def _log(rel: float) -> float:
+    """log(1 + rel), kept finite for an interval end at or below -100 %."""
+    return math.log(max(1 + rel, 1e-9))
+
+
+def _show(metric: str, v: float) -> str:
+    if metric == "tpot_s":
+        return f"{1 / v:.0f} tok/s ({v * 1000:.2f} ms/token)" if v > 0 else "–"
+    if metric.endswith("_s"):
+        return f"{v * 1000:.1f} ms" if v < 10 else f"{v:.1f} s"
+    return f"{_fmt(v)} tok/s" if metric.endswith("tps") else _fmt(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +192,20 @@ class Verdict:
     summary: str
     reasons: tuple[Reason, ...]
     comparisons: tuple[Comparison, ...] = ()
-    stopped_at: str | None = None  # the gate that failed
+    stopped_at: str | None = None  # the gate (or regime step) that decided against a full answer
     stopped_check: str | None = None
-    noise_source: str | None = field(default=None)
+    noise_source: str | None = None
+    regimes: tuple[RegimeAnswer, ...] = ()
+    #: what to run next (inconclusive / partial): the flags to add, or that no feasible rerun resolves it
+    next_step: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "baseline": self.baseline, "candidate": self.candidate, "decision": self.decision,
             "summary": self.summary,
-            "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check} if self.stopped_at else None,
+            "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check or "unnamed"} if self.stopped_at
+            else None,
+            "regimes": [a.to_json() for a in self.regimes], "next_step": self.next_step,
             "reasons": [{"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive,
                          "text": x.text} for x in self.reasons],
             "comparisons": [c.to_json() for c in self.comparisons],
@@ -130,18 +228,23 @@ def decide_all(r: Results) -> list[Verdict]:
     return [decide(r, e.name) for e in r.engines if e.name != r.baseline and e.aa_of is None]
 
 
+def judged_phase(samples: Sequence[Sample]) -> str | None:
+    """cache-cold is the fair comparison; warm-cache results are reported, not judged, when both exist."""
+    caches = {s.cell.cache for s in samples}
+    return "cold" if "cold" in caches else "live" if "live" in caches else "warm" if caches else None
+
+
 def decide(r: Results, candidate: str) -> Verdict:
     base = r.baseline
     infos = {e.name: e for e in r.engines}
     if base not in infos or candidate not in infos:
         missing = base if base not in infos else candidate
         why = f"engine {missing!r} has no results"
-        return Verdict(base, candidate, "inconclusive", why, (Reason("data", "inconclusive", why),), (), "data")
+        return Verdict(base, candidate, "inconclusive", why, (Reason("data", "inconclusive", why, "engines"),), (),
+                       "data", "engines")  # fmt: skip
     aa = next((e.name for e in r.engines if e.aa_of == base), None)
     samples = [s for s in r.samples if s.engine in (base, candidate, aa)]
-    caches = {s.cell.cache for s in samples}
-    # cache-cold is the fair comparison; warm-cache results are reported, not judged, when both exist
-    judged = "cold" if "cold" in caches else "live" if "live" in caches else "warm" if caches else None
+    judged = judged_phase(samples)
     by: dict[tuple[str, Cell], list[Sample]] = {}
     for s in samples:
         if s.cell.cache == judged:
@@ -158,53 +261,32 @@ def decide(r: Results, candidate: str) -> Verdict:
         if q.ok and q.cell.cache == judged:
             reqs.setdefault((q.engine, q.cell, q.repeat), {})[q.index] = q
     comps: list[Comparison] = []
+    measured: dict[str, Cell | None] = {}
 
-    def compare(step: str, cell: Cell | None, metric: str, unit: str, higher: bool, what: str, per_req: bool) -> None:
-        if cell is None:
-            return
-        comp = _compare(r, by, reqs, step, what, cell, metric, unit, higher, base, candidate, aa, per_req)
+    def compare(step: str, cell: Cell, metric: str, unit: str, higher: bool, what: str, primary: bool) -> None:
+        per_req = metric != "output_tps"
+        comp = _compare(r, by, reqs, step, what, cell, metric, unit, higher, base, candidate, aa, per_req, primary)
         if comp is None:
-            reasons.append(Reason(step, "note", f"{what}: not measured on both engines ({cell.label()})"))
             return
+        measured.setdefault(step, cell)
         comps.append(comp)
-        o = comp.outcome
-        nums = comp.numbers(base, candidate)
-        if o == "noisy":
-            worst = max(comp.variation.items(), key=lambda kv: kv[1] or 0)
-            text = (f"{what} ({cell.label()}): run-to-run variation {worst[1]:.0%} on {worst[0]} exceeds "
-                    f"{r.max_variation:.0%} — refused; rerun with more repeats on a quieter machine: {nums}")  # fmt: skip
-        elif o == "tie":
-            text = f"{what} ({cell.label()}): tie — the interval sits inside the noise floor: {nums}"
-            if step == "decode":
-                text += " — decode-bound, switching engines won't fix it"
-        elif o == "unresolved":
-            text = (f"{what} ({cell.label()}): unresolved — the interval crosses the noise floor (neither a tie "
-                    f"nor a difference); more requests or repeats narrow it: {nums}")  # fmt: skip
-        else:
-            who = candidate if o == "win" else base
-            text = f"{what} ({cell.label()}): {who} is better beyond the noise floor: {nums}"
-        reasons.append(Reason(step, o, text))
+        reasons.append(Reason(step, comp.outcome, _text(comp, base, candidate), metric))
 
     base_mt, base_pl = r.base_max_tokens, r.base_prompt_len
     c1 = [c for c in common if c.concurrency == 1 and c.rate is None]
     single = _pick(c1, base_mt, base_pl)
-    if single is None and common:
-        reasons.append(Reason("decode", "note", "no concurrency-1 cell measured on both engines"))
-    compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
+    if single is not None:
+        compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
+        compare("decode", single, "ttft_s", "s", False, "single-request TTFT", False)
 
     conc = [
         c for c in common if (c.concurrency > 1 or c.rate is not None) and (base_pl is None or c.prompt_len == base_pl)
     ]
     conc = [c for c in conc if base_mt is None or c.max_tokens == base_mt] or conc
-    if r.live:
-        reasons.append(Reason("throughput", "note", "live traffic: aggregate throughput and long context are not "
-                              "comparable from mirrored pairs — use enginemeter bench"))  # fmt: skip
-    elif conc:
+    if conc and not r.live:
         top = max(conc, key=lambda c: (c.rate or 0, c.concurrency))
-        compare("throughput", top, "output_tps", "tok/s", True, "concurrent throughput", False)
-        compare("throughput", top, "ttft_s", "s", False, "TTFT under load", True)
-    elif common:
-        reasons.append(Reason("throughput", "note", "no concurrency > 1 cell measured on both engines"))
+        compare("throughput", top, "output_tps", "tok/s", True, "concurrent throughput", True)
+        compare("throughput", top, "ttft_s", "s", False, "TTFT under load", False)
 
     longs = [c for c in c1 if c.prompt_len != base_pl and c.prompt_len != "mixed"]
     longs = [c for c in longs if base_mt is None or c.max_tokens == base_mt] or longs
@@ -212,16 +294,42 @@ def decide(r: Results, candidate: str) -> Verdict:
         longest = max(longs, key=lambda c: length_rank(c.prompt_len))
         if base_pl is None or length_rank(longest.prompt_len) > length_rank(base_pl):
             compare("long-context", longest, "ttft_s", "s", False, "long-context TTFT", True)
-            compare("long-context", longest, "tpot_s", "s/token", False, "long-context decode (TPOT)", True)
-        else:
-            reasons.append(Reason("long-context", "note", f"no prompt class longer than the base ({base_pl}) measured"))
-    elif common and not r.live:
-        reasons.append(Reason("long-context", "note", "no longer-prompt cell measured on both engines"))
-    return _conclude(base, candidate, reasons, comps, aa)
+            compare("long-context", longest, "tpot_s", "s/token", False, "long-context decode (TPOT)", False)
+    slots = [e.slots for e in (infos[base], infos[candidate]) if e.slots]
+    c = conclude(r, base, candidate, reasons, comps, aa, {s for s, _ in REGIMES if s in measured},
+                 max(slots) if slots else None)  # fmt: skip
+    noise = "A/A pass" if aa else "run-to-run variation"
+    return Verdict(base, candidate, c.decision, c.summary, c.reasons, tuple(comps), c.stopped_at, c.stopped_check,
+                   noise, c.regimes, c.next_step)  # fmt: skip
+
+
+def _text(comp: Comparison, base: str, cand: str) -> str:
+    o, cell, what = comp.outcome, comp.cell.label(), comp.what
+    nums = comp.numbers(base, cand)
+    if o == "flagged":
+        return f"{what} ({cell}): cannot decide — {comp.flagged}: {nums}"
+    if o == "tie":
+        return f"{what} ({cell}): tie — the interval sits inside ±{band(comp.band)}: {nums}"
+    if o == "unresolved" and comp.coarse:
+        n = comp.repeats_to_resolve()
+        fix = f"; about {n} repeats would narrow it" if n else ""
+        return (
+            f"{what} ({cell}): unresolved — inside the noise floor ±{comp.floor:.1%}, which is wider than the "
+            f"minimum effect {comp.min_effect:.0%}: no tie can be shown at that margin{fix}: {nums}"
+        )
+    if o == "unresolved":
+        worst = max(comp.variation.items(), key=lambda kv: kv[1] or 0, default=("", None))
+        cause = (f"; run-to-run variation {worst[1]:.0%} on {worst[0]} widens it" if worst[1] and worst[1] > 0.1
+                 else "")  # fmt: skip
+        n = comp.repeats_to_resolve()
+        fix = f"; about {n} repeats would resolve it" if n else "; no feasible number of repeats resolves it"
+        return f"{what} ({cell}): unresolved — the interval crosses ±{band(comp.win_band)}{cause}{fix}: {nums}"
+    who = cand if o == "win" else base
+    return f"{what} ({cell}): {who} is better beyond ±{band(comp.win_band)}: {nums}"
 
 
 def _groups(
-    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
+    by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
     x: str, y: str, cell: Cell, metric: str, per_req: bool,
 ) -> tuple[list[list[tuple[float, float]]], dict[str, list[float]]]:  # fmt: skip
     """Pairs per repeat, and each engine's per-repeat medians (for the run-to-run variation: a median is not
@@ -250,26 +358,35 @@ def _groups(
 def _compare(
     r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
     step: str, what: str, cell: Cell, metric: str, unit: str, higher: bool, base: str, cand: str, aa: str | None,
-    per_req: bool,
+    per_req: bool, primary: bool,
 ) -> Comparison | None:  # fmt: skip
-    groups, means = _groups(r, by, reqs, base, cand, cell, metric, per_req)
+    groups, means = _groups(by, reqs, base, cand, cell, metric, per_req)
     stats = paired_bootstrap(groups)
     if stats is None:
         return None
     var: dict[str, float | None] = {base: variation(means[base]), cand: variation(means[cand])}
     aa_stats = None
     if aa is not None:
-        aa_groups, aa_means = _groups(r, by, reqs, base, aa, cell, metric, per_req)
+        aa_groups, aa_means = _groups(by, reqs, base, aa, cell, metric, per_req)
         aa_stats = paired_bootstrap(aa_groups)
         var[aa] = variation(aa_means[aa])
+    bias = 0.0
     if aa_stats is not None:
-        floor = max(r.min_floor, abs(aa_stats.lo), abs(aa_stats.hi))
-        src = f"A/A: {aa} vs {base} Δ {aa_stats.rel:+.1%}, CI {aa_stats.lo:+.1%} … {aa_stats.hi:+.1%}"
+        a_src = f"A/A: {aa} vs {base} Δ {aa_stats.rel:+.1%}, CI {aa_stats.lo:+.1%} … {aa_stats.hi:+.1%}"
+        lo, hi = _log(aa_stats.lo), _log(aa_stats.hi)  # the floor is symmetric on the log-ratio scale
+        if lo > 0 or hi < 0:  # the baseline differs from itself: order or drift, not noise
+            bias = math.expm1(abs(_log(aa_stats.rel)))
+            floor = max(r.min_floor, math.expm1((hi - lo) / 2))
+            src = f"{a_src} — excludes 0: a protocol bias; the floor is its spread"
+        else:
+            floor = max(r.min_floor, math.expm1(max(-lo, hi)))
+            src = a_src
     else:
         floor = max([r.min_floor, *(v for v in var.values() if v is not None)])
         src = "no A/A pass: run-to-run variation"
-    return Comparison(step, what, metric, unit, higher, cell, stats, floor, src, var, r.max_variation,
-                      tuple(means[base]), tuple(means[cand]))  # fmt: skip
+    flagged = next((r.flags[(e, cell)] for e in (base, cand, aa) if e and (e, cell) in r.flags), None)
+    return Comparison(step, what, metric, unit, higher, cell, stats, floor, src, var, tuple(means[base]),
+                      tuple(means[cand]), r.min_effect, bias, flagged, primary, aa_stats)  # fmt: skip
 
 
 def _pick(cells: Sequence[Cell], max_tokens: int | None, prompt_len: str | None) -> Cell | None:
@@ -281,42 +398,3 @@ def _pick(cells: Sequence[Cell], max_tokens: int | None, prompt_len: str | None)
         if (max_tokens is None or c.max_tokens == max_tokens) and (prompt_len is None or c.prompt_len == prompt_len)
     ]
     return sorted(exact or cells, key=lambda c: (c.max_tokens, c.prompt_len))[0]
-
-
-def _conclude(base: str, cand: str, reasons: list[Reason], comps: list[Comparison], aa: str | None) -> Verdict:
-    order = {s: i for i, s in enumerate(STEPS)}
-    reasons.sort(key=lambda x: order.get(x.step, len(STEPS)))  # stable: each gate's reasons keep their order
-    failed = next((x for x in reasons if x.outcome in FAILS), None)
-    noise = "A/A pass" if aa else "run-to-run variation"
-    if failed is not None:
-        stop = order[failed.step]
-        reasons = [replace(x, decisive=False) if order.get(x.step, 99) > stop else x for x in reasons]
-        gate_fails = [x for x in reasons if x.step == failed.step and x.outcome in FAILS]
-        more = f" (+{len(gate_fails) - 1} more)" if len(gate_fails) > 1 else ""
-        decision: Decision = "stay" if failed.outcome == "stay" else "inconclusive"
-        check = f" ({failed.check})" if failed.check else ""
-        summary = f"stopped at the {failed.step} gate{check}: {failed.text}{more}"
-        return Verdict(
-            base, cand, decision, summary, tuple(reasons), tuple(comps), failed.step, failed.check or None, noise
-        )
-    wins = [x for x in reasons if x.outcome == "win"]
-    losses = [x for x in reasons if x.outcome == "loss"]
-    ties = [x for x in reasons if x.outcome == "tie"]
-
-    def steps(xs: Sequence[Reason]) -> str:
-        return ", ".join(sorted({x.step for x in xs}, key=lambda s: order[s]))
-
-    if wins and losses:
-        decision, summary = "inconclusive", (f"mixed: {cand} wins on {steps(wins)} but loses on {steps(losses)} — "
-                                             "the choice depends on your workload")  # fmt: skip
-    elif wins:
-        decision, summary = "switch", f"{cand} is better beyond the noise floor on {steps(wins)}, worse on nothing"
-    elif losses:
-        decision, summary = "stay", f"{cand} is worse beyond the noise floor on {steps(losses)} and better on nothing"
-    elif ties:
-        decode_tie = any(t.step == "decode" for t in ties)
-        decision, summary = "stay", (f"no difference beyond the noise floor between {base} and {cand}"
-                                     + (" — decode-bound, switching engines won't fix it" if decode_tie else ""))  # fmt: skip
-    else:
-        decision, summary = "inconclusive", "nothing comparable was measured on both engines"
-    return Verdict(base, cand, decision, summary, tuple(reasons), tuple(comps), None, None, noise)
