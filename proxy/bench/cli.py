@@ -54,9 +54,27 @@ def _floats(s: str) -> tuple[float, ...]:
 
 def _fail_on(s: str) -> frozenset[str]:
     vals = frozenset(x.strip() for x in s.split(",") if x.strip())
-    if not vals or not vals <= {"stay", "inconclusive"}:
-        raise argparse.ArgumentTypeError(f"--fail-on takes stay, inconclusive or both (comma-separated), got {s!r}")
+    if not vals or not vals <= {"stay", "partial", "inconclusive"}:
+        raise argparse.ArgumentTypeError(f"--fail-on takes stay, partial, inconclusive (comma-separated), got {s!r}")
+    if "inconclusive" in vals:  # a partial answer is inconclusive about what it did not measure
+        vals |= {"partial"}
     return vals
+
+
+def _pct(s: str) -> float:
+    try:
+        v = float(s.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage (e.g. 5 or 5%), got {s!r}") from None
+    if not 0 < v < 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage between 0 and 100, got {s!r}")
+    return v / 100
+
+
+MIN_EFFECT_HELP = (
+    "practical significance: a difference smaller than PCT %% is never a win or a loss, and a tie means "
+    "'within ±PCT %%' (default 5; a noise floor wider than this is used instead for wins and blocks ties)"
+)
 
 
 #: exit status when a verdict matches --fail-on (2 is a usage or preflight error, 130 an interrupt)
@@ -132,11 +150,12 @@ def add_commands(sub: Any) -> None:
         help="A/A noise floor: a second pass of the baseline in every cell repeat (auto; an engine listed twice "
         "with the same URL is used instead) or none (off: the run-to-run variation stands in)",
     )
+    b.add_argument("--min-effect", type=_pct, metavar="PCT", help=MIN_EFFECT_HELP)
     b.add_argument(
         "--fail-on",
         type=_fail_on,
-        metavar="stay,inconclusive",
-        help=f"exit {EXIT_VERDICT} when a verdict is one of these",
+        metavar="stay,partial,inconclusive",
+        help=f"exit {EXIT_VERDICT} when a verdict is one of these (inconclusive includes partial)",
     )
     b.add_argument(
         "--out", default="bench-out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json)"
@@ -168,8 +187,12 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--proxy", metavar="URL", help="log: read engine info (quantization, context, slots), GPU memory "
                    "and GPU sharing from this running proxy's /health and /metrics")  # fmt: skip
     r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
+    r.add_argument("--min-effect", type=_pct, metavar="PCT", help=MIN_EFFECT_HELP + "; default: the run's own")
     r.add_argument(
-        "--fail-on", type=_fail_on, metavar="stay,inconclusive", help=f"exit {EXIT_VERDICT} on these verdicts"
+        "--fail-on",
+        type=_fail_on,
+        metavar="stay,partial,inconclusive",
+        help=f"exit {EXIT_VERDICT} on these verdicts (inconclusive includes partial)",
     )
     r.set_defaults(func=_report)
 
@@ -178,6 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
     import logging
 
     from proxy.bench.config import BenchConfig, Target
+    from proxy.bench.model import MIN_EFFECT
     from proxy.bench.report import load_bench, write_report
     from proxy.bench.runner import PreflightError, run_bench
     from proxy.bench.workload import parse_goodput
@@ -248,6 +272,8 @@ def _bench(args: argparse.Namespace) -> int:
         memory_budget_bytes=_bytes(args.memory_budget),
         quick=args.quick,
         progress=not args.no_progress,
+        min_effect=args.min_effect if args.min_effect is not None else MIN_EFFECT,
+        argv=list(getattr(args, "argv", None) or ["enginemeter", *sys.argv[1:]]),
     )
     t0 = time.monotonic()
     interrupted = False
@@ -303,9 +329,11 @@ def _report(args: argparse.Namespace) -> int:
         if args.log:
             info, mem = engine_info_from_proxy(args.proxy) if args.proxy else ({}, {})
             data = load_log(expand(args.log), baseline=args.baseline, quantization=quant, blocks=args.blocks,
-                            engine_info=info, memory=mem, memory_budget_bytes=_bytes(args.memory_budget))  # fmt: skip
+                            engine_info=info, memory=mem, memory_budget_bytes=_bytes(args.memory_budget),
+                            min_effect=args.min_effect)  # fmt: skip
         else:
-            data = load_bench(Path(args.results), baseline=args.baseline, quantization=quant)
+            data = load_bench(Path(args.results), baseline=args.baseline, quantization=quant,
+                              min_effect=args.min_effect)  # fmt: skip
     except (ValueError, OSError, KeyError, httpx.HTTPError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2
@@ -317,6 +345,8 @@ def _report(args: argparse.Namespace) -> int:
 def _print_summary(out: dict[str, Any], took_s: float | None) -> None:
     for v in out["verdicts"]:
         print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()} — {v.summary}")
+        if v.next_step:
+            print(f"  next: {v.next_step}")
     print(f"report: {out['report_md']}, {out['report_html']} and {out['verdict_json']}")
     if took_s is not None:
         print(f"bench took {took_s:.0f} s")

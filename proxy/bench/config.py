@@ -69,6 +69,10 @@ class BenchConfig:
     memory_budget_bytes: int | None = None
     quick: bool = False
     progress: bool = True
+    #: practical significance for the verdict (``--min-effect``), recorded so a replay judges alike
+    min_effect: float = 0.05
+    #: the command line as given (for the rerun advice)
+    argv: list[str] = field(default_factory=list)
 
     @property
     def base_prompt_len(self) -> str:

@@ -10,9 +10,16 @@ Protocol (docs/bench.md):
 - warm-up requests first, discarded; cache-cold: a unique prefix per request (the *same* prefix on every
   engine), optionally ``cache_prompt: false`` to llama.cpp, SGLang ``/flush_cache`` before the phase;
   cache-warm: the bare prompts, primed once per engine;
-- every cell is repeated ``repeats`` times, engines rotating order (A B A', then A' B A, ...) so drift hits all;
+- **every cell is warmed up** on every engine server before its first repeat: one wave at the cell's
+  concurrency, discarded (a new concurrency, prompt length or output length is a new shape for the engine:
+  CUDA graphs, buffers, batch sizes; measured without it, the first repeat differs from all the others);
+- every cell is repeated ``repeats`` times in a **balanced order from the first repeat** (Williams rows of a
+  Latin square, the A/A twin an engine like the others, each cell starting on another row): every engine runs
+  first, last and after each other engine equally often, so drift and order effects hit all alike;
   closed loop (``concurrency`` in flight) or open loop (``rate`` requests/s, gamma arrivals, the same schedule
   for every engine);
+- **foreign load**: before and during each repeat what each engine says it is running is read against what
+  the bench has in flight (``proxy.bench.busy``); a repeat run beside another client is flagged;
 - prompts longer than the smallest context per slot (measured tokens + max_tokens) are left out, with a note.
 
 JSONL record types: ``run`` (version 2: config, engines, cells), ``prompt_tokens``, ``note``, ``request`` (one
@@ -34,6 +41,7 @@ from typing import Any, cast
 import httpx
 
 from proxy.bench import suite as suite_mod
+from proxy.bench.busy import BusyWatch, InFlight
 from proxy.bench.client import RequestOutcome, Writer, send_one
 from proxy.bench.config import (
     PIN_HEADER,
@@ -52,7 +60,8 @@ from proxy.bench.records import request_record, sample_record
 from proxy.bench.suite import Prompt
 from proxy.bench.workload import arrivals
 
-RESULTS_VERSION = 2
+#: 3: per-cell warm-ups, balanced order, foreign-load readings (``foreign`` in each sample), the command line
+RESULTS_VERSION = 3
 
 
 class PreflightError(RuntimeError):
@@ -81,6 +90,23 @@ def _with_prefix(p: Prompt, prefix: str) -> tuple[dict[str, str], ...]:
 def _new_prefix(old: str, run_id: str) -> str:
     """A unique cold-cache prefix (the same length every time), or "" where there was none."""
     return f"[{secrets.token_hex(4)} bench {run_id}] " if old else ""
+
+
+def williams(n: int, row: int) -> list[int]:
+    """Row ``row`` of a Williams design for ``n`` treatments: over ``n`` rows (``2n`` when ``n`` is odd) every
+    engine takes every position once and follows every other engine once (first-order carry-over balanced)."""
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    period = n if n % 2 == 0 else 2 * n
+    r = row % period
+    seq = [(x + r) % n for x in first]
+    return seq[::-1] if r >= n else seq
 
 
 def setup_aa(cfg: BenchConfig) -> Target | None:
@@ -319,19 +345,31 @@ async def _measure(
         "base": {"concurrency": 1, "max_tokens": cfg.max_tokens, "prompt_len": cfg.base_prompt_len},
         "cells": [asdict(c) for c in cells], "prompts": [{"id": p.id, "lang": p.lang, "length": p.length} for p in prompts],
         "memory_budget_bytes": cfg.memory_budget_bytes, "goodput": cfg.goodput, "python": sys.version.split()[0],
+        "argv": cfg.argv or None, "min_effect": cfg.min_effect,
+        "protocol": {"cell_warmup": "one wave per cell and engine server", "order": "williams"},
     })  # fmt: skip
     for rec in counted + notes:
         w.write(rec)
 
     n_prime = len(prompts) if cfg.cache in ("warm", "both") else 0
-    total = len(real) * (cfg.warmup + n_prime) + len(cfg.engines) * sum(c.requests(cfg) * cfg.repeats for c in cells)
+    servers = {t.url: t.kind for t in real if t.url}
+    n_warm = sum(min(c.requests(cfg), c.concurrency) for c in cells) * len(servers)
+    total = len(real) * (cfg.warmup + n_prime) + n_warm + len(cfg.engines) * sum(c.requests(cfg) * cfg.repeats
+                                                                                for c in cells)  # fmt: skip
     prog = Progress(total, cfg.progress)
     mem = MemoryProbe(cfg.metrics_url)
+    inflight = InFlight()
+    busy = BusyWatch(servers, inflight)
     t0_ns = time.perf_counter_ns()
 
     async def fire(t: Target, prompt: Prompt, prefix: str, max_tokens: int, cold: bool) -> RequestOutcome:
         body = json.dumps(build_body(cfg, t, _with_prefix(prompt, prefix), max_tokens, cold=cold)).encode()
-        return await send_one(clients[t.name], body, headers[t.name])
+        server = t.url or ""
+        inflight.up(server)
+        try:
+            return await send_one(clients[t.name], body, headers[t.name])
+        finally:
+            inflight.down(server)
 
     try:
         for t in real:  # warm-up: discarded from every figure (a second pass shares its engine's)
@@ -356,15 +394,28 @@ async def _measure(
                         o = await fire(t, p, "", cfg.max_tokens, False)
                         w.write(request_record(t, o, t0_ns, phase="prime", prompt=p.id))
                         prog.step()
-            for cell in phase_cells:
-                await _run_cell(cfg, cell, prompts, run_id, w, prog, mem, metrics_client, fire, t0_ns)
+            for j, cell in enumerate(phase_cells):
+                await _run_cell(cfg, cell, j, prompts, run_id, w, prog, mem, metrics_client, fire, t0_ns, busy)
+        for server in sorted(busy.unwatched):
+            names = ", ".join(t.name for t in real if t.url == server)
+            w.write({"type": "note", "engine": names, "text": f"foreign load not watched: {server} does not say "
+                     "how many requests it is running"})  # fmt: skip
     finally:
         prog.close()
+        await busy.aclose()
+
+
+def _warm_jobs(cell: CellSpec, n: int, pool: Sequence[Prompt], run_id: str) -> list[tuple[Prompt, str]]:
+    """One wave of the cell, fresh prefixes (cold) or the bare prompts (warm), to be discarded."""
+    k = max(1, min(n, cell.concurrency))
+    return [(pool[i % len(pool)], f"[{secrets.token_hex(4)} cellwarm {run_id}] " if cell.cache == "cold" else "")
+            for i in range(k)]  # fmt: skip
 
 
 async def _run_cell(
     cfg: BenchConfig,
     cell: CellSpec,
+    index: int,
     prompts: Sequence[Prompt],
     run_id: str,
     w: Writer,
@@ -373,14 +424,29 @@ async def _run_cell(
     metrics_client: httpx.AsyncClient | None,
     fire: Callable[[Target, Prompt, str, int, bool], Any],
     t0_ns: int,
+    busy: BusyWatch,
 ) -> None:
     pool = _prompts_for(prompts, cell.prompt_len)
     n = cell.requests(cfg)
+    warmed: set[str] = set()
+    for t in cfg.engines:  # the cell's warm-up, once per engine server (an A/A twin shares its engine's)
+        server = t.url or t.pin or t.name
+        if server in warmed:
+            continue
+        warmed.add(server)
+        prog.label = (
+            f"{cell.cache} c={cell.concurrency} max_tokens={cell.max_tokens} prompt={cell.prompt_len} warm-up {t.name}"
+        )
+        prog.show()
+        jobs = _warm_jobs(cell, n, pool, run_id)
+
+        def warm_done(i: int, p: Prompt, prefix: str, o: RequestOutcome, t: Target = t) -> None:
+            w.write(request_record(t, o, t0_ns, phase="warmup", **cell.key(), prompt=p.id))
+            prog.step()
+
+        await _run_repeat(cfg, t, _Cell(cell, -1, jobs, None), fire, warm_done)
     for rep in range(cfg.repeats):
-        k = rep % len(cfg.engines)
-        order = cfg.engines[k:] + cfg.engines[:k]
-        if rep % 2:
-            order = order[::-1]
+        order = [cfg.engines[i] for i in williams(len(cfg.engines), index + rep)]
         # the same prompts, prefixes and arrival times on every engine in this repeat
         jobs = [(pool[i % len(pool)], _new_prefix("x" if cell.cache == "cold" else "", run_id)) for i in range(n)]
         offsets = arrivals(n, cell.rate, cfg.burstiness, seed=cfg.seed + rep) if cell.rate else None
@@ -398,7 +464,10 @@ async def _run_cell(
                                        prompt=p.id, key=key))  # fmt: skip
                 prog.step()
 
-            async with mem.watch(metrics_client, t.pin or t.name) as box:
+            async with busy.repeat(t.url) as seen, mem.watch(metrics_client, t.pin or t.name) as box:
                 outs, t_a, t_b = await _run_repeat(cfg, t, c_aa if t.aa_of else c, fire, done)
             prog.step(n - len(outs))  # requests the duration cut off
-            w.write(sample_record(t.name, cell, rep, outs, t_a, t_b, box["peak"], mem, cfg.goodput, t.pin or t.name))
+            rec = sample_record(t.name, cell, rep, outs, t_a, t_b, box["peak"], mem, cfg.goodput, t.pin or t.name)
+            rec["foreign"] = seen.to_json()
+            rec["position"] = order.index(t)
+            w.write(rec)

@@ -13,6 +13,8 @@ health and state, no tokenizer, no cache control. Each engine module overrides w
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -115,6 +117,23 @@ def model_card(doc: Any) -> dict[str, Any]:
     return {}
 
 
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def metric_sum(text: str, names: Sequence[str]) -> int | None:
+    """The sum of these gauges (over every label set) in a Prometheus text page; None when none is there."""
+    found = [float(v) for name, v in _SAMPLE.findall(text) if name in names]
+    return round(sum(found)) if found else None
+
+
+async def metrics_busy(client: httpx.AsyncClient, names: Sequence[str], timeout: float) -> int | None:
+    """Requests running (or waiting) as the engine's ``/metrics`` counts them; None when it does not say."""
+    with contextlib.suppress(httpx.HTTPError):
+        r = await client.get("/metrics", timeout=timeout)
+        return metric_sum(r.text, names) if r.status_code == 200 else None
+    return None
+
+
 def short(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {exc}"[:limit]
 
@@ -188,6 +207,11 @@ class Dialect:
     async def poll(self, client: httpx.AsyncClient, timeout: float) -> Facts:
         card = model_card(await get_json(client, "/v1/models", timeout))
         return Facts(model=as_str(card.get("id")), context_length=as_int(card.get("max_model_len")))
+
+    async def busy(self, client: httpx.AsyncClient, timeout: float) -> int | None:
+        """Requests the engine is running or holding in its queue right now, whoever sent them (the bench reads
+        it to notice other clients); None when the kind does not say."""
+        return None
 
     async def count_prompt_tokens(
         self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]

@@ -34,6 +34,7 @@ from proxy.engines.base import (
     as_str,
     body_message,
     get_json,
+    metrics_busy,
     model_card,
     short,
 )
@@ -80,6 +81,14 @@ class LlamaCpp(Dialect):
             quantization=as_str(props.get("model_ftype")) or ftype_name(as_dict(card.get("meta")).get("ftype")),
             build=as_str(props.get("build_info")),
         )
+
+    async def busy(self, client: httpx.AsyncClient, timeout: float) -> int | None:
+        # /slots is exact (a slot is processing or not); /metrics (--metrics) adds the deferred queue
+        with contextlib.suppress(PollError, httpx.HTTPError):
+            slots = await get_json(client, "/slots", timeout)
+            if isinstance(slots, list):
+                return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing") is True)
+        return await metrics_busy(client, ("llamacpp:requests_processing", "llamacpp:requests_deferred"), timeout)
 
     async def count_prompt_tokens(
         self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]

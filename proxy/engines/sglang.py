@@ -47,6 +47,7 @@ from proxy.engines.base import (
     get_health,
     get_json,
     health_of,
+    metrics_busy,
     model_card,
     short,
 )
@@ -136,6 +137,10 @@ class SGLang(Dialect):
             found = _RUNNING.findall(r.text) if r.status_code == 200 else []
             return round(sum(float(x) for x in found)) if found else None
         return None
+
+    async def busy(self, client: httpx.AsyncClient, timeout: float) -> int | None:
+        # the scheduler's periodic stats (0.5.17: refreshed every few seconds, so it lags the truth)
+        return await metrics_busy(client, ("sglang:num_running_reqs", "sglang:num_queue_reqs"), timeout)
 
     async def count_prompt_tokens(
         self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]

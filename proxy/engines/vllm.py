@@ -32,6 +32,7 @@ from proxy.engines.base import (
     as_int,
     as_str,
     get_json,
+    metrics_busy,
     model_card,
     short,
 )
@@ -69,6 +70,9 @@ class Vllm(Dialect):
             busy_slots=busy,
             build=build,
         )
+
+    async def busy(self, client: httpx.AsyncClient, timeout: float) -> int | None:
+        return await metrics_busy(client, ("vllm:num_requests_running", "vllm:num_requests_waiting"), timeout)
 
     async def count_prompt_tokens(
         self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]
