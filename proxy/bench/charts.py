@@ -6,19 +6,63 @@ Needs matplotlib (the ``report`` extra, Agg backend); without it the report says
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.bench.results import Data
 from proxy.bench.suite import length_rank
 
-CHART_FILES = ("ttft_vs_load", "decode_vs_load", "throughput_vs_load", "ttft_vs_prompt_length",
+if TYPE_CHECKING:
+    from proxy.bench.verdict import Verdict
+
+CHART_FILES = ("verdict_forest", "ttft_vs_load", "decode_vs_load", "throughput_vs_load", "ttft_vs_prompt_length",
                "latency_vs_throughput", "memory")  # fmt: skip
+#: the A/A pass is the baseline measured again: drawn as noise around it, not as a third engine
+AA_STYLE = {"color": "0.6", "linestyle": ":", "marker": "."}
 
 
-def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
+def _style(d: Data, name: str, index: int) -> dict[str, Any]:
+    e = next((e for e in d.results.engines if e.name == name), None)
+    if e is not None and e.aa_of:
+        return dict(AA_STYLE)
+    return {"color": f"C{index}", "marker": "o"}
+
+
+def _label(d: Data, name: str) -> str:
+    e = next((e for e in d.results.engines if e.name == name), None)
+    return f"{name} (A/A: noise)" if e is not None and e.aa_of else name
+
+
+def forest(verdicts: Sequence[Verdict], ax: Any) -> bool:
+    """Each comparison's speed ratio (candidate faster by ×) with its 95 % interval, log scale, the band a win
+    must clear shaded around ×1; primary figures filled, the ones beside them hollow."""
+    rows: list[tuple[str, Any]] = []
+    for v in verdicts:
+        for c in v.comparisons:
+            rows.append((f"{v.candidate}: {c.what}", c))
+    if not rows:
+        return False
+    for i, (_, c) in enumerate(rows):
+        e, lo, hi = (math.exp(x) for x in c.log_gain)
+        y = len(rows) - 1 - i
+        wb = 1 + c.win_band
+        ax.fill_betweenx([y - 0.4, y + 0.4], 1 / wb, wb, color="0.85", linewidth=0)
+        color = {"win": "C2", "loss": "C3", "tie": "C0"}.get(c.outcome, "0.3")
+        ax.plot([max(lo, 1e-3), hi], [y, y], color=color, linewidth=2)
+        ax.plot([e], [y], marker="o", color=color, markerfacecolor=color if c.primary else "white")
+    ax.axvline(1.0, color="0.4", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), [lab for lab, _ in reversed(rows)], fontsize=7)
+    ax.set_xlabel(
+        "candidate faster by × (log; < 1: slower) — grey: the band a win must clear (noise floor, min effect)"
+    )
+    return True
+
+
+def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[dict[str, Path], str | None]:
     try:
         import matplotlib
 
@@ -60,6 +104,13 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
         plt.close(fig)
         charts[title] = p
 
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * sum(len(v.comparisons) for v in verdicts) + 1.2))
+    if forest(verdicts, ax):
+        ax.set_title("Each comparison: Δ with its 95 % interval against the band", fontsize=9)
+        save(fig, "verdict_forest", "The verdict's comparisons")
+    else:
+        plt.close(fig)
+
     lk = "request rate (req/s)" if open_loop else "concurrent requests"
     specs = [
         ("ttft_vs_load", f"TTFT vs {lk}", load_key, lambda s: s.ttft_s, "TTFT (ms, log)", 1000.0, True),
@@ -80,8 +131,10 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
                 lo = [(statistics.median(v) - min(v)) * scale for v in vals]
                 hi = [(max(v) - statistics.median(v)) * scale for v in vals]
                 pos = list(range(len(xs))) if key == "prompt_len" else xs
-                ax.errorbar(pos, ys, yerr=[lo, hi], marker="o", capsize=3, color=f"C{ni}",
-                            linestyle="-" if cache != "warm" else "--", label=f"{n} ({cache})")  # fmt: skip
+                st = _style(d, n, ni)
+                if "linestyle" not in st:
+                    st["linestyle"] = "-" if cache != "warm" else "--"
+                ax.errorbar(pos, ys, yerr=[lo, hi], capsize=3, label=f"{_label(d, n)} ({cache})", **st)
                 if key == "prompt_len":
                     ax.set_xticks(pos, [str(x) for x in xs])
         if not drew:
@@ -134,8 +187,11 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
                     )
             if xy:
                 drew = True
-                ax.plot([p[0] for p in xy], [p[1] * 1000 for p in xy], marker=marker, color=f"C{ni}",
-                        linestyle="-" if q == "ttft_p50_s" else ":", label=f"{n} TTFT {q[5:8]}")  # fmt: skip
+                few = q == "ttft_p99_s" and any(s.n_ok < 100 for lv in levels.values() for s in lv)
+                st = _style(d, n, ni)
+                ax.plot([p[0] for p in xy], [p[1] * 1000 for p in xy], marker=marker, color=st["color"],
+                        linestyle="-" if q == "ttft_p50_s" else ":",
+                        label=f"{_label(d, n)} TTFT {q[5:8]}" + (" (<100 requests: ≈ max)" if few else ""))  # fmt: skip
                 if q == "ttft_p50_s":
                     for x, y, load in xy:
                         ax.annotate(f"{load:g}", (x, y * 1000), fontsize=6, xytext=(3, -8), textcoords="offset points")
@@ -157,7 +213,8 @@ def make_charts(d: Data, out: Path) -> tuple[dict[str, Path], str | None]:
     note = None
     if mem:
         fig, ax = plt.subplots(figsize=(5, 3))
-        ax.bar(list(mem), [v / 2**30 for v in mem.values()])
+        ax.bar(list(mem), [v / 2**30 for v in mem.values()],
+               color=[_style(d, n, i)["color"] for i, n in enumerate(mem)])  # fmt: skip
         ax.set_ylabel("GiB")
         ax.set_title("GPU memory peak during the bench", fontsize=9)
         if r.memory_budget_bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.charts import CHART_FILES, make_charts
+from proxy.bench.checks import summary as protocol_checks
 from proxy.bench.gates import cache_flags
 from proxy.bench.model import Cell
+from proxy.bench.regimes import GATES, band, pct
 from proxy.bench.results import Data, load_bench, read_jsonl
 from proxy.bench.suite import length_rank
 from proxy.bench.verdict import Verdict, decide_all
@@ -61,7 +64,7 @@ def _agg(vals: Iterable[float | None], unit: str = "") -> str:
     return f"{_num(m, unit)} ({_num(min(v), unit)}–{_num(max(v), unit)})"
 
 
-_MARK = {"ok": "✓", "inconclusive": "✗", "win": "▲", "loss": "▼", "tie": "=", "noisy": "~", "unresolved": "?",
+_MARK = {"ok": "✓", "inconclusive": "✗", "win": "▲", "loss": "▼", "tie": "=", "flagged": "⚑", "unresolved": "?",
          "stay": "■", "note": "·"}  # fmt: skip
 
 
@@ -95,6 +98,11 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
     if d.protocol:
         out.append(Block("h2", "Protocol"))
         out.append(Block("ul", items=d.protocol))
+    aa_names = [e.name for e in r.engines if e.aa_of]
+    checks = protocol_checks(list(r.samples), d.positions, r.flags, aa_names)
+    if checks:
+        out.append(Block("h2", "Protocol checks"))
+        out.append(Block("ul", items=checks))
     out += _parity_blocks(d)
     caches = sorted({s.cell.cache for s in r.samples}, key=lambda c: ("cold", "live", "warm", c).index(c))
     for cache in caches:
@@ -125,20 +133,42 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
 
 def _verdict_blocks(v: Verdict) -> list[Block]:
     out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**"), Block("p", v.summary)]
-    items = []
-    for x in v.reasons:
-        tail = " — *not decisive* (the verdict stopped at an earlier gate)" if not x.decisive else ""
-        check = f"/{x.check}" if x.check else ""
-        items.append(f"{_MARK.get(x.outcome, '·')} [{x.step}{check}] {x.outcome}: {x.text}{tail}")
-    out.append(Block("ul", items=items))
+    if v.next_step:
+        out.append(Block("p", f"**Next:** `{v.next_step}`" if v.next_step.startswith("enginemeter ") else
+                         f"**Next:** {v.next_step}"))  # fmt: skip
+    rows = []
+    for a in v.regimes:
+        if not a.comparisons:
+            rows.append([a.title, "–", "–", "–", "–", "–", a.answer + (f" ({a.fix})" if a.fix else "")])
+            continue
+        for c in a.comparisons:
+            fb, fc = c.figures()
+            g, lo, hi = (math.expm1(x) for x in c.log_gain)
+            rows.append([a.title if c.primary else "", c.what + ("" if c.primary else " (beside)"), fb, fc,
+                         f"{pct(g)} [{pct(lo)} … {pct(hi)}]", f"±{band(c.win_band)}",
+                         (f"**{a.answer}**" if c.primary else c.outcome)])  # fmt: skip
+    out.append(Block("table", header=["regime", "figure", v.baseline, v.candidate, f"{v.candidate} faster by (95% CI)",
+                                      "band", "answer"], rows=rows))  # fmt: skip
+    gates = [x for x in v.reasons if x.step in GATES]
+    speed = [x for x in v.reasons if x.step not in GATES]
+    for title, xs in (("Gates", gates), ("Each comparison", speed)):
+        items = []
+        for x in xs:
+            tail = " — *not decisive* (the verdict stopped at an earlier gate)" if not x.decisive else ""
+            check = f"/{x.check}" if x.check else ""
+            items.append(f"{_MARK.get(x.outcome, '·')} [{x.step}{check}] {x.outcome}: {x.text}{tail}")
+        if items:
+            out += [Block("p", f"*{title}:*"), Block("ul", items=items)]
     if v.comparisons:
         rows = [[c.step, c.metric, c.cell.label(), _num(c.stats.base_mean), _num(c.stats.cand_mean),
                  f"{c.stats.rel:+.1%}", f"{c.stats.lo:+.1%} … {c.stats.hi:+.1%}",
                  f"{c.stats.effect:+.2f}" if c.stats.effect is not None else "–", f"±{c.floor:.1%}",
+                 f"{c.bias:.1%}" if c.bias else "–", f"±{c.detectable:.1%}",
                  ", ".join(f"{k} {val:.0%}" for k, val in c.variation.items() if val is not None) or "–",
                  c.outcome] for c in v.comparisons]  # fmt: skip
         out.append(Block("table", header=["step", "metric", "cell", v.baseline, v.candidate, "Δ", "95% CI", "d_z",
-                                          "noise floor", "run-to-run CV", "outcome"], rows=rows))  # fmt: skip
+                                          "noise floor", "A/A bias", "detectable", "run-to-run CV", "outcome"],
+                         rows=rows))  # fmt: skip
     return out
 
 
@@ -219,14 +249,17 @@ def _percentile_tables(d: Data, cache: str) -> list[Block]:
         for attr in ("ttft_s", "tpot_s", "itl_s"):
             vals = [float(g) for q in reqs for g in (q.get(attr) or [])] if attr == "itl_s" else [
                 float(q[attr]) for q in reqs if isinstance(q.get(attr), int | float)]  # fmt: skip
-            row.append(" / ".join(_num(percentile(vals, p), "ms") for p in (50, 90, 99)) if vals else "–")
+            few = len(vals) < 100  # a p99 of fewer than 100 values is the largest or next-to-largest one
+            row.append(" / ".join(_num(percentile(vals, p), "ms") + ("†" if p == 99 and few else "")
+                                  for p in (50, 90, 99)) if vals else "–")  # fmt: skip
         if slo:
             good = sum(1 for q in reqs if meets_slo(q, slo))
             row.append(f"{good}/{len(reqs)} ({good / len(reqs):.0%})")
         rows.append(row)
     header = ["c", "max_tokens", "prompt", "engine", "requests", "TTFT p50 / p90 / p99", "TPOT p50 / p90 / p99",
               "ITL p50 / p90 / p99"] + (["within SLO (goodput)"] if slo else [])  # fmt: skip
-    return [Block("p", "Latency percentiles over every measured request of the cell (all repeats)."),
+    return [Block("p", "Latency percentiles over every measured request of the cell (all repeats). † p99 of fewer "
+                  "than 100 values: it is about the largest one, not a tail estimate."),
             Block("table", header=header, rows=rows)]  # fmt: skip
 
 
@@ -319,9 +352,9 @@ def render_html(blocks: Sequence[Block], out: Path) -> str:
 def verdict_json(verdicts: Sequence[Verdict], **extra: Any) -> dict[str, Any]:
     """The machine-readable verdict: one entry per candidate, plus the overall decision (the worst of them:
     inconclusive > stay > switch)."""
-    rank = {"inconclusive": 2, "stay": 1, "switch": 0}
+    rank = {"inconclusive": 3, "partial": 2, "stay": 1, "switch": 0}
     overall = max((v.decision for v in verdicts), key=lambda x: rank[x], default="inconclusive")
-    return {"version": 1, "decision": overall, **extra, "verdicts": [v.to_json() for v in verdicts]}
+    return {"version": 2, "decision": overall, **extra, "verdicts": [v.to_json() for v in verdicts]}
 
 
 def write_report(d: Data, out: Path) -> dict[str, Any]:
@@ -329,8 +362,8 @@ def write_report(d: Data, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     for name in CHART_FILES:
         (out / f"{name}.svg").unlink(missing_ok=True)  # a chart this run does not draw must not survive
-    charts, note = make_charts(d, out)
     verdicts = decide_all(d.results)
+    charts, note = make_charts(d, out, verdicts)
     blocks = document(d, charts, note, verdicts)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
