@@ -22,6 +22,15 @@ emulator in ``fakes/sglang_emulator/``).
 - cache: ``POST /flush_cache``: 200 flushed; 400 when requests are running or waiting (nothing done).
 - errors: flat ``{"object":"error","message","type","param","code"}`` on chat/completions (stream and
   non-stream; a context overflow is HTTP 400 ``BadRequestError``) -> nested the OpenAI way.
+- launch: ``python -m sglang.launch_server`` or ``sglang serve``; ``--host`` (default 127.0.0.1), ``--port``
+  (default 30000); ready when ``/health`` answers 200 — 503 until its warm-up generation is done.
+- log (0.5.17, docs/gpu-results/three-engines/logs/engines/sglang.log): ``server_args=ServerArgs(...,
+  mem_fraction_static=0.192, ..., disable_cuda_graph=True, ...)``, ``Load weight end. elapsed=0.34 s, ...,
+  mem usage=13.51 GB.``, ``KV Cache is allocated. dtype: torch.float16, #tokens: 107716, K size: 6.57 GB, V
+  size: 6.57 GB``, ``max_total_num_tokens=107716, ..., max_running_requests=4096, context_len=8192, ...``,
+  ``Capture cuda graph end. Time elapsed: 3.70 s. mem usage=0.55 GB. ...`` (one per captured phase), and
+  ``Engine startup timings (s): load_weight=.., cuda_graph={prefill=.., decode=.., ...}``. GB here is GiB
+  (SGLang divides by 1 << 30).
 """
 
 from __future__ import annotations
@@ -50,10 +59,24 @@ from proxy.engines.base import (
     model_card,
     short,
 )
+from proxy.engines.startup import LogFacts, clean_lines, python_module, size_bytes, subcommand
 
 #: SGLang's /health waits for a scheduler output, checking once a second (SGLANG_HEALTH_CHECK_TIMEOUT: 20 s)
 HEALTH_GENERATE_TIMEOUT_S = 5.0
 _RUNNING = re.compile(r"^sglang:num_running_reqs(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_ARG = r"[(,] ?{}=([^,)]*)"
+_WEIGHTS = re.compile(r"Load weight end\. elapsed=([0-9.]+) s.*mem usage=([0-9.]+) (GB|MB)")
+_KV = re.compile(
+    r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+), K size: ([0-9.]+) (GB|MB), V size: ([0-9.]+) (GB|MB)"
+)
+_POOL = re.compile(r"max_total_num_tokens=(\d+).*?max_running_requests=(\d+), context_len=(\d+)")
+_CAPTURE = re.compile(r"Capture (?:cuda|CUDA) graph end\. Time elapsed: ([0-9.]+) s\. mem usage=([0-9.]+) (GB|MB)")
+_TIMINGS = re.compile(r"Engine startup timings \(s\):.*cuda_graph=\{([^}]*)\}")
+
+
+def _server_arg(line: str, name: str) -> str | None:
+    m = re.search(_ARG.format(re.escape(name)), line)
+    return m.group(1).strip("'\"") if m else None
 
 
 def _dtype(v: object) -> str | None:
@@ -65,6 +88,54 @@ class SGLang(Dialect):
     kind = "sglang"
     health_path = "/ready"
     detect_paths = ("/server_info", "/get_server_info")
+    ready_paths = ("/health",)
+    default_port = 30000
+
+    def launched_by(self, argv: Sequence[str]) -> bool:
+        return python_module(argv) == "sglang.launch_server" or subcommand(argv) == ("sglang", "serve")
+
+    def parse_log(self, text: str) -> LogFacts:
+        ev: dict[str, str] = {}
+        found: dict[str, Any] = {}
+        capture_s = 0.0
+        capture_b = 0
+        captured = False
+        for line in clean_lines(text):
+            if "server_args=ServerArgs(" in line:
+                frac = _server_arg(line, "mem_fraction_static")
+                if frac not in (None, "None"):
+                    found["memory_fraction"], ev["memory_fraction"] = (
+                        float(frac),
+                        f"server_args: mem_fraction_static={frac}",
+                    )
+                if _server_arg(line, "disable_cuda_graph") == "True":
+                    found["cuda_graphs"], ev["cuda_graphs"] = "off", "server_args: disable_cuda_graph=True"
+            elif m := _WEIGHTS.search(line):
+                found["load_s"], found["weights_bytes"] = float(m[1]), size_bytes(m[2], m[3])
+                ev["load_s"] = ev["weights_bytes"] = line
+            elif m := _KV.search(line):
+                found["kv_cache_type"] = m[1].removeprefix("torch.")
+                found["kv_cache_tokens"] = int(m[2])
+                found["kv_cache_bytes"] = size_bytes(m[3], m[4]) + size_bytes(m[5], m[6])
+                ev["kv_cache_bytes"] = line
+            elif m := _POOL.search(line):
+                found["kv_cache_tokens"], found["slots"], found["context_per_slot"] = int(m[1]), int(m[2]), int(m[3])
+                ev["kv_cache_tokens"] = ev["slots"] = line
+            elif m := _CAPTURE.search(line):
+                captured = True
+                capture_s += float(m[1])
+                capture_b += size_bytes(m[2], m[3])
+                ev["cuda_graphs"] = (ev["cuda_graphs"] + "\n" if "cuda_graphs" in ev else "") + line
+            elif (m := _TIMINGS.search(line)) and not captured:
+                phases = {k.strip(): float(v) for k, _, v in (p.partition("=") for p in m[1].split(",")) if v}
+                if any(v > 0 for v in phases.values()):
+                    captured, capture_s = True, sum(phases.values())
+                    ev["cuda_graphs"] = line
+        if captured:
+            found.update(cuda_graphs="on", graph_capture_s=round(capture_s, 3))
+            if capture_b:
+                found["graph_bytes"] = capture_b
+        return LogFacts(**found, evidence=ev)
 
     def is_mine(self, path: str, r: httpx.Response) -> bool:
         try:
