@@ -189,6 +189,11 @@ class Dialect:
         """What the engine's start-up log says about itself (``text``: its last start, see ``startup``)."""
         return LogFacts()
 
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        """The start-up facts the engine tells over HTTP (SGLang ``/server_info``, vLLM ``/metrics``, llama.cpp
+        ``/props``): the same record as its log's, what neither says left None. Never raises."""
+        return LogFacts()
+
     def is_mine(self, path: str, r: httpx.Response) -> bool:
         return True
 

@@ -50,7 +50,7 @@ from proxy.engines.base import (
     model_card,
     short,
 )
-from proxy.engines.startup import LogFacts, clean_lines, flag_value, has_flag, int_flag, program, size_bytes
+from proxy.engines.startup import LogFacts, clean_lines, flag_value, has_flag, program, size_bytes
 
 #: llama_ftype numbers (``/v1/models`` ``meta.ftype``) of the common GGUF types
 FTYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -86,7 +86,6 @@ LAUNCH_FLAGS: dict[str, tuple[str, ...]] = {
     "fit": ("-fit", "--fit"),
     "verbosity": ("-lv", "--verbosity", "--log-verbosity"),
 }
-_INT_FLAGS = ("ctx_size", "batch_size", "ubatch_size", "parallel", "threads", "threads_batch", "kv_unified_per_slot")
 
 _TS = re.compile(r"^(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [A-Z] ")
 _LOADING = re.compile(r"load_model: loading model '(.*)'")
@@ -120,9 +119,9 @@ def launch_flags(argv: Sequence[str]) -> dict[str, str | int | bool]:
     """The launch parameters a llama-server command line sets (absent: llama.cpp's default applies)."""
     out: dict[str, str | int | bool] = {}
     for key, names in LAUNCH_FLAGS.items():
-        v = int_flag(argv, *names) if key in _INT_FLAGS else flag_value(argv, *names)
+        v = flag_value(argv, *names)
         if v is not None:
-            out[key] = v
+            out[key] = int(v) if v.lstrip("-").isdigit() else v  # -ngl also takes auto / all
     if has_flag(argv, "-kvu", "--kv-unified"):
         out["kv_unified"] = True
     if has_flag(argv, "-no-kvu", "--no-kv-unified"):
@@ -251,6 +250,18 @@ class LlamaCpp(Dialect):
             quantization=as_str(props.get("model_ftype")) or ftype_name(as_dict(card.get("meta")).get("ftype")),
             build=as_str(props.get("build_info")),
         )
+
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        try:
+            props = await get_json(client, "/props", timeout)
+        except (PollError, httpx.HTTPError):
+            return LogFacts()
+        if not isinstance(props, dict):
+            return LogFacts()
+        slots = as_int(props.get("total_slots"))
+        per_slot = as_int(as_dict(props.get("default_generation_settings")).get("n_ctx"))
+        ev = {k: "/props" for k, v in (("slots", slots), ("context_per_slot", per_slot)) if v is not None}
+        return LogFacts(slots=slots, context_per_slot=per_slot, evidence=ev)
 
     async def count_prompt_tokens(
         self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]

@@ -70,7 +70,9 @@ _KV = re.compile(
     r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+), K size: ([0-9.]+) (GB|MB), V size: ([0-9.]+) (GB|MB)"
 )
 _POOL = re.compile(r"max_total_num_tokens=(\d+).*?max_running_requests=(\d+), context_len=(\d+)")
-_CAPTURE = re.compile(r"Capture (?:cuda|CUDA) graph end\. Time elapsed: ([0-9.]+) s\. mem usage=([0-9.]+) (GB|MB)")
+_CAPTURE = re.compile(
+    r"Capture (?:\w+ )?(?:cuda|CUDA) graph.*? end\. Time elapsed: ([0-9.]+) s.*?mem usage=([0-9.]+) (GB|MB)"
+)
 _TIMINGS = re.compile(r"Engine startup timings \(s\):.*cuda_graph=\{([^}]*)\}")
 
 
@@ -135,6 +137,49 @@ class SGLang(Dialect):
             found.update(cuda_graphs="on", graph_capture_s=round(capture_s, 3))
             if capture_b:
                 found["graph_bytes"] = capture_b
+        return LogFacts(**found, evidence=ev)
+
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        try:
+            info = await first_json(client, self.detect_paths, timeout)
+        except (PollError, httpx.HTTPError):
+            return LogFacts()
+        if not isinstance(info, dict):
+            return LogFacts()
+        states = [s for s in info.get("internal_states") or () if isinstance(s, dict)]
+        first = states[0] if states else {}
+        usage = as_dict(first.get("memory_usage"))
+        timings = as_dict(first.get("startup_time")) or as_dict(info.get("startup_time"))
+        graph_s = as_dict(timings.get("cuda_graph"))
+        graph_gb = as_dict(usage.get("graph"))
+        found: dict[str, Any] = {}
+        ev: dict[str, str] = {}
+
+        def gib(v: object) -> int | None:  # SGLang's "GB" is 1 << 30 bytes
+            return round(float(v) * 2**30) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        for key, value, where in (
+            ("memory_fraction", info.get("mem_fraction_static"), "/server_info mem_fraction_static"),
+            ("kv_cache_tokens", as_int(info.get("max_total_num_tokens")), "/server_info max_total_num_tokens"),
+            ("kv_cache_bytes", gib(usage.get("kvcache")), "/server_info internal_states[0].memory_usage.kvcache"),
+            ("weights_bytes", gib(usage.get("weight")), "/server_info internal_states[0].memory_usage.weight"),
+            ("load_s", timings.get("load_weight"), "/server_info startup_time.load_weight"),
+            ("slots", self._slots(info, states), "/server_info effective max running requests"),
+            ("context_per_slot", as_int(info.get("context_length")), "/server_info context_length"),
+        ):
+            if value is not None:
+                found[key], ev[key] = value, where
+        kv_dtype = as_str(info.get("kv_cache_dtype"))
+        if kv_dtype and kv_dtype != "auto":
+            found["kv_cache_type"] = kv_dtype
+        if info.get("disable_cuda_graph") is True:
+            found["cuda_graphs"], ev["cuda_graphs"] = "off", "/server_info disable_cuda_graph: true"
+        elif graph_s:
+            found["cuda_graphs"], ev["cuda_graphs"] = "on", "/server_info startup_time.cuda_graph"
+            found["graph_capture_s"] = round(sum(v for v in graph_s.values() if isinstance(v, int | float)), 3)
+            graph_bytes = sum(gib(v) or 0 for v in graph_gb.values())
+            if graph_bytes:
+                found["graph_bytes"] = graph_bytes
         return LogFacts(**found, evidence=ev)
 
     def is_mine(self, path: str, r: httpx.Response) -> bool:

@@ -47,6 +47,7 @@ from proxy.engines.base import (
 from proxy.engines.startup import LogFacts, clean_lines, python_module, size_bytes, subcommand
 
 _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
 _FRACTION = re.compile(r"'gpu_memory_utilization': ([0-9.]+)")
 _LOADING = re.compile(r"Model loading took ([0-9.]+) (GiB|MiB|GB) (?:memory )?and ([0-9.]+) seconds")
 _KV_MEM = re.compile(r"Available KV cache memory: ([0-9.]+) (GiB|MiB)")
@@ -89,6 +90,28 @@ class Vllm(Dialect):
                 ev["cuda_graphs"] = line
             elif _EAGER.search(line) and "cuda_graphs" not in found:
                 found["cuda_graphs"], ev["cuda_graphs"] = "off", line
+        return LogFacts(**found, evidence=ev)
+
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        try:
+            r = await client.get("/metrics", timeout=timeout)
+        except httpx.HTTPError:
+            return LogFacts()
+        m = _CACHE_INFO.search(r.text) if r.status_code == 200 else None
+        if m is None:
+            return LogFacts()
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        found: dict[str, Any] = {}
+        ev: dict[str, str] = {}
+        with contextlib.suppress(ValueError, KeyError):
+            found["memory_fraction"] = float(labels["gpu_memory_utilization"])
+            ev["memory_fraction"] = "/metrics vllm:cache_config_info gpu_memory_utilization"
+        with contextlib.suppress(ValueError, KeyError):
+            found["kv_cache_tokens"] = int(labels["kv_cache_size_tokens"])
+            ev["kv_cache_tokens"] = "/metrics vllm:cache_config_info kv_cache_size_tokens"
+        dtype = labels.get("cache_dtype")
+        if dtype and dtype != "auto":
+            found["kv_cache_type"] = dtype
         return LogFacts(**found, evidence=ev)
 
     def is_mine(self, path: str, r: httpx.Response) -> bool:
