@@ -4,7 +4,7 @@ GPU memory -> whether the weights are resident and whether memory is the constra
 
 Sources, each optional, each saying why when it cannot be read (``notes``):
 - the engine's process: the one listening on the URL's port when the host is this machine
-  (``proxy.server.attribution``), or a given pid: its command line (``/proc/PID/cmdline``) and its log (``--log``,
+  (``proxy.server.attribution``, imported when first used), or a given pid: its command line (``/proc/PID/cmdline``) and its log (``--log``,
   else llama.cpp's ``--log-file``, else the file its stdout/stderr point to);
 - the log, read from its last start by the kind's dialect (``proxy.engines``: ``parse_log``), and the engine's
   own endpoints (``startup``: llama.cpp ``/props``, SGLang ``/server_info``, vLLM ``/metrics``); the log wins;
@@ -19,6 +19,7 @@ context being the whole ``-c`` (every slot's share together; one shared pool wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -32,9 +33,9 @@ from proxy import engines
 from proxy.engines.llamacpp import CACHE_TYPE_BYTES, ftype_name, launch_flags
 from proxy.engines.startup import LogFacts, flag_value, last_launch
 from proxy.gpumemory import GpuMemory, MemoryReading
-from proxy.server.attribution import PROC, is_local_host, listening_inodes, parent_pid, pids_holding
 from proxy.types import EngineKind
 
+PROC = Path("/proc")
 #: a log larger than this is read from its start only (the start-up lines are there)
 MAX_LOG_BYTES = 256 * 2**20
 #: below this share of the weights in GPU memory, the weights are not resident
@@ -137,21 +138,25 @@ async def gather(
     pid: int | None = None,
     memory: GpuMemory | None = None,
     timeout_s: float = 5.0,
+    client: httpx.AsyncClient | None = None,
 ) -> Diagnosis:
     """Everything the diagnosis can learn about the engine at ``url`` without generating a token. Blocking
     reads (``/proc``, the log, the model file, NVML) run in a thread. Never raises for an unreadable source:
-    ``notes`` say what could not be read."""
+    ``notes`` say what could not be read. ``client``: the engine's own (its auth), else one made here."""
     d = Diagnosis(url=url.rstrip("/"), name=name, kind=kind)
-    http = LogFacts()
-    async with httpx.AsyncClient(base_url=d.url, timeout=timeout_s, trust_env=False) as c:
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=d.url, timeout=timeout_s, trust_env=False)
+            )
+        c = client
         p = await engines.probe(c, timeout_s, kind=kind, full=True)
         d.kind = p.kind
         if p.error:
             d.notes.append(f"engine: {p.error}")
         if p.facts is not None:
             d.model, d.build, d.model_path = p.facts.model, p.facts.build, p.facts.model_path
-        if d.kind is not None:
-            http = await engines.dialect(d.kind).startup(c, timeout_s)
+        http = await engines.dialect(d.kind).startup(c, timeout_s) if d.kind is not None else LogFacts()
     await asyncio.to_thread(_local, d, http, log, pid, memory)
     return d
 
@@ -200,6 +205,9 @@ def merge(first: LogFacts, then: LogFacts) -> LogFacts:
 
 def find_process(url: str, pid: int | None = None, proc: Path = PROC) -> ProcessFacts:
     """The engine's process: ``pid``, else the one listening on the URL's port on this machine."""
+    # imported here: proxy.server's package builds the whole app, whose live section imports this module
+    from proxy.server.attribution import is_local_host, listening_inodes, parent_pid, pids_holding
+
     how = "given"
     if pid is None:
         parts = urlsplit(url)

@@ -9,6 +9,8 @@ descendants, else by the process listening on its URL's port).
 No NVML (library, driver or GPU missing) is not an error: every reading then has ``devices == ()``,
 ``engine_bytes is None`` and a ``note`` saying why, and ``available`` is False.
 Reads block (NVML, ``/proc``): ``read`` is for threads and sync callers, ``aread``/``watch`` for an event loop.
+The server wing's modules are imported when first used: importing ``proxy.server`` builds the whole app, which
+imports the launcher's and diagnosis's users back.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from proxy.server.attribution import PROC, Attributor
-from proxy.server.gpu import sample
-from proxy.server.nvml import NvmlReader, NvmlUnavailable, PynvmlReader
-from proxy.settings import EngineSettings
+if TYPE_CHECKING:
+    from proxy.server.nvml import NvmlReader
 
-Opener = Callable[[], NvmlReader]
+Opener = Callable[[], "NvmlReader"]
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,10 @@ class Peak:
 class GpuMemory:
     """Reads GPU memory on demand; opens NVML at the first read and keeps it until ``close``."""
 
-    opener: Opener = PynvmlReader
-    proc: Path = PROC
+    #: opens the NVML reader; None: the real one (``pynvml``)
+    opener: Opener | None = None
+    #: /proc, for the attribution
+    proc: Path = Path("/proc")
     reader: NvmlReader | None = None
     reason: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -106,8 +108,10 @@ class GpuMemory:
             if self._opened:
                 return
             self._opened = True
+            from proxy.server.nvml import NvmlUnavailable, PynvmlReader
+
             try:
-                self.reader = self.opener()
+                self.reader = (self.opener or PynvmlReader)()
             except NvmlUnavailable as exc:
                 self.reason = str(exc)
             except Exception as exc:  # a driver in a bad state: no GPU readings, never a crash
@@ -115,6 +119,10 @@ class GpuMemory:
 
     def read(self, name: str = "engine", *, pid: int | None = None, url: str | None = None) -> MemoryReading:
         """The devices now, and the memory of the engine rooted at ``pid`` (else listening on ``url``'s port)."""
+        from proxy.server.attribution import Attributor
+        from proxy.server.gpu import sample
+        from proxy.settings import EngineSettings
+
         self._open()
         now = time.monotonic()
         if self.reader is None:
