@@ -127,7 +127,7 @@ def test_diagnose_text_reads_eval_first_then_prompt_eval_then_load(llama_server_
         out.index(k) for k in ("Launch parameters", "  eval ", "  prompt eval ", "  queue ", "  load ", "  KV cache ")
     ]
     assert order == sorted(order)
-    assert "-np 2" in out and "-c 2048" in out and "-ngl auto (fit to free memory) (default)" in out
+    assert "-np 2" in out and "-c 2048" in out and "-ngl auto, fit to free memory (default)" in out
     assert "by the formula 2 x 2 layers x 2 KV heads x 16 head dim x 2048 tokens x 2 B (f16)" in out
 
 

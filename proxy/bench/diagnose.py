@@ -181,7 +181,7 @@ _FLAG_NAMES = {"ctx_size": "-c", "batch_size": "-b", "ubatch_size": "-ub", "para
                "fit": "-fit", "verbosity": "-lv", "mmap": "--mmap"}  # fmt: skip
 #: llama.cpp 11434's defaults (common/common.h, server.cpp) for what the command line leaves out
 _DEFAULTS = {"ctx_size": "0 = the model's training context", "batch_size": "2048", "ubatch_size": "512",
-             "parallel": "auto = 4 slots, unified KV", "gpu_layers": "auto (fit to free memory)",
+             "parallel": "auto = 4 slots, unified KV", "gpu_layers": "auto, fit to free memory",
              "flash_attn": "auto", "cache_type_k": "f16", "cache_type_v": "f16"}  # fmt: skip
 
 
