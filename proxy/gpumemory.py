@@ -171,7 +171,7 @@ class GpuMemory:
         """Sample every ``period_s`` while the block runs (a phase: generating, say); yields the ``Peak``,
         which also holds one reading taken at the end."""
         peak = Peak()
-        if not self.available:
+        if not await asyncio.to_thread(lambda: self.available):  # opening NVML blocks: not on the loop
             yield peak
             return
 

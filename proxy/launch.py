@@ -218,8 +218,8 @@ class Launcher:
 
     async def _settled(self, eng: Launched) -> MemoryReading:
         """The engine loaded and idle: readings ``settle_s`` apart until two agree within 1 %."""
-        last = await self.memory.aread(eng.spec.name, pid=eng.pid)
-        if not self.memory.available:
+        last = await self.memory.aread(eng.spec.name, pid=eng.pid)  # NVML is open from here on
+        if not last.devices:
             return last
         deadline = time.monotonic() + self.settle_timeout_s
         while time.monotonic() < deadline:

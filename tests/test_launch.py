@@ -145,6 +145,14 @@ def test_a_real_llama_server_is_launched_ready_logged_timed_and_stopped(
         eng = await lau.start(spec)
         async with httpx.AsyncClient() as c:
             health = (await c.get(f"{eng.url}/health")).json()["status"]
+            # a phase, measured as the bench measures "peak while generating"
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+            async with memory.watch("llama", pid=eng.pid, period_s=0.05) as peak:
+                assert (await c.post(f"{eng.url}/v1/chat/completions", json=body)).status_code == 200
+            assert peak.last is not None
+            eng.memory["peak"] = peak.last
+            assert peak.samples >= 2 and peak.engine_bytes == ENGINE_BYTES
+            assert peak.device_used_bytes == BASE_USED + ENGINE_BYTES
         pgid = eng.pid
         await lau.stop(eng)
         return eng, pgid, health
@@ -186,7 +194,8 @@ def test_the_sglang_emulator_launched_by_its_command_line_counts_as_sglang(
 
 
 def test_a_command_that_exits_at_once_fails_fast_with_the_logs_last_lines(tmp_path: Path) -> None:
-    cmd = f"{PY} -c \"import sys; print('error: model file not found: /m/x.gguf'); sys.exit(3)\" --port {{port}}"
+    # the message is built at run time, so the log's "+ COMMAND" header cannot be what the assertions find
+    cmd = f"{PY} -c \"import sys; print('error: model file ' + 'not found: /m/x.gguf'); sys.exit(3)\" --port {{port}}"
     t0 = time.monotonic()
     with pytest.raises(EngineExited, match="exited with 3") as info:
         asyncio.run(launcher(tmp_path, ready_timeout_s=120).start(parse_launch("broken", cmd)))
@@ -219,13 +228,14 @@ def test_a_command_that_never_becomes_ready_times_out_and_leaves_no_process(tmp_
         lau = launcher(tmp_path, ready_timeout_s=2.0)
         task = asyncio.create_task(lau.start(spec))
         log = tmp_path / "engines" / "stuck.log"
-        await until(lambda: "started" in _text(log))
-        seen.extend(p for p in _pids_in_log_group(log))
+        await until(lambda: "\nstarted\n" in _text(log))  # the line itself: the header quotes the script
+        [leader] = _pids_writing_to(log)  # the command itself (its child may not have its stdout yet)
+        seen.extend(p for p in _all_pids() if _pgid(p) == leader)
         await task
 
     with pytest.raises(ReadyTimeout, match="not ready within 2 s") as info:
         asyncio.run(run())
-    assert "started" in info.value.log_tail
+    assert info.value.log_tail.splitlines()[-1] == "started"
     assert len(seen) == 2  # the command and its child were there ...
     assert all(not _alive(p) for p in seen)  # ... and neither is now
 
@@ -354,14 +364,17 @@ def _alive(pid: int) -> bool:
     return bool(f) and f[0] != "Z"
 
 
-def _pids_in_log_group(log: Path) -> list[int]:
-    """The processes whose stdout is ``log``: the command and its child."""
+def _all_pids() -> list[int]:
+    return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+
+
+def _pids_writing_to(log: Path) -> list[int]:
+    """The processes whose stdout is ``log`` and that lead their own process group."""
     out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry.name}/fd/1") == str(log):
-                    out.append(int(entry.name))
-            except OSError:
-                continue
+    for pid in _all_pids():
+        try:
+            if os.readlink(f"/proc/{pid}/fd/1") == str(log) and _pgid(pid) == pid:
+                out.append(pid)
+        except OSError:
+            continue
     return out

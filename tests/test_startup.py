@@ -16,7 +16,7 @@ import pytest
 
 from proxy.engines import llamacpp, sglang, vllm
 from proxy.engines.llamacpp import launch_flags
-from proxy.engines.startup import flag_value, last_launch, python_module, size_bytes
+from proxy.engines.startup import LogFacts, flag_value, last_launch, python_module, size_bytes
 from tests.helpers import REPO, LlamaServerFactory
 
 LOGS = REPO / "docs" / "gpu-results" / "three-engines" / "logs" / "engines"
@@ -117,3 +117,33 @@ def test_vllm_0260_log_and_graph_capture() -> None:
     # gpu_model_runner.py: "Graph capturing finished in %.0f secs, took %.2f GiB"
     g = vllm.DIALECT.parse_log("(EngineCore pid=1) INFO 12-03 [x] Graph capturing finished in 9 secs, took 0.52 GiB\n")
     assert (g.cuda_graphs, g.graph_capture_s, g.graph_bytes) == ("on", 9.0, round(0.52 * GIB))
+
+
+def test_sglang_and_vllm_say_their_start_up_over_http_as_captured() -> None:
+    """SGLang's /server_info and vLLM's /metrics as the real 0.5.17 and 0.26.0 answered on the H200."""
+    import asyncio
+    import json
+
+    import httpx
+
+    fixtures = REPO / "tests" / "fixtures" / "engines"
+    info = json.loads(json.loads((fixtures / "sglang-0.5.17" / "endpoints.json").read_text())["/server_info"]["body"])
+    metrics = (fixtures / "vllm-0.26.0" / "metrics.txt").read_text()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json=info)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics)
+        return httpx.Response(404)
+
+    async def run() -> tuple[object, object]:
+        async with httpx.AsyncClient(base_url="http://e", transport=httpx.MockTransport(answer)) as c:
+            return await sglang.DIALECT.startup(c, 1.0), await vllm.DIALECT.startup(c, 1.0)
+
+    s, v = asyncio.run(run())
+    assert isinstance(s, LogFacts) and isinstance(v, LogFacts)
+    assert (s.memory_fraction, s.kv_cache_tokens, s.slots, s.context_per_slot) == (0.192, 107716, 4096, 8192)
+    assert s.kv_cache_bytes == round(13.149 * GIB) and s.weights_bytes == round(13.508 * GIB)
+    assert s.cuda_graphs == "off" and s.load_s == pytest.approx(0.336, abs=1e-3)
+    assert (v.memory_fraction, v.kv_cache_tokens) == (0.192, 100352)
