@@ -189,6 +189,8 @@ def test_the_sglang_emulator_launched_by_its_command_line_counts_as_sglang(
 
     eng, info = asyncio.run(run())
     assert eng.kind == "sglang" and info["served_model_name"] == "tiny"
+    assert eng.ready_s is not None and eng.ready_s > 0
+    assert f"+ {cmd}\n" in (tmp_path / "engines" / "sglang.log").read_text()
     assert eng.memory_returned is None and "no driver here" in (eng.memory["idle"].note or "")
     assert gone(eng.pid)
 
