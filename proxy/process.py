@@ -172,8 +172,8 @@ class EngineProcess:
     # ---- start ----------------------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        """Start the command. SIGINT is held off while the child is forked, so a Ctrl-C cannot fall between
-        the fork and this object knowing the pid; it arrives right after, with ``stop`` able to reach the child."""
+        """Start the command. A Ctrl-C that arrives while the child is being forked is held until this object
+        knows the child's pid, then raised: the caller's cleanup can always reach the child."""
         if self._proc is not None:
             raise LaunchError(f"{self.name}: already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,9 +181,10 @@ class EngineProcess:
         self._log = log
         log.write(f"\n+ {self.command}\n".encode())
         log.flush()
-        main = threading.current_thread() is threading.main_thread()
-        if main:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        held: list[int] = []
+        previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+        if previous is not None:  # a Python-level handler that can be put back (a handler resets to default at exec)
+            signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
         try:
             self._proc = subprocess.Popen(
                 self.argv,
@@ -200,8 +201,10 @@ class EngineProcess:
             self._close_log()
             raise EngineExited(f"{self.name}: cannot run {self.argv[0]!r}: {exc}") from exc
         finally:
-            if main:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        if held:
+            os.kill(os.getpid(), signal.SIGINT)  # the held Ctrl-C, delivered to the handler it was meant for
 
     # ---- wait until ready -----------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -380,3 +381,18 @@ def _pids_writing_to(log: Path) -> list[int]:
         except OSError:
             continue
     return out
+
+
+def test_the_engine_gets_ctrl_c_unblocked_and_default_handled(tmp_path: Path) -> None:
+    """spawn holds a Ctrl-C off while forking by a handler, not a signal mask: the engine inherits neither."""
+    from proxy.process import EngineProcess
+
+    proc = EngineProcess([sys.executable, "-c", "import time; time.sleep(1000)"], log_path=tmp_path / "e.log")
+    proc.spawn()
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        m = re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M)
+        assert m is not None and not int(m[1], 16) & (1 << (signal.SIGINT - 1))
+    finally:
+        assert proc.stop() is not None
+    assert gone(proc.pid)
