@@ -380,6 +380,19 @@ def engine_comparison() -> Json:
         panel("GPU utilization", "Share of time a kernel was running, per GPU.",
               [target("max by (gpu) (enginemeter_gpu_utilization_ratio)", "gpu {{gpu}}")], "percentunit", w=8, min_=0, max_=1),
     ]  # fmt: skip
+    diagnosis = [
+        panel("Layers on the GPU", "llama.cpp engines on the proxy's host: layers offloaded to the GPU out of all (the output layer counted), from the engine's log (`offloaded N/M layers to GPU`; llama.cpp 11434 logs it at -lv 4). Below all: the rest run on the CPU (docs/diagnose.md).",
+              [target(f"max by (engine) (enginemeter_engine_layers_offloaded{{{ENG}}})", "offloaded {{engine}}", instant=True),
+               target(f"max by (engine) (enginemeter_engine_layers{{{ENG}}})", "of {{engine}}", instant=True)],
+              "short", kind="stat", w=6),
+        panel("Model weights and KV cache", "Weights (the GGUF header) and the KV cache the engine allocated (its log, else 2 × layers × KV heads × head dim × context × bytes). Compare the weights with the GPU memory per engine panel: well below means not resident.",
+              [target(f"max by (engine) (enginemeter_engine_weights_bytes{{{ENG}}})", "weights {{engine}}"),
+               target(f"max by (engine) (enginemeter_engine_kv_cache_bytes{{{ENG}}})", "KV cache {{engine}}")], "bytes", w=6, min_=0),
+        panel("Model load time", "Seconds from `loading model` to `model loaded` in the engine's log.",
+              [target(f"max by (engine) (enginemeter_engine_load_seconds{{{ENG}}})", "{{engine}}", instant=True)], "s", kind="stat", w=6),
+        panel("GPU headroom per engine", "Free memory on the GPUs each engine's processes use (NVML). Much free with a slow engine: memory is not the constraint — tune batching and slots, or compare engines.",
+              [target(f"max by (engine) (enginemeter_engine_gpu_headroom_bytes{{{ENG}}})", "{{engine}}")], "bytes", w=6, min_=0),
+    ]  # fmt: skip
     info = [
         panel("Engine info", "What each engine reports about itself: kind, served model and the rest of enginemeter_engine_info's labels.",
               [target(f"max by (engine, kind, model, quantization, build) (enginemeter_engine_info{{{ENG}}})", instant=True, fmt="table")], "none", kind="table", w=8,
@@ -414,6 +427,8 @@ def engine_comparison() -> Json:
             *dist,
             row("GPU"),
             *gpu,
+            row("Engine diagnosis (llama.cpp)"),
+            *diagnosis,
             row("Engine info and drift"),
             *info,
         ],

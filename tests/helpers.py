@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.embedded import free_port as free_port  # re-exported: tests import it from here
 from proxy.embedded import http_status
+from proxy.process import EngineProcess
 from proxy.server.result import Result
 from proxy.settings import Settings
 
@@ -155,7 +154,8 @@ class ProcessServer:
     The repo root is put on ``PYTHONPATH`` (so ``fakes...`` modules run). Ready means ``GET
     url + ready_path`` answered with a status in ``ready_status`` (any status if ``None``) before
     ``startup_timeout``; dying first raises with the log tail. Output goes to ``log_path``.
-    The process runs in its own process group; :meth:`stop` sends SIGTERM, then SIGKILL after ``stop_timeout``.
+    The process is a ``proxy.process.EngineProcess`` (own process group; :meth:`stop` sends SIGTERM, then
+    SIGKILL after ``stop_timeout``), so the fixtures run processes the way the product does.
     """
 
     def __init__(
@@ -179,7 +179,7 @@ class ProcessServer:
         self.ready_path = ready_path
         self.ready_status = ready_status
         pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
+        self.env = {"PYTHONPATH": pythonpath, **(env or {})}
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         if log_path is None:
@@ -187,53 +187,30 @@ class ProcessServer:
             os.close(fd)
             log_path = Path(name)
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process = EngineProcess(self.argv, log_path=log_path, name=module, env=self.env, cwd=REPO)
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None, "not started"
-        return self.proc.pid
+        return self.process.pid
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def start(self) -> Self:
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                cwd=REPO, start_new_session=True,
-            )  # fmt: skip
-        proc = self.proc
-
         def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{self.argv} exited with {proc.returncode}:\n{self.output()[-4000:]}")
             status = http_status(self.url + self.ready_path)
             return status is not None and (self.ready_status is None or status in self.ready_status)
 
         try:
-            wait_until(
-                ready, timeout=self.startup_timeout, interval=0.02, message=f"{self.url}{self.ready_path}", ignore=()
-            )
+            self.process.spawn()
+            self.process.wait_ready(ready, self.startup_timeout, interval_s=0.02)
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> int | None:
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        return proc.returncode
+        return self.process.stop(self.stop_timeout)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -48,6 +48,7 @@ GPU_ALLOW = {
     ("enginemeter-compare", "GPU memory per GPU"),
     ("enginemeter-compare", "GPU memory per engine (with peak)"),
     ("enginemeter-compare", "GPU utilization"),
+    ("enginemeter-compare", "GPU headroom per engine"),
     ("enginemeter-overview", "GPU memory used share"),
     ("rules", "EnginemeterGPUMemoryNearFull"),
 }
@@ -261,7 +262,8 @@ def vllm_metrics() -> Iterator[str]:
 def test_every_dashboard_and_rule_query_returns_data(
     prometheus_bin: str, llama_server_factory: Any, sglang_shadow: str, vllm_metrics: str, tmp_path: Path
 ) -> None:
-    primary = llama_server_factory(np=2, alias="tiny")
+    # -lv 4: the log carries llama.cpp's loader lines, which the live diagnosis (layers on the GPU) reads
+    primary = llama_server_factory(np=2, alias="tiny", extra_args=("-lv", "4"))
     config = {
         "engines": [
             {"name": "llama", "url": primary.url, "kind": "llamacpp", "model": "tiny"},
@@ -390,7 +392,7 @@ def test_gpu_queries_return_data_from_replayed_nvml(prometheus_bin: str, tmp_pat
                 print(
                     f"\nmonitoring: {checked} GPU queries checked against replayed NVML readings, {len(failures)} failed"
                 )
-                assert checked == 7 and not failures, "\n".join(failures)
+                assert checked == 8 and not failures, "\n".join(failures)
                 used_share = prom.value("max(enginemeter_gpu_memory_used_bytes / enginemeter_gpu_memory_total_bytes)")
                 assert used_share == pytest.approx(16_030_000_000 / ReplayedNvml.TOTAL)
                 assert prom.value('max(enginemeter_engine_gpu_memory_used_bytes{engine="llama"})') == 15_370_000_000

@@ -196,6 +196,10 @@ def add_commands(sub: Any) -> None:
     )
     r.set_defaults(func=_report)
 
+    from proxy.bench.diagnose import add_command as add_diagnose
+
+    add_diagnose(sub)
+
 
 def _bench(args: argparse.Namespace) -> int:
     import logging

@@ -1,45 +1,25 @@
 """Engines as processes: :class:`LlamaServer` (one ``llama-server``, ready when ``start`` returns, stopped by
-process group) and :func:`start_default_engines`, the pair ``enginemeter serve`` runs when none is configured."""
+process group) and :func:`start_default_engines`, the pair ``enginemeter serve`` runs when none is configured.
+
+``LlamaServer`` only builds the command line; running it (own session, log file, readiness, stop) is
+``proxy.process.EngineProcess``, the one lifecycle the bench's launched engines use too.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self, TextIO
+from typing import Self, TextIO
 
 from proxy.embedded.build import EmbeddedError, build_llama_server
 from proxy.embedded.model import make_model
+from proxy.process import EngineExited, EngineProcess, LaunchError, free_port, http_status
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS just handed out (free now; a later bind can still lose a race, so callers retry)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def http_status(url: str, timeout_s: float = 2.0) -> int | None:
-    """HTTP status of GET ``url``; ``None`` when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            status: int = r.status
-            return status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return None
+__all__ = ["LlamaServer", "free_port", "http_status", "start_default_engines"]
 
 
 class LlamaServer:
@@ -48,8 +28,9 @@ class LlamaServer:
     Command: ``llama-server -m MODEL --host HOST --port PORT -c CTX -np N -t THREADS --metrics --no-webui
     [--alias ALIAS] [EXTRA_ARGS]``; ``extra_args`` come last, so they override (``["-c", "8192"]`` works).
     ``-c`` is the total context, split across the ``-np`` slots. The engine runs in its own process group,
-    its output goes to ``log_path``; ready means ``GET /health`` answered 200 before ``ready_timeout_s``.
-    A port chosen here (``port=None``) that turns out taken is retried with another.
+    its output goes to ``log_path``; ready means llama.cpp's own signal (``GET /health`` answered 200) before
+    ``ready_timeout_s``. A port chosen here (``port=None``) that turns out taken is retried with another.
+    Failures are ``EmbeddedError`` (with the log's last lines).
     """
 
     def __init__(
@@ -83,8 +64,7 @@ class LlamaServer:
         self._port: int | None = port
         self._env = dict(env) if env is not None else None
         self._log_path = log_path
-        self._log: IO[bytes] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._process: EngineProcess | None = None
         self.argv: list[str] = []
         self.ready_s: float | None = None  # seconds from spawn to the first 200 from /health
 
@@ -101,9 +81,9 @@ class LlamaServer:
 
     @property
     def pid(self) -> int:
-        if self._proc is None:
+        if self._process is None:
             raise EmbeddedError("LlamaServer not started")
-        return self._proc.pid
+        return self._process.pid
 
     @property
     def log_path(self) -> Path:
@@ -113,20 +93,30 @@ class LlamaServer:
 
     @property
     def returncode(self) -> int | None:
-        return None if self._proc is None else self._proc.poll()
+        return None if self._process is None else self._process.returncode
 
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._process is not None and self._process.is_running()
 
     def log_tail(self, n_lines: int = 40) -> str:
-        if self._log_path is None or not self._log_path.exists():
-            return ""
-        return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-n_lines:])
+        return "" if self._process is None else self._process.log_tail(n_lines)
 
     def __repr__(self) -> str:
         return f"LlamaServer({self.name!r}, url={self._port and self.url!r}, model={self.model.name!r})"
 
     # -- lifecycle
+    def command(self) -> list[str]:
+        """The command line for the current port."""
+        assert self.binary is not None
+        return [
+            str(self.binary),
+            *("-m", str(self.model), "--host", self.host, "--port", str(self._port)),
+            *("-c", str(self.ctx_size), "-np", str(self.n_parallel), "-t", str(self.threads)),
+            *("--metrics", "--no-webui"),
+            *(("--alias", self.alias) if self.alias else ()),
+            *self.extra_args,
+        ]
+
     def start(self) -> Self:
         if self.is_running():
             return self
@@ -141,75 +131,31 @@ class LlamaServer:
         attempts = 3 if self._requested_port is None else 1
         for attempt in range(attempts):
             self._port = self._requested_port or free_port(self.host)
+            self.argv = self.command()
+            process = self._process = EngineProcess(self.argv, log_path=self.log_path, name=self.name, env=self._env)
             try:
-                self._spawn_and_wait()
+                process.spawn()
+                self.ready_s = process.wait_ready(self._ready, self.ready_timeout_s)
                 return self
-            except EmbeddedError:
-                lost_port_race = "bind" in self.log_tail(10).lower() and self._proc is not None
+            except LaunchError as exc:
+                lost_port_race = isinstance(exc, EngineExited) and "bind" in process.log_tail(10).lower()
                 self.stop()
                 if not lost_port_race or attempt == attempts - 1:
-                    raise
+                    raise EmbeddedError(str(exc)) from exc
+            except BaseException:  # Ctrl-C mid-start: nothing is left running
+                self.stop()
+                raise
         raise AssertionError("unreachable")
 
-    def _spawn_and_wait(self) -> None:
-        assert self.binary is not None
-        self.argv = [
-            str(self.binary),
-            *("-m", str(self.model), "--host", self.host, "--port", str(self._port)),
-            *("-c", str(self.ctx_size), "-np", str(self.n_parallel), "-t", str(self.threads)),
-            *("--metrics", "--no-webui"),
-            *(("--alias", self.alias) if self.alias else ()),
-            *self.extra_args,
-        ]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by this object, closed in stop()
-        self._log = log
-        log.write(("\n+ " + " ".join(self.argv) + "\n").encode())
-        log.flush()
-        t0 = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() signals the group, Ctrl-C in a shell doesn't
-            env={**os.environ, **self._env} if self._env is not None else None,
-        )
-        deadline = t0 + self.ready_timeout_s
-        health = f"{self.url}/health"
-        while True:
-            if http_status(health, timeout_s=2.0) == 200:
-                self.ready_s = time.monotonic() - t0
-                return
-            if time.monotonic() >= deadline:
-                raise EmbeddedError(
-                    f"{self.name}: /health not 200 within {self.ready_timeout_s:g} s; log {self.log_path}:\n"
-                    + self.log_tail()
-                )
-            try:  # the poll interval; returns early if the engine dies
-                rc = self._proc.wait(timeout=0.05)
-            except subprocess.TimeoutExpired:
-                continue
-            raise EmbeddedError(f"{self.name}: llama-server exited with {rc}; log {self.log_path}:\n{self.log_tail()}")
+    def _ready(self) -> bool:
+        # imported here: importing proxy.embedded needs only the standard library (the dialects import httpx)
+        from proxy.engines.llamacpp import DIALECT as LLAMACPP
+
+        return all(http_status(f"{self.url}{path}", timeout_s=2.0) == 200 for path in LLAMACPP.ready_paths)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``timeout_s``; return the exit code. Idempotent."""
-        proc = self._proc
-        rc: int | None = None
-        if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            rc = proc.returncode
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return rc
+        return None if self._process is None else self._process.stop(timeout_s)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -251,6 +197,9 @@ def start_default_engines(
                 ctx_size=ctx_per_slot * np_,
                 threads=threads,
                 alias=alias,
+                # -lv 4: llama.cpp logs its loader (layers offloaded, KV cache, flash attention) only at trace
+                # verbosity, and `serve`'s live diagnosis reads those lines from this log
+                extra_args=("-lv", "4"),
                 log_path=workdir / f"engine-{i}-np{np_}.log",
                 name=f"np{np_}",
             )

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from proxy.engines.startup import LogFacts, flag_value, int_flag
 from proxy.stream import loads
 from proxy.types import EngineKind
 
@@ -186,6 +187,31 @@ class Dialect:
     health_path: ClassVar[str] = "/v1/models"
     #: GETs whose 200 answer says "this kind" (``is_mine`` may look at the body); empty: matches nothing
     detect_paths: ClassVar[tuple[str, ...]] = ()
+    #: GETs that must all answer 200 before a launched engine counts as ready (its own start-up signal)
+    ready_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)
+    #: where the engine listens when its command line does not say (None: the command must say)
+    default_host: ClassVar[str] = "127.0.0.1"
+    default_port: ClassVar[int | None] = None
+    host_flags: ClassVar[tuple[str, ...]] = ("--host",)
+    port_flags: ClassVar[tuple[str, ...]] = ("--port",)
+
+    def launched_by(self, argv: Sequence[str]) -> bool:
+        """Whether ``argv`` starts an engine of this kind (the plain dialect recognizes no command)."""
+        return False
+
+    def listen_address(self, argv: Sequence[str]) -> tuple[str, int | None]:
+        """(host, port) the command ``argv`` makes the engine listen on, with this kind's defaults."""
+        host = flag_value(argv, *self.host_flags) or self.default_host
+        return host, int_flag(argv, *self.port_flags) or self.default_port
+
+    def parse_log(self, text: str) -> LogFacts:
+        """What the engine's start-up log says about itself (``text``: its last start, see ``startup``)."""
+        return LogFacts()
+
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        """The start-up facts the engine tells over HTTP (SGLang ``/server_info``, vLLM ``/metrics``, llama.cpp
+        ``/props``): the same record as its log's, what neither says left None. Never raises."""
+        return LogFacts()
 
     def is_mine(self, path: str, r: httpx.Response) -> bool:
         return True

@@ -13,11 +13,24 @@
   ``not_supported_error``); without it a request skips the cache with ``cache_prompt: false``.
 - errors: already nested, ``{"error":{"code","message","type"}}``; a context overflow adds ``n_prompt_tokens``
   and ``n_ctx`` (HTTP 400 ``exceed_context_size_error``, also for ``stream:true``).
+- launch: ``llama-server`` (any path); ``--host`` (default 127.0.0.1), ``--port`` (default 8080); ready when
+  ``/health`` answers 200 (503 while the model loads). ``launch_flags`` reads ``-m -c -b -ub -np -ngl -t -fa
+  -ctk -ctv -kvu`` in every spelling llama.cpp's ``common/arg.cpp`` accepts.
+- log (build 11434, ``common/log.cpp``: ``M.SS.mmm.uuu L `` timestamps): at the default verbosity (3) only the
+  server's own lines — ``load_model: loading model``, ``llama_server: model loaded`` (their timestamps give
+  the load time), ``load_model: initializing, n_slots = N, n_ctx_slot = C, kv_unified = 'B'``, and warnings
+  such as ``Flash Attention not supported, set to disabled``. The loader's lines (``load_tensors: offloaded N/M
+  layers to GPU``, ``model buffer size``, ``llama_kv_cache: size = ...``, ``llama_context: n_ctx``,
+  ``flash_attn``, ``Flash Attention enabled``) are LLAMA_LOG_INFO, which ``common_log_get_verbosity`` maps to
+  trace (4): they appear with ``-lv 4`` (or ``-v``). A build without a GPU backend prints no ``offloaded`` line
+  (``llama_supports_gpu_offload`` is false). CUDA graphs are logged only at debug level (``disabling CUDA
+  graphs due to ...``); ``graphs reused`` in each request's timing lines counts ggml graph reuse.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +51,7 @@ from proxy.engines.base import (
     model_card,
     short,
 )
+from proxy.engines.startup import LogFacts, clean_lines, flag_value, has_flag, program, size_bytes
 
 #: llama_ftype numbers (``/v1/models`` ``meta.ftype``) of the common GGUF types
 FTYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -52,10 +66,166 @@ def ftype_name(v: object) -> str | None:
     return None if i is None else FTYPE_NAMES.get(i, f"ftype{i}")
 
 
+#: bytes per element of the KV cache types llama.cpp accepts (``-ctk``/``-ctv``; ggml block size / elements)
+CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                    "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}  # fmt: skip
+
+#: (flag names) for each launch parameter ``launch_flags`` reads, as ``common/arg.cpp`` spells them
+LAUNCH_FLAGS: dict[str, tuple[str, ...]] = {
+    "model": ("-m", "--model"),
+    "ctx_size": ("-c", "--ctx-size"),
+    "batch_size": ("-b", "--batch-size"),
+    "ubatch_size": ("-ub", "--ubatch-size"),
+    "parallel": ("-np", "--parallel"),
+    "gpu_layers": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
+    "threads": ("-t", "--threads"),
+    "threads_batch": ("-tb", "--threads-batch"),
+    "flash_attn": ("-fa", "--flash-attn"),
+    "cache_type_k": ("-ctk", "--cache-type-k"),
+    "cache_type_v": ("-ctv", "--cache-type-v"),
+    "kv_unified_per_slot": ("--kv-unified-per-slot",),
+    "fit": ("-fit", "--fit"),
+    "verbosity": ("-lv", "--verbosity", "--log-verbosity"),
+}
+
+_TS = re.compile(r"^(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [A-Z] ")
+_LOADING = re.compile(r"load_model: loading model '(.*)'")
+_LOADED = re.compile(r"llama_server: model loaded")
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) (MiB|GiB)")
+_KV_SIZE = re.compile(
+    r"llama_kv_cache: size =\s+([0-9.]+) (MiB|GiB) \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/(\d+) seqs\), "
+    r"K \((\w+)\):.*V \((\w+)\)"
+)
+_CTX = re.compile(r"llama_context: n_ctx\s+= (\d+)$")
+_INIT = re.compile(r"load_model: initializing, n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'")
+_FA_PARAM = re.compile(r"llama_context: flash_attn\s+= (\w+)")
+_FA_RESOLVED = re.compile(
+    r"Flash Attention (enabled|not supported, set to disabled)|Flash Attention was auto, set to (\w+)"
+)
+_N_LAYER = re.compile(r"print_info: n_layer\s+= (\d+)$")
+_DEVICE = re.compile(r"using device (\w+) \(([^)]*)\)")
+_GRAPHS_OFF = re.compile(r"disabling CUDA graphs due to (.*)")
+
+
+def _stamp(line: str) -> float | None:
+    m = _TS.match(line)
+    if not m:
+        return None
+    mins, secs, ms, us = (int(x) for x in m.groups())
+    return mins * 60 + secs + ms / 1e3 + us / 1e6
+
+
+def launch_flags(argv: Sequence[str]) -> dict[str, str | int | bool]:
+    """The launch parameters a llama-server command line sets (absent: llama.cpp's default applies)."""
+    out: dict[str, str | int | bool] = {}
+    for key, names in LAUNCH_FLAGS.items():
+        v = flag_value(argv, *names)
+        if v is not None:
+            out[key] = int(v) if v.lstrip("-").isdigit() else v  # -ngl also takes auto / all
+    if has_flag(argv, "-kvu", "--kv-unified"):
+        out["kv_unified"] = True
+    if has_flag(argv, "-no-kvu", "--no-kv-unified"):
+        out["kv_unified"] = False
+    if has_flag(argv, "--no-mmap"):
+        out["mmap"] = False
+    if "flash_attn" in out and str(out["flash_attn"]).startswith("-"):  # old builds: a bare -fa switch
+        out["flash_attn"] = "on"
+    return out
+
+
 class LlamaCpp(Dialect):
     kind = "llamacpp"
     health_path = "/health"
     detect_paths = ("/props",)
+    ready_paths = ("/health",)
+    default_port = 8080
+
+    def launched_by(self, argv: Sequence[str]) -> bool:
+        return program(argv).removesuffix(".exe") == "llama-server"
+
+    def parse_log(self, text: str) -> LogFacts:
+        ev: dict[str, str] = {}
+        notes: list[str] = []
+        t_loading = t_loaded = None
+        gpu_w = host_w = 0
+        any_gpu_buf = loader = False
+        offloaded = total = n_layer = ctx = slots = per_slot = None
+        kv_bytes = kv_tokens = None
+        kv_type = fa = graphs = None
+        unified: bool | None = None
+        devices: list[str] = []
+        for line in clean_lines(text):
+            if m := _LOADING.search(line):
+                t_loading, ev["load_s"] = _stamp(line), line
+            elif _LOADED.search(line):
+                t_loaded = _stamp(line)
+                ev["load_s"] = ev.get("load_s", "") + "\n" + line
+            elif m := _OFFLOADED.search(line):
+                offloaded, total, ev["layers_offloaded"] = int(m[1]), int(m[2]), line
+            elif m := _MODEL_BUF.search(line):
+                loader = True
+                n = size_bytes(m[2], m[3])
+                if m[1].upper().startswith("CPU") or "HOST" in m[1].upper():
+                    host_w += n
+                else:
+                    gpu_w, any_gpu_buf = gpu_w + n, True
+                ev["weights_bytes"] = ev.get("weights_bytes", "") + ("\n" if "weights_bytes" in ev else "") + line
+            elif m := _KV_SIZE.search(line):
+                kv_bytes = size_bytes(m[1], m[2])
+                kv_tokens = int(m[3]) * int(m[6])  # cells per stream x streams
+                kv_type = m[7] if m[7] == m[8] else f"K {m[7]}, V {m[8]}"
+                ev["kv_cache_bytes"] = line
+            elif m := _CTX.search(line):
+                ctx, ev["context"] = int(m[1]), line
+            elif m := _INIT.search(line):
+                slots, per_slot, unified = int(m[1]), int(m[2]), m[3] == "true"
+                ev["slots"] = line
+            elif m := _FA_RESOLVED.search(line):
+                fa = "enabled" if (m[1] == "enabled" or m[2] == "enabled") else "disabled"
+                ev["flash_attention"] = line
+            elif (m := _FA_PARAM.search(line)) and fa is None:
+                fa, ev["flash_attention"] = m[1], line
+            elif m := _N_LAYER.search(line):
+                n_layer = int(m[1])
+            elif m := _DEVICE.search(line):
+                devices.append(f"{m[1]} ({m[2]})")
+            elif m := _GRAPHS_OFF.search(line):
+                graphs, ev["cuda_graphs"] = "off", line
+            if line.startswith("load_tensors") or " load_tensors:" in line:
+                loader = True
+        load_s = t_loaded - t_loading if t_loading is not None and t_loaded is not None else None
+        if not loader:
+            notes.append(
+                "the log has no loader lines (layers offloaded, weights and KV buffers, flash attention): this "
+                "llama-server logs them at trace verbosity; start it with -lv 4 to see them"
+            )
+        elif offloaded is None and n_layer is not None:
+            offloaded, total = 0, n_layer + 1  # no GPU backend: no "offloaded" line; +1 is the output layer
+            ev["layers_offloaded"] = "no 'offloaded N/M layers to GPU' line: this build has no GPU backend"
+            notes.append("this llama-server has no GPU backend: every layer runs on the CPU")
+        if load_s is None and "load_s" in ev:
+            notes.append("the log has no timestamps (--log-timestamps): load time not measured from it")
+            ev.pop("load_s")
+        return LogFacts(
+            load_s=load_s,
+            weights_bytes=gpu_w if any_gpu_buf else (0 if loader and offloaded == 0 else None),
+            weights_host_bytes=host_w if loader else None,
+            layers_offloaded=offloaded,
+            layers_total=total,
+            kv_cache_bytes=kv_bytes,
+            kv_cache_tokens=kv_tokens,
+            kv_cache_type=kv_type,
+            context=ctx,
+            slots=slots,
+            context_per_slot=per_slot,
+            kv_unified=unified,
+            flash_attention=fa,
+            cuda_graphs=graphs,
+            devices=tuple(dict.fromkeys(devices)),
+            evidence=ev,
+            notes=tuple(notes),
+        )
 
     async def poll(self, client: httpx.AsyncClient, timeout: float) -> Facts:
         props = await get_json(client, "/props", timeout)
@@ -89,6 +259,18 @@ class LlamaCpp(Dialect):
             if isinstance(slots, list):
                 return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing") is True)
         return await metrics_busy(client, ("llamacpp:requests_processing", "llamacpp:requests_deferred"), timeout)
+
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        try:
+            props = await get_json(client, "/props", timeout)
+        except (PollError, httpx.HTTPError):
+            return LogFacts()
+        if not isinstance(props, dict):
+            return LogFacts()
+        slots = as_int(props.get("total_slots"))
+        per_slot = as_int(as_dict(props.get("default_generation_settings")).get("n_ctx"))
+        ev = {k: "/props" for k, v in (("slots", slots), ("context_per_slot", per_slot)) if v is not None}
+        return LogFacts(slots=slots, context_per_slot=per_slot, evidence=ev)
 
     async def count_prompt_tokens(
         self, client: httpx.AsyncClient, model: str | None, messages: Sequence[Message]

@@ -22,6 +22,15 @@ emulator in ``fakes/sglang_emulator/``).
 - cache: ``POST /flush_cache``: 200 flushed; 400 when requests are running or waiting (nothing done).
 - errors: flat ``{"object":"error","message","type","param","code"}`` on chat/completions (stream and
   non-stream; a context overflow is HTTP 400 ``BadRequestError``) -> nested the OpenAI way.
+- launch: ``python -m sglang.launch_server`` or ``sglang serve``; ``--host`` (default 127.0.0.1), ``--port``
+  (default 30000); ready when ``/health`` answers 200 — 503 until its warm-up generation is done.
+- log (0.5.17, docs/gpu-results/three-engines/logs/engines/sglang.log): ``server_args=ServerArgs(...,
+  mem_fraction_static=0.192, ..., disable_cuda_graph=True, ...)``, ``Load weight end. elapsed=0.34 s, ...,
+  mem usage=13.51 GB.``, ``KV Cache is allocated. dtype: torch.float16, #tokens: 107716, K size: 6.57 GB, V
+  size: 6.57 GB``, ``max_total_num_tokens=107716, ..., max_running_requests=4096, context_len=8192, ...``,
+  ``Capture cuda graph end. Time elapsed: 3.70 s. mem usage=0.55 GB. ...`` (one per captured phase), and
+  ``Engine startup timings (s): load_weight=.., cuda_graph={prefill=.., decode=.., ...}``. GB here is GiB
+  (SGLang divides by 1 << 30).
 """
 
 from __future__ import annotations
@@ -51,10 +60,26 @@ from proxy.engines.base import (
     model_card,
     short,
 )
+from proxy.engines.startup import LogFacts, clean_lines, python_module, size_bytes, subcommand
 
 #: SGLang's /health waits for a scheduler output, checking once a second (SGLANG_HEALTH_CHECK_TIMEOUT: 20 s)
 HEALTH_GENERATE_TIMEOUT_S = 5.0
 _RUNNING = re.compile(r"^sglang:num_running_reqs(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_ARG = r"[(,] ?{}=([^,)]*)"
+_WEIGHTS = re.compile(r"Load weight end\. elapsed=([0-9.]+) s.*mem usage=([0-9.]+) (GB|MB)")
+_KV = re.compile(
+    r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+), K size: ([0-9.]+) (GB|MB), V size: ([0-9.]+) (GB|MB)"
+)
+_POOL = re.compile(r"max_total_num_tokens=(\d+).*?max_running_requests=(\d+), context_len=(\d+)")
+_CAPTURE = re.compile(
+    r"Capture (?:\w+ )?(?:cuda|CUDA) graph.*? end\. Time elapsed: ([0-9.]+) s.*?mem usage=([0-9.]+) (GB|MB)"
+)
+_TIMINGS = re.compile(r"Engine startup timings \(s\):.*cuda_graph=\{([^}]*)\}")
+
+
+def _server_arg(line: str, name: str) -> str | None:
+    m = re.search(_ARG.format(re.escape(name)), line)
+    return m.group(1).strip("'\"") if m else None
 
 
 def _dtype(v: object) -> str | None:
@@ -66,6 +91,97 @@ class SGLang(Dialect):
     kind = "sglang"
     health_path = "/ready"
     detect_paths = ("/server_info", "/get_server_info")
+    ready_paths = ("/health",)
+    default_port = 30000
+
+    def launched_by(self, argv: Sequence[str]) -> bool:
+        return python_module(argv) == "sglang.launch_server" or subcommand(argv) == ("sglang", "serve")
+
+    def parse_log(self, text: str) -> LogFacts:
+        ev: dict[str, str] = {}
+        found: dict[str, Any] = {}
+        capture_s = 0.0
+        capture_b = 0
+        captured = False
+        for line in clean_lines(text):
+            if "server_args=ServerArgs(" in line:
+                frac = _server_arg(line, "mem_fraction_static")
+                if frac not in (None, "None"):
+                    found["memory_fraction"], ev["memory_fraction"] = (
+                        float(frac),
+                        f"server_args: mem_fraction_static={frac}",
+                    )
+                if _server_arg(line, "disable_cuda_graph") == "True":
+                    found["cuda_graphs"], ev["cuda_graphs"] = "off", "server_args: disable_cuda_graph=True"
+            elif m := _WEIGHTS.search(line):
+                found["load_s"], found["weights_bytes"] = float(m[1]), size_bytes(m[2], m[3])
+                ev["load_s"] = ev["weights_bytes"] = line
+            elif m := _KV.search(line):
+                found["kv_cache_type"] = m[1].removeprefix("torch.")
+                found["kv_cache_tokens"] = int(m[2])
+                found["kv_cache_bytes"] = size_bytes(m[3], m[4]) + size_bytes(m[5], m[6])
+                ev["kv_cache_bytes"] = line
+            elif m := _POOL.search(line):
+                found["kv_cache_tokens"], found["slots"], found["context_per_slot"] = int(m[1]), int(m[2]), int(m[3])
+                ev["kv_cache_tokens"] = ev["slots"] = line
+            elif m := _CAPTURE.search(line):
+                captured = True
+                capture_s += float(m[1])
+                capture_b += size_bytes(m[2], m[3])
+                ev["cuda_graphs"] = (ev["cuda_graphs"] + "\n" if "cuda_graphs" in ev else "") + line
+            elif (m := _TIMINGS.search(line)) and not captured:
+                phases = {k.strip(): float(v) for k, _, v in (p.partition("=") for p in m[1].split(",")) if v}
+                if any(v > 0 for v in phases.values()):
+                    captured, capture_s = True, sum(phases.values())
+                    ev["cuda_graphs"] = line
+        if captured:
+            found.update(cuda_graphs="on", graph_capture_s=round(capture_s, 3))
+            if capture_b:
+                found["graph_bytes"] = capture_b
+        return LogFacts(**found, evidence=ev)
+
+    async def startup(self, client: httpx.AsyncClient, timeout: float) -> LogFacts:
+        try:
+            info = await first_json(client, self.detect_paths, timeout)
+        except (PollError, httpx.HTTPError):
+            return LogFacts()
+        if not isinstance(info, dict):
+            return LogFacts()
+        states = [s for s in info.get("internal_states") or () if isinstance(s, dict)]
+        first = states[0] if states else {}
+        usage = as_dict(first.get("memory_usage"))
+        timings = as_dict(first.get("startup_time")) or as_dict(info.get("startup_time"))
+        graph_s = as_dict(timings.get("cuda_graph"))
+        graph_gb = as_dict(usage.get("graph"))
+        found: dict[str, Any] = {}
+        ev: dict[str, str] = {}
+
+        def gib(v: object) -> int | None:  # SGLang's "GB" is 1 << 30 bytes
+            return round(float(v) * 2**30) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        for key, value, where in (
+            ("memory_fraction", info.get("mem_fraction_static"), "/server_info mem_fraction_static"),
+            ("kv_cache_tokens", as_int(info.get("max_total_num_tokens")), "/server_info max_total_num_tokens"),
+            ("kv_cache_bytes", gib(usage.get("kvcache")), "/server_info internal_states[0].memory_usage.kvcache"),
+            ("weights_bytes", gib(usage.get("weight")), "/server_info internal_states[0].memory_usage.weight"),
+            ("load_s", timings.get("load_weight"), "/server_info startup_time.load_weight"),
+            ("slots", self._slots(info, states), "/server_info effective max running requests"),
+            ("context_per_slot", as_int(info.get("context_length")), "/server_info context_length"),
+        ):
+            if value is not None:
+                found[key], ev[key] = value, where
+        kv_dtype = as_str(info.get("kv_cache_dtype"))
+        if kv_dtype and kv_dtype != "auto":
+            found["kv_cache_type"] = kv_dtype
+        if info.get("disable_cuda_graph") is True:
+            found["cuda_graphs"], ev["cuda_graphs"] = "off", "/server_info disable_cuda_graph: true"
+        elif graph_s:
+            found["cuda_graphs"], ev["cuda_graphs"] = "on", "/server_info startup_time.cuda_graph"
+            found["graph_capture_s"] = round(sum(v for v in graph_s.values() if isinstance(v, int | float)), 3)
+            graph_bytes = sum(gib(v) or 0 for v in graph_gb.values())
+            if graph_bytes:
+                found["graph_bytes"] = graph_bytes
+        return LogFacts(**found, evidence=ev)
 
     def is_mine(self, path: str, r: httpx.Response) -> bool:
         try:

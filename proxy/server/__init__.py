@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from proxy.server.app import Gateway, asgi_app, make_engines
 from proxy.server.attempt import Attempts
 from proxy.server.context import RequestContextMiddleware, forward_trace_headers
+from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor, Opener
 from proxy.server.llamatimings import AddTimings
@@ -84,13 +85,16 @@ def build_app(
     c = settings.collectors
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
+    diagnosis: LiveDiagnosis | None = None
     if worker is None or worker.index == 0:
         gpu = GpuMonitor(settings.engines, interval=c.gpu_interval, enabled=c.gpu, opener=nvml or PynvmlReader)
         registry.register(gpu)
         engine_state = EngineStatePoller(settings, engines, interval=c.engine_interval)
         registry.register(engine_state)
+        diagnosis = LiveDiagnosis(engines, gpu)
+        registry.register(diagnosis)
         if worker is not None:
-            worker.collectors += [gpu, engine_state]
+            worker.collectors += [gpu, engine_state, diagnosis]
     # other workers do not sample GPUs: their pairs' records leave `gpus`/`contended` unknown
     mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None)
     attempts.observers.append(mirror.on_result)
@@ -104,6 +108,7 @@ def build_app(
         mirror=mirror,
         gpu=gpu,
         engine_state=engine_state,
+        diagnosis=diagnosis,
         on_shutdown=shutdown,
         health_sections=(
             functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None

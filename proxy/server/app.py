@@ -48,6 +48,7 @@ from proxy.errors import (
 )
 from proxy.server.admin import admin_routes
 from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
+from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor
 from proxy.server.guard import raise_fd_limit
@@ -115,6 +116,8 @@ class Gateway:
     mirror: Mirror | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
+    #: the live diagnosis of local llama.cpp engines (``proxy.server.diagnosis``)
+    diagnosis: LiveDiagnosis | None = None
     #: /health sections of collectors that run in another process (``serve --workers``: worker 0's snapshot)
     health_sections: Callable[[], dict[str, Any]] | None = None
     #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
@@ -416,6 +419,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
             status.update(gw.gpu.health())
         if gw.engine_state is not None:
             status.update(gw.engine_state.health())
+        if gw.diagnosis is not None:
+            status.update(gw.diagnosis.health())
         if gw.health_sections is not None:
             status.update(gw.health_sections())
         return JSONResponse(status)
@@ -448,6 +453,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
                     await stages.enter_async_context(gw.gpu.running())
                 if gw.engine_state is not None:
                     await stages.enter_async_context(gw.engine_state.running())
+                if gw.diagnosis is not None:
+                    await stages.enter_async_context(gw.diagnosis.running())
                 yield
             await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
         finally:
