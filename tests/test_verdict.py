@@ -4,18 +4,22 @@ every way a verdict stops. Pure: no engine, no clock."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import random
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from proxy.bench.engines import quant_key
 from proxy.bench.gates import cache_flags
 from proxy.bench.model import Cell, EngineInfo, Req, Results, Sample
+from proxy.bench.results import load_bench
 from proxy.bench.stats import paired_bootstrap, variation
 from proxy.bench.verdict import Verdict, decide, decide_all
 
+ROOT = Path(__file__).resolve().parent.parent
 SAMPLING = {"temperature": 0, "top_p": 1, "top_k": "off", "seed": 1, "ignore_eos": True}
 C1 = Cell("cold", 1, 64, "medium")
 C8 = Cell("cold", 8, 64, "medium")
@@ -451,3 +455,29 @@ def test_a_repeat_that_drifts_widens_the_interval() -> None:
     a, b = paired_bootstrap(steady), paired_bootstrap(drifting)
     assert a is not None and b is not None
     assert a.hi - a.lo == 0 and b.hi - b.lo > 0.2
+
+
+# ---- the real H200 run --------------------------------------------------------------------------------------
+
+
+def test_the_h200_run_replays_as_switch_for_both(tmp_path: Path) -> None:
+    """llama.cpp vs SGLang vs vLLM on one H200 with CUDA graphs on all three (docs/gpu-results/h200-2026-12-03-
+    graphs): ~+15 % single-request decode and ~×8 throughput at c=64 for both candidates. The old rule called it
+    inconclusive (llama.cpp's c=64 throughput varied 24 % between repeats)."""
+    raw = ROOT / "docs/gpu-results/h200-2026-12-03-graphs/raw/results.jsonl.gz"
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(gzip.decompress(raw.read_bytes()))
+    d = load_bench(path)
+    vs = {v.candidate: v for v in decide_all(d.results)}
+    assert set(vs) == {"sglang", "vllm"}
+    for name, v in vs.items():
+        assert v.decision == "switch", (name, v.summary)
+        single, load = (next(a for a in v.regimes if a.step == s) for s in ("decode", "throughput"))
+        assert single.answer == "win" and load.answer == "win", v.summary
+        tpot = next(c for c in single.comparisons if c.metric == "tpot_s")
+        tput = next(c for c in load.comparisons if c.metric == "output_tps")
+        assert tpot.log_gain[1] > 0.10 and tpot.log_gain[2] < 0.25  # decode 11-28 % faster, the whole interval
+        assert tput.stats.lo > 3.0  # more than ×4 the throughput at c=64, the whole interval
+        assert tput.floor > 0.2  # a wide floor (the first repeats) that such a difference clears
+        assert "single request:" in v.summary and "under load:" in v.summary
+    assert [c.outcome for c in vs["sglang"].comparisons if c.step == "throughput"] == ["win", "win"]
