@@ -348,6 +348,7 @@ ESCAPES = [
     ("GET", "/v1/%252fslots", "encoded dot"),
     ("GET", "/v1/..%5cslots", "encoded dot"),
     ("GET", "/tokenize/../slots", "Not Found"),
+    ("POST", "/tokenize/", "Not Found"),  # not a redirect to /tokenize either
     ("GET", "/v1/embeddings/../../slots", "Not Found"),
     ("POST", "/v1/./chat/completions", "only at /v1/chat/completions"),
     ("POST", "/v1//chat/completions", "only at /v1/chat/completions"),

@@ -486,6 +486,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
         exception_handlers={HTTPException: http_error},
     )
     app.state.gateway = gw
+    # a path outside the routes is the proxy's 404, never a redirect to another spelling (/tokenize/ -> /tokenize)
+    app.router.redirect_slashes = False
     app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
     return app
 
