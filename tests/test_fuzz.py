@@ -275,8 +275,8 @@ def check_passthrough(
             doc = json.loads(body)
         except ValueError:
             raise AssertionError(f"{status}: JSON content-type, body not JSON: {body[:200]!r}") from None
-    err = doc.get("error") if isinstance(doc, dict) else None
-    marked = isinstance(err, dict) and err.get("enginemeter") is True
+    err: dict[str, Any] = doc["error"] if isinstance(doc, dict) and isinstance(doc.get("error"), dict) else {}
+    marked = err.get("enginemeter") is True
     if marked:
         assert isinstance(err.get("message"), str) and err.get("code") == status, doc
         assert status < 500, f"the proxy's own {status} with a healthy engine: {doc}"
