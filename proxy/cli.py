@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from proxy import __version__
 from proxy.configfile import load, parse_file
 from proxy.errors import redact_url
 from proxy.listen import BindError, bind_socket, engine_at_listen_address
+from proxy.server.guard import SHUTDOWN_TIMEOUT_S
 from proxy.server.workers import default_workers
 from proxy.settings import DEFAULT_LISTEN, Settings, SettingsError, json_schema, split_listen
 from proxy.types import EngineKind
@@ -108,6 +110,16 @@ def _workers_arg(value: str) -> int:
     return int(value)
 
 
+def _seconds_arg(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0.0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, got {value!r}")
+    return seconds
+
+
 def _listen_arg(value: str) -> str:
     try:
         split_listen(value)
@@ -178,12 +190,17 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     workers = args.workers if args.workers is not None else default_workers()
     if workers > 1:
-        return _run_workers(settings, sock, embedded, args.log_level, workers)
-    return _run(settings, sock, embedded, args.log_level)
+        return _run_workers(settings, sock, embedded, args.log_level, workers, args.shutdown_timeout)
+    return _run(settings, sock, embedded, args.log_level, args.shutdown_timeout)
 
 
 def _run_workers(
-    settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, workers: int
+    settings: Settings,
+    sock: socket.socket,
+    embedded: Sequence[object],
+    log_level: str,
+    workers: int,
+    shutdown_timeout_s: float,
 ) -> int:
     """``--workers N``: the supervisor of ``proxy.server.workers``, on the address ``sock`` was bound to (each
     worker binds its own socket there with SO_REUSEPORT, which a socket bound without it would refuse)."""
@@ -195,6 +212,7 @@ def _run_workers(
         dataclasses.replace(settings, host=host, port=port),
         workers,
         log_level=log_level,
+        shutdown_timeout_s=shutdown_timeout_s,
         on_shutdown=[lambda: _stop(embedded)],
         announce=lambda port: _banner(dataclasses.replace(settings, port=port), embedded, workers),
     )
@@ -260,27 +278,40 @@ def _env_configured() -> bool:
     return bool(os.environ.get("ENGINEMETER_PRIMARY") or os.environ.get("ENGINEMETER_CONFIG"))
 
 
-def _run(settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str) -> int:
+def _run(
+    settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, shutdown_timeout_s: float
+) -> int:
     from proxy.server import build_app
 
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
-    # log_config=None: uvicorn's loggers propagate to the root handler main() set up (one format)
-    from proxy.server.guard import server_options
+    from proxy.server.guard import server_config
 
-    # server_options: connection limits (header deadline, head size, keep-alive; proxy/server/guard.py)
-    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False, **server_options())
+    # connection limits, graceful-shutdown timeout, one log format: the same in every --workers worker
+    config = server_config(app, log_level=log_level, shutdown_timeout_s=shutdown_timeout_s)
     port = sock.getsockname()[1]  # the real one when --listen asked for port 0
     server = _Server(config, on_started=lambda: _banner(dataclasses.replace(settings, port=port), embedded))
+    # after its graceful shutdown uvicorn raises the signal again, under the handler that was there before it:
+    # for SIGTERM that was the default one, and the process died of it (status -15) instead of exiting 0
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sock.close()
         _stop(embedded)
     return 0 if server.started else 3
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised again by uvicorn once its shutdown is done: the normal end of ``serve``."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 class _Server(uvicorn.Server):
@@ -406,6 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="worker processes on the one port (SO_REUSEPORT; metrics merged over them; env ENGINEMETER_WORKERS;"
         f" default: half the CPUs, 1 to 8: {default_workers()} here)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_seconds_arg,
+        default=os.environ.get("ENGINEMETER_SHUTDOWN_TIMEOUT") or SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="after SIGTERM/Ctrl-C, how long requests in progress (streams too) may take to finish before they are "
+        f"cut off (env ENGINEMETER_SHUTDOWN_TIMEOUT; default {SHUTDOWN_TIMEOUT_S:g})",
     )
     serve.set_defaults(func=_serve)
 

@@ -63,6 +63,20 @@ def _path(loc: Loc) -> str:
     return out
 
 
+class _Hidden:
+    """A secret's value in an error message: never the value itself."""
+
+    def __init__(self, value: Any) -> None:
+        kinds = {int: "a number", float: "a number", str: "a string"}
+        if value == "":
+            self.kind = "''"  # nothing to hide
+        else:
+            self.kind = kinds.get(type(value)) or _show(value if isinstance(value, bool | dict | list) else None)
+
+    def __repr__(self) -> str:
+        return self.kind if self.kind == "''" else f"{self.kind} (the value is not shown: a secret)"
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -113,9 +127,15 @@ def _keys_at(loc: Loc) -> list[str]:
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
 
 
+#: keys whose values are secrets: a mistake in one never shows the value
+SECRET_KEYS = frozenset({"api_key", "api_keys", "admin_key"})
+
+
 def _describe(err: Any) -> tuple[Loc, str]:
     loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    if SECRET_KEYS.intersection(p for p in loc if isinstance(p, str)):
+        value = _Hidden(value)
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         known = _keys_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -295,8 +315,8 @@ def load(
     s = parse_file(config, env=env) if config else Settings(engines=(), routes=())
     if v := env.get("ENGINEMETER_LISTEN"):
         s = dataclasses.replace(s, **_host_port(v, "ENGINEMETER_LISTEN"))
-    if v := env.get("ENGINEMETER_API_KEYS"):
-        s = dataclasses.replace(s, api_keys=frozenset(k.strip() for k in v.split(",") if k.strip()))
+    if (v := env.get("ENGINEMETER_API_KEYS")) is not None:
+        s = dataclasses.replace(s, api_keys=_env_keys(v))
     if v := env.get("ENGINEMETER_ADMIN_KEY"):
         s = dataclasses.replace(s, admin_key=v)
     if v := env.get("ENGINEMETER_MAX_BODY_BYTES"):
@@ -323,6 +343,20 @@ def load(
     if not s.engines:
         raise SettingsError("no engines configured: give --primary URL, or a config file with an engines: list")
     return s
+
+
+def _env_keys(value: str) -> frozenset[str]:
+    """``ENGINEMETER_API_KEYS``: comma-separated keys, each non-blank. A set variable replaces the file's keys, so
+    a blank one (``""``, ``" "``, ``","``, ``"a,,b"``) is refused rather than read as "no keys", which would turn
+    authentication off (as an empty key in the file is refused); unset the variable to keep the file's keys."""
+    keys = [k.strip() for k in value.split(",")]
+    if not all(keys):
+        where = "is blank" if not any(keys) else f"has a blank key (key {keys.index('') + 1} of {len(keys)})"
+        raise SettingsError(
+            f"ENGINEMETER_API_KEYS {where}: expected comma-separated non-blank keys; unset it to keep the config "
+            "file's api_keys (an empty list of keys turns authentication off)"
+        )
+    return frozenset(keys)
 
 
 def _host_port(value: str, source: str) -> dict[str, Any]:

@@ -21,7 +21,9 @@ a proxy error from an engine error, which passes through untouched (``enginemete
 from __future__ import annotations
 
 import json
-from urllib.parse import urlsplit, urlunsplit
+import os
+import re
+import socket
 
 import aiohttp
 import httpx
@@ -92,19 +94,15 @@ class UpstreamBroken(UpstreamError):
     pass
 
 
+#: a password in a URL's userinfo (``user:PASSWORD@``), also where the URL is malformed (no scheme, one slash)
+_PASSWORD = re.compile(r"([^\s/:@]*):[^\s/@]*@")
+
+
 def redact_url(url: str) -> str:
     """``url`` with its password replaced by ``***`` (``http://user:***@host``): engine URLs appear in
-    ``/health``, the start banner and logs, none of which may show a secret."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None and "@" not in parts.netloc:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user, sep, _ = userinfo.partition(":")
-    netloc = f"{user}:***@{hostport}" if sep else f"{user}@{hostport}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    ``/health``, the start banner, logs and configuration errors, none of which may show a secret. Works on
+    malformed URLs too (``htp://user:pw@host``, ``user:pw@host``): anything shaped ``name:secret@``."""
+    return _PASSWORD.sub(r"\1:***@", url) if "@" in url else url
 
 
 def error_body(message: str, type_: str, code: int, *, param: str | None = None) -> dict[str, object]:
@@ -116,11 +114,13 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, aiohttp.Cl
 
 
 def from_transport_error(exc: BaseException, engine: str) -> UpstreamError:
-    """The single seam where transport errors become ours."""
+    """The single seam where transport errors become ours. The message names the engine by its configured name
+    and says what failed, never where the engine is: the text of a connect error holds the engine's host and
+    port, which a client has no business learning (``_reason``)."""
     if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return UpstreamTimeout(f"engine {engine!r} timed out ({type(exc).__name__})")
     if isinstance(exc, httpx.ConnectError | aiohttp.ClientConnectorError):
-        return UpstreamConnectError(f"engine {engine!r} is unreachable: {exc}")
+        return UpstreamConnectError(f"engine {engine!r} is unreachable: {_reason(exc)}")
     if isinstance(
         exc,
         httpx.RemoteProtocolError
@@ -129,8 +129,30 @@ def from_transport_error(exc: BaseException, engine: str) -> UpstreamError:
         | aiohttp.ClientPayloadError
         | aiohttp.ClientOSError,
     ):
-        return UpstreamBroken(f"engine {engine!r} closed the connection: {exc}")
-    return UpstreamBroken(f"engine {engine!r} transport error: {type(exc).__name__}: {exc}")
+        return UpstreamBroken(f"engine {engine!r} closed the connection: {_reason(exc)}")
+    return UpstreamBroken(f"engine {engine!r} transport error: {_reason(exc)}")
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, without addresses: an OS error's errno text (``Connection refused``) from the exception or its
+    causes, the HTTP client's words about a broken exchange, else the exception's type (never ``str()`` of a
+    connect or TLS error: those hold host names)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "Server disconnected without sending a response"
+    if isinstance(exc, aiohttp.ClientPayloadError | httpx.RemoteProtocolError) and str(exc):
+        return str(exc)  # h1.py's or httpcore's words about the HTTP exchange: no addresses in them
+    seen: BaseException | None = exc
+    for _ in range(5):  # httpx -> httpcore -> the OSError
+        if seen is None:
+            break
+        os_error = getattr(seen, "os_error", None)  # aiohttp's connector errors hold it here
+        for e in (os_error, seen):
+            if isinstance(e, socket.gaierror) and e.strerror:
+                return str(e.strerror)  # "Name or service not known": the resolver's words, no name in them
+            if isinstance(e, OSError) and isinstance(e.errno, int) and e.errno > 0:
+                return os.strerror(e.errno)  # not e.strerror: asyncio's reads "Connect call failed ('10.0.0.5', 8081)"
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__name__
 
 
 def normalize_engine_error(body: bytes, status: int, kind: EngineKind | None = None) -> bytes:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter
 from pydantic.dataclasses import dataclass
 
+from proxy.errors import redact_url
 from proxy.types import EngineKind
 
 #: llama-server's own hidden defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Using them as the
@@ -65,8 +66,15 @@ class SettingsError(ValueError):
 def check_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"expected a URL like http://host:port, got {value!r}")
+        # the URL may hold a password (engines[].url, tracing.endpoint): never in an error message
+        raise ValueError(f"expected a URL like http://host:port, got {redact_url(value)!r}")
     return value.rstrip("/")
+
+
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("expected a non-blank key (a blank key is no way to turn authentication off)")
+    return value
 
 
 def split_listen(value: str) -> tuple[str, int]:
@@ -86,6 +94,7 @@ Url = Annotated[str, AfterValidator(check_url)]
 Listen = Annotated[str, AfterValidator(_listen)]
 HeaderName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"), AfterValidator(str.lower)]
 Name = Annotated[str, Field(min_length=1)]
+Key = Annotated[str, Field(min_length=1), AfterValidator(_non_blank)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -113,7 +122,10 @@ class EngineSettings:
     )
     model: str | None = Field(default=None, description="served model name; probed from /v1/models when omitted")
     api_key: str | None = Field(
-        default=None, repr=False, description="sent upstream as a bearer token; write it as ${ENV_VAR}"
+        default=None,
+        repr=False,
+        description="sent upstream as a bearer token on every route; write it as ${ENV_VAR}. Without it, "
+        "user:password@ in the url is sent as Basic auth",
     )
     timeouts: Timeouts = Field(default_factory=Timeouts, description="seconds")
     max_connections: int = Field(default=512, ge=1, description="connection pool size to this engine")
@@ -257,7 +269,7 @@ class ConfigFile:
     """The YAML file. Every key is optional except ``engines`` when no ``--primary`` flag is given."""
 
     listen: Listen = Field(default=DEFAULT_LISTEN, description="HOST:PORT the proxy binds ([::1]:8080 for IPv6)")
-    api_keys: tuple[Name, ...] = Field(default=(), description="client bearer keys (each non-empty); none = no auth")
+    api_keys: tuple[Key, ...] = Field(default=(), description="client bearer keys (each non-blank); none = no auth")
     admin_key: str | None = Field(default=None, description="bearer key for /admin/*; none = admin endpoints off")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="larger request bodies get a 413")
     engines: tuple[EngineSettings, ...] = Field(default=(), description="the engines behind the proxy")

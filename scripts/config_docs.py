@@ -47,8 +47,8 @@ enginemeter: enginemeter.yaml:12: sampling_defaults.temprature: unknown key (did
   line `# yaml-language-server: $schema=PATH/TO/config.schema.json` gives completion and checks as you type.
 - **Precedence** (later wins): built-in defaults < this file < environment < command-line flags.
   Environment: `ENGINEMETER_CONFIG`, `ENGINEMETER_LISTEN`, `ENGINEMETER_PRIMARY`, `ENGINEMETER_SHADOW`,
-  `ENGINEMETER_SHADOW_RATE`, `ENGINEMETER_API_KEYS` (comma-separated), `ENGINEMETER_ADMIN_KEY`,
-  `ENGINEMETER_MAX_BODY_BYTES`. Flags: `enginemeter serve --help`.
+  `ENGINEMETER_SHADOW_RATE`, `ENGINEMETER_API_KEYS` (comma-separated, each non-blank: a blank one is an error,
+  never "no keys"), `ENGINEMETER_ADMIN_KEY`, `ENGINEMETER_MAX_BODY_BYTES`. Flags: `enginemeter serve --help`.
 
 Every key is optional except `engines` (unless `--primary` is given) and the keys marked *required*.
 """

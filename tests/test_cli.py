@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -310,3 +311,99 @@ def test_bare_serve_is_the_demo_and_ctrl_c_stops_its_engines(
     for _, url in engines:  # the engines went with the proxy
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=5)
+
+
+# --------------------------------------------------------------------------------------------- issue 20
+
+
+@pytest.mark.parametrize("keys", ["", " ", ",", " , ", "sk-a,,sk-b", "sk-a, "])
+def test_blank_api_keys_from_the_environment_are_refused_at_start(tmp_path: Path, keys: str) -> None:
+    """A blank ENGINEMETER_API_KEYS used to override the file's keys with none: authentication off."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("api_keys: [sk-file]\nengines:\n  - {name: a, url: 'http://127.0.0.1:1'}\n")
+    line = one_line_error(cli(tmp_path, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", ENGINEMETER_API_KEYS=keys))  # fmt: skip
+    assert line.startswith("enginemeter: ENGINEMETER_API_KEYS ") and "blank" in line, line
+    assert one_line_error(cli(tmp_path, "check-config", str(cfg).replace("c.yaml", "none.yaml"))).endswith("cannot read: No such file or directory")  # fmt: skip
+
+
+SECRET = "S3CRET-PW"
+
+
+@pytest.mark.parametrize(
+    ("how", "args", "env", "file"),
+    [
+        ("engine url", [], {}, "engines:\n  - {name: a, url: 'htp://user:S3CRET-PW@10.0.0.5:8081'}\n"),
+        ("url without a scheme", [], {}, "engines:\n  - {name: a, url: 'user:S3CRET-PW@10.0.0.5:8081'}\n"),
+        (
+            "tracing endpoint",
+            [],
+            {},
+            "engines:\n  - {name: a, url: 'http://127.0.0.1:1'}\ntracing: {endpoint: 'otlp://u:S3CRET-PW@collector'}\n",
+        ),
+        ("a numeric api_key", [], {}, "engines:\n  - {name: a, url: 'http://127.0.0.1:1', api_key: 98765}\n"),
+        ("a numeric admin_key", [], {}, "admin_key: 98765\nengines:\n  - {name: a, url: 'http://127.0.0.1:1'}\n"),
+        ("--primary", ["--primary", "htp://user:S3CRET-PW@10.0.0.5:8081"], {}, None),
+        ("ENGINEMETER_PRIMARY", [], {"ENGINEMETER_PRIMARY": "htp://user:S3CRET-PW@10.0.0.5"}, None),
+    ],
+)
+def test_config_errors_never_print_secrets(
+    tmp_path: Path, how: str, args: list[str], env: dict[str, str], file: str | None
+) -> None:
+    if file is not None:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(file)
+        args = ["--config", str(cfg)]
+    line = one_line_error(cli(tmp_path, "serve", *args, **env))
+    assert SECRET not in line and "98765" not in line, line
+    assert "***" in line or "not shown" in line, line
+    if file is not None:
+        checked = cli(tmp_path, "check-config", str(tmp_path / "c.yaml"))
+        assert checked.returncode == 2 and SECRET not in checked.stderr and "98765" not in checked.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_shutdown_timeout_cuts_off_a_stream_held_open(tmp_path: Path, workers: str) -> None:
+    """SIGTERM with a stream in progress: the stream gets --shutdown-timeout to finish, then is cut and the
+    process exits 0 (it used to wait for the stream's end: 19.5 s in the probe)."""
+    assert "ENGINEMETER_SHUTDOWN_TIMEOUT; default 30)" in " ".join(cli(tmp_path, "serve", "--help").stdout.split())
+    knobs = Knobs(tokens=3000, cadence_ms=20)  # a minute of stream
+    with (
+        run_in_thread(FaultEngineConfig(knobs=knobs)) as engine,
+        serving(
+            tmp_path,
+            "--primary",
+            f"e={engine}",
+            "--listen",
+            "127.0.0.1:0",
+            "--workers",
+            workers,
+            "--shutdown-timeout",
+            "1.5",
+        ) as s,  # fmt: skip
+    ):
+        base = re.search(r"http://\S+", s.read_until("enginemeter listening on "))
+        assert base is not None
+        got: list[bytes] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "m", "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            try:
+                with httpx.stream("POST", f"{base.group(0)}/v1/chat/completions", json=body, timeout=60) as r:
+                    for chunk in r.iter_raw():
+                        got.append(chunk)
+                        first.set()
+            except httpx.HTTPError:
+                got.append(b"(cut)")
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(30)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        t.join(timeout=10)
+    assert rc == 0
+    assert 1.0 < took < 10, took  # the timeout (1.5 s) plus shutting down, never the stream's minute
+    assert b"data: [DONE]" not in b"".join(got)

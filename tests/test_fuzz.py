@@ -8,14 +8,24 @@ a real socket, in front of the fault engine. Whatever a client sends:
   to 0 once the answer is in;
 - a 200 stream ends with ``[DONE]`` or one in-band error event.
 
-About 2,500 examples in all (~50 s on 2 cores); ``derandomize`` keeps CI runs the same (``FUZZ_RANDOM=1`` explores new examples).
+The same for the pass-through routes, with generated paths (dot segments, encoded dots and slashes, doubled
+slashes, the proxy's own paths spelt otherwise) and methods: an engine's own answer passes (unmarked, any
+status), the proxy's refusals are marked 404s, and whatever reaches the engine is a normalised path of the
+pass-through set (never ``..``, ``//``, an encoded dot or slash, a generation path); a request answered by a
+route is counted once, a path refused before any route is not a request (no count). And once more against
+``enginemeter serve --workers 2`` (a subprocess; counts read from the merged ``/metrics``).
+
+About 3,350 examples in all (~2.5 min on 2 cores); ``derandomize`` keeps CI runs the same (``FUZZ_RANDOM=1``
+explores new examples).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from typing import Any
 
@@ -26,7 +36,7 @@ from hypothesis import strategies as st
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
-from tests.helpers import ProxyUnderTest, start_proxy
+from tests.helpers import ProcessServer, ProxyUnderTest, start_proxy, wait_until
 
 ALIAS = "team-model"
 KEY = "sk-fuzz"
@@ -42,9 +52,15 @@ FUZZ = settings(
 
 
 @pytest.fixture(scope="module")
-def proxy() -> Iterator[ProxyUnderTest]:
+def engine() -> Iterator[str]:
+    with run_in_thread(FaultEngineConfig(model="engine-name", knobs=Knobs(tokens=3))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def proxy(engine: str) -> Iterator[ProxyUnderTest]:
     with ExitStack() as stack:
-        engine_url = stack.enter_context(run_in_thread(FaultEngineConfig(model="engine-name", knobs=Knobs(tokens=3))))
+        engine_url = engine
         s = Settings(
             engines=(
                 EngineSettings(name="fake", url=engine_url, kind="llamacpp", timeouts=Timeouts(connect=2, read=10)),
@@ -200,3 +216,146 @@ def test_plausible_requests_are_answered(
     else:
         body["prompt"] = content
     send(proxy, path, json.dumps(body).encode(), {b"authorization": f"Bearer {KEY}".encode()})
+
+
+# --------------------------------------------------------------------------------------------- pass-through
+
+#: path segments a hostile or clumsy client writes; "%00"-style escapes stay escapes on the wire
+segments = st.sampled_from(
+    ["..", ".", "", "%2e%2e", "%2E", ".%2e", "%2f", "%2F", "%252e%252e", "%252f", "%5c", "%5C", "slots", "0",
+     "completion", "chat", "completions", "embeddings", "tokenize", "detokenize", "models", "v1", "%63hat", "a%20b",
+     ";", "..;", "%00", "%0a", "~", "props"]
+) | st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="/?#%"), max_size=6)  # fmt: skip
+
+
+@st.composite
+def targets(draw: st.DrawFn) -> str:
+    prefix = draw(st.sampled_from(["/v1/", "/", "//", "/tokenize", "/tokenize/", "/detokenize", "/v1", "/v1//"]))
+    path = prefix + "/".join(draw(st.lists(segments, max_size=5)))
+    return path + draw(st.sampled_from(["", "?action=erase", "?a=%2e%2e/b", "?"]))
+
+
+methods = st.sampled_from(["POST", "POST", "GET", "DELETE", "PUT"])
+content_types = st.sampled_from(["application/json", "application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x", ""])  # fmt: skip
+OWN = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+def forwardable(path: str) -> bool:
+    """What may reach the engine: a normalised path of the pass-through set (independent of proxy/server/paths.py)."""
+    p = path.partition("?")[0]
+    segs = p.split("/")[1:]
+    if re.search(r"%(2e|2f|5c)|\\", p, re.IGNORECASE) or "//" in p or any(s in (".", "..") for s in segs):
+        return False
+    if p.rstrip("/") in OWN:
+        return False
+    return p in ("/tokenize", "/detokenize") or p.startswith("/v1/")
+
+
+def raw(url: str, method: str, target: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+    u = url.removeprefix("http://")
+    host, port = u.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, target, body=body or None, headers=dict(headers))
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def check_passthrough(
+    engine_url: str, total: Callable[[], float], in_flight: Callable[[], float], send: Callable[[], tuple[int, dict[str, str], bytes]]
+) -> None:  # fmt: skip
+    seen = len(httpx.get(f"{engine_url}/_fake/requests?full=1", timeout=10).json())
+    before = total()
+    status, headers, body = send()
+    doc: Any = None
+    if headers.get("content-type", "").startswith("application/json"):
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            raise AssertionError(f"{status}: JSON content-type, body not JSON: {body[:200]!r}") from None
+    err: dict[str, Any] = doc["error"] if isinstance(doc, dict) and isinstance(doc.get("error"), dict) else {}
+    marked = err.get("enginemeter") is True
+    if marked:
+        assert isinstance(err.get("message"), str) and err.get("code") == status, doc
+        assert status < 500, f"the proxy's own {status} with a healthy engine: {doc}"
+    elif "x-enginemeter-engine" not in headers:
+        raise AssertionError(f"{status} from neither the proxy (marked) nor an engine: {body[:200]!r}")
+    refused = marked and status == 404 and err["message"].startswith("Not Found:")
+    if refused:  # a path refused before any route: not a request
+        assert total() == before, "a refused path was counted"
+    else:
+        wait_until(lambda: total() >= before + 1, timeout=5, message="counted")
+        assert total() == before + 1, "not counted exactly once"
+    wait_until(lambda: in_flight() == 0, timeout=5, message="in flight back to 0")
+    new = httpx.get(f"{engine_url}/_fake/requests?full=1", timeout=10).json()[seen:]
+    assert all(forwardable(q["path"]) for q in new), [q["path"] for q in new]
+    if refused:
+        assert new == [], [q["path"] for q in new]
+
+
+@settings(FUZZ, max_examples=500)
+@given(method=methods, target=targets(), raw_body=raw_bodies(), ctype=content_types)
+def test_any_pass_through_path_and_body_stays_confined_and_counted(
+    proxy: ProxyUnderTest, engine: str, method: str, target: str, raw_body: bytes, ctype: str
+) -> None:
+    headers = {"authorization": f"Bearer {KEY}", **({"content-type": ctype} if ctype else {})}
+    check_passthrough(
+        engine,
+        lambda: proxy.total("enginemeter_requests_total"),
+        lambda: proxy.total("enginemeter_in_flight_requests"),
+        lambda: raw(proxy.url, method, target, raw_body if method in ("POST", "PUT") else b"", headers),
+    )
+
+
+# ------------------------------------------------------------------------------------------ serve --workers 2
+
+
+@pytest.fixture(scope="module")
+def workers(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("fuzz-workers") / "metrics"
+    with ProcessServer(
+        "proxy.cli", "serve", "--primary", f"fake={engine}", "--listen", "127.0.0.1:{port}", "--workers", "2",
+        "--log-level", "warning", ready_path="/health", startup_timeout=60,
+        env={"PROMETHEUS_MULTIPROC_DIR": str(directory), "ENGINEMETER_API_KEYS": KEY, "ENGINEMETER_ADMIN_KEY": ""},
+    ) as server:  # fmt: skip
+        yield server.url
+
+
+def scraped(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers={"connection": "close"}, timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+@settings(FUZZ, max_examples=200)
+@given(path=paths, raw_body=raw_bodies())
+def test_workers_any_body_gets_a_shaped_answer_counted_once(workers: str, path: str, raw_body: bytes) -> None:
+    before = scraped(workers, "enginemeter_requests_total")
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json", "connection": "close"}
+    r = httpx.post(f"{workers}{path}", content=raw_body, headers=headers, timeout=30)
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and r.status_code < 500, err
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):
+        last = [e for e in r.content.split(b"\n\n") if e][-1]
+        assert last == b"data: [DONE]" or b'"error"' in last, last[:200]
+    wait_until(lambda: scraped(workers, "enginemeter_requests_total") >= before + 1, timeout=5, message="counted")
+    assert scraped(workers, "enginemeter_requests_total") == before + 1
+    wait_until(lambda: scraped(workers, "enginemeter_in_flight_requests") == 0, timeout=5)
+
+
+@settings(FUZZ, max_examples=150)
+@given(method=methods, target=targets(), raw_body=raw_bodies(), ctype=content_types)
+def test_workers_any_pass_through_path_stays_confined_and_counted(
+    workers: str, engine: str, method: str, target: str, raw_body: bytes, ctype: str
+) -> None:
+    headers = {"authorization": f"Bearer {KEY}", "connection": "close", **({"content-type": ctype} if ctype else {})}
+    check_passthrough(
+        engine,
+        lambda: scraped(workers, "enginemeter_requests_total"),
+        lambda: scraped(workers, "enginemeter_in_flight_requests"),
+        lambda: raw(workers, method, target, raw_body if method in ("POST", "PUT") else b"", headers),
+    )

@@ -154,3 +154,22 @@ def test_configured_pairs_start_at_zero(tmp_path: Path) -> None:
             assert sample(m, "enginemeter_token_count_mismatches_total", {**pair, "kind": kind}) == 0
     assert sample(m, "enginemeter_compared_pairs_total", {"primary": "a", "shadow": "d"}) is None
     assert sample(m, "enginemeter_finish_reasons_total", {"engine": "d", "model": "x", "role": "primary", "reason": "length"}) == 0  # fmt: skip
+
+
+def test_series_per_engine_and_alias_are_as_documented() -> None:
+    """docs/metrics.md#series: 2 + 4E + 18E(E+M) at start; up to 1,417 per (engine, model label) pair with
+    traffic. Counted by perf/series.py on the proxy's own Metrics."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "perf" / "series.py"
+    spec = importlib.util.spec_from_file_location("perf_series", path)
+    assert spec is not None and spec.loader is not None
+    series = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(series)
+    for e, m in [(1, 1), (1, 2), (2, 1), (2, 3)]:
+        pairs = e * (e + m)
+        primed, full, _ = series.count(e, m)
+        assert primed == 2 + 4 * e + 18 * pairs, (e, m, primed)
+        assert full == primed + 1399 * pairs, (e, m, full)
+    doc = (path.parent.parent / "docs" / "metrics.md").read_text()
+    assert "**2 + 4·E + 18·E·(E + M)**" in doc and "**1,417 series per pair**" in doc and "1,399 more" in doc

@@ -128,3 +128,30 @@ def test_settings_sections(tmp_path: Path) -> None:
         f"{cfg}:2: request_log.pth: unknown key (did you mean 'path'?); expected one of: path, max_bytes, backups, record_text",
         f"{cfg}:3: tracing.sample_ratio: expected a value less than or equal to 1, got 2",
     )
+
+
+def test_a_log_file_left_readable_by_others_is_made_0600_on_open(
+    fault_engines: tuple[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "created 0600" held only for new files: a 0644 log (and rotated copy) from an older run stayed 0644."""
+    path = tmp_path / "requests.jsonl"
+    for p in (path, tmp_path / "requests.jsonl.1"):
+        p.write_text('{"prompt": "an older run\'s prompt"}\n')
+        p.chmod(0o644)
+    with ExitStack() as stack:
+        client, log = serve(stack, fault_engines, RequestLogSettings(path=str(path), record_text=True))
+        # before any request: the files of the earlier run are no longer readable by others
+        wait_until(
+            lambda: all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in (path, tmp_path / "requests.jsonl.1"))
+        )
+        assert client.post("/v1/chat/completions", json={"model": "m", "messages": MSGS}).status_code == 200
+        lines(path, log, 3)
+        # made again by someone else, 0644, between two lines: set back on the next line's open
+        path.unlink()
+        path.write_text("")
+        path.chmod(0o644)
+        assert client.post("/v1/chat/completions", json={"model": "m", "messages": MSGS}).status_code == 200
+        lines(path, log, 2)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert log.writer.errors == 0
+    assert "had mode 644: set to 600" in caplog.text

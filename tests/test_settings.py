@@ -247,3 +247,30 @@ def test_yaml_examples_in_the_docs_are_valid(tmp_path: Path, doc: str) -> None:
         cfg = tmp_path / f"{i}.yaml"
         cfg.write_text(block)
         parse_file(cfg, env={"ENGINEMETER_ADMIN": "x"})
+
+
+@pytest.mark.parametrize("keys", ["", " ", ",", "a,,b", "a, "])
+def test_blank_api_keys_from_the_environment_are_an_error(tmp_path: Path, keys: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("api_keys: [sk-file]\n" + ENGINE)
+    with pytest.raises(SettingsError, match=r"^ENGINEMETER_API_KEYS (is blank|has a blank key)"):
+        load(str(cfg), env={"ENGINEMETER_API_KEYS": keys})
+    assert load(str(cfg), env={}).api_keys == frozenset({"sk-file"})  # unset: the file's keys
+
+
+def test_a_blank_key_in_the_file_is_an_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text('api_keys: ["  "]\n' + ENGINE)
+    with pytest.raises(SettingsError, match=r"c\.yaml:1: api_keys\[0\]: expected a non-blank key"):
+        parse_file(cfg, env={})
+
+
+def test_redact_url_hides_passwords_in_malformed_urls_too() -> None:
+    from proxy.errors import redact_url
+
+    assert redact_url("http://user:pw@host:1/x") == "http://user:***@host:1/x"
+    assert redact_url("htp://user:S3CRET@h") == "htp://user:***@h"
+    assert redact_url("user:S3CRET@10.0.0.5:8081") == "user:***@10.0.0.5:8081"
+    assert redact_url("http:/user:S3CRET@h") == "http:/user:***@h"
+    assert redact_url("http://u:a:b@h") == "http://u:***@h"
+    assert redact_url("http://host:8081/v1") == "http://host:8081/v1"

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.server.guard import HEADER_TIMEOUT_S, MAX_HEAD_BYTES
 from proxy.server.workers import default_workers
 from tests.helpers import ProcessServer, wait_until
 
@@ -32,8 +39,8 @@ def _requests_per_worker(directory: Path) -> dict[str, float]:
     return out
 
 
-def _engine(tokens: int = 4) -> ProcessServer:
-    args = ("--tokens", str(tokens), "--cadence-ms", "1", "--ttft-ms", "1")
+def _engine(tokens: int = 4, cadence_ms: float = 1) -> ProcessServer:
+    args = ("--tokens", str(tokens), "--cadence-ms", str(cadence_ms), "--ttft-ms", "1")
     return ProcessServer("fakes.fault_engine", *args, ready_path="/health")
 
 
@@ -56,6 +63,7 @@ def test_one_scrape_counts_every_request_over_the_workers(tmp_path: Path) -> Non
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         # the workers' own files: both served, and together they served every request
         per_worker = _requests_per_worker(directory)
+        assert per_worker.pop(f"counter_{proxy.pid}") == 0  # the supervisor's (worker deaths), none here
         assert len(per_worker) == 2, per_worker
         assert all(v > 0 for v in per_worker.values()), per_worker
         assert sum(per_worker.values()) == n
@@ -111,3 +119,130 @@ def test_a_mirror_change_on_one_worker_reaches_every_worker(tmp_path: Path) -> N
 
 def test_default_workers_is_within_one_and_eight() -> None:
     assert 1 <= default_workers() <= 8
+
+
+# ------------------------------------------------------------------------------ a worker's death, its limits
+
+
+def worker_pids(supervisor: int) -> list[int]:
+    """The supervisor's worker processes (multiprocessing's spawn children; not its resource tracker)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == supervisor and b"spawn_main" in cmdline:
+            pids.append(int(d.name))
+    return sorted(pids)
+
+
+def in_flight_of(directory: Path, pid: int) -> float:
+    """What worker ``pid``'s own in-flight gauge file says (its requests in progress)."""
+    path = directory / f"gauge_livesum_{pid}.db"
+    if not path.exists():
+        return 0.0
+    values = MmapedDict.read_all_values_from_file(str(path))  # type: ignore[no-untyped-call]
+    return sum(float(v) for key, v, *_ in values if json.loads(key)[1] == "enginemeter_in_flight_requests")
+
+
+def scrape_sum(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"connection": "close"}, timeout=10).text
+    return sum(v for got, v in _samples(text, name) if all(got.get(k) == x for k, x in labels.items()))
+
+
+def stream_outcome(url: str) -> str:
+    """One stream on a connection of its own: "done" ([DONE] arrived) or "cut"."""
+    body = {**BODY, "max_tokens": 400}
+    try:
+        with httpx.Client(base_url=url, headers={"connection": "close"}, timeout=60) as client:
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                data = b"".join(r.iter_raw())
+    except httpx.HTTPError:
+        return "cut"
+    return "done" if data.rstrip().endswith(b"data: [DONE]") else "cut"
+
+
+def test_a_killed_worker_is_restarted_and_its_requests_in_flight_are_counted(tmp_path: Path) -> None:
+    """Issue 20: every restart died (FileNotFoundError) and the supervisor exited; the killed worker's requests
+    were never counted. Here: SIGKILL the worker holding the most streams, mid-stream."""
+    n = 10
+    directory = tmp_path / "metrics"
+    with _engine(tokens=400, cadence_ms=20) as engine, _proxy(engine.url, directory, 2) as proxy:
+        before = worker_pids(proxy.pid)
+        assert len(before) == 2, before
+        with ThreadPoolExecutor(n) as pool:
+            streams = [pool.submit(stream_outcome, proxy.url) for _ in range(n)]
+            wait_until(lambda: sum(in_flight_of(directory, p) for p in before) == n, timeout=20, message="n streams")
+            victim = max(before, key=lambda p: in_flight_of(directory, p))
+            lost = in_flight_of(directory, victim)
+            assert lost >= 1
+            os.kill(victim, signal.SIGKILL)
+
+            def replaced() -> bool:
+                pids = worker_pids(proxy.pid)
+                return len(pids) == 2 and victim not in pids
+
+            # a new worker takes its place, and the proxy serves on: fresh connections land on both workers
+            wait_until(replaced, timeout=30, message="a new worker in the killed one's place")
+            for _ in range(12):
+                r = httpx.post(f"{proxy.url}/v1/chat/completions", json=BODY, headers={"connection": "close"})
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            outcomes = [f.result(timeout=60) for f in streams]
+        assert proxy.proc is not None and proxy.proc.poll() is None, proxy.output()[-3000:]
+        assert outcomes.count("cut") == lost and outcomes.count("done") == n - lost, outcomes
+        wait_until(lambda: scrape_sum(proxy.url, "enginemeter_worker_lost_requests_total", engine="llamacpp", role="primary") == lost)  # fmt: skip
+        assert scrape_sum(proxy.url, "enginemeter_worker_restarts_total") == 1
+        # every request ended in exactly one count: an outcome, or lost with its worker
+        counted = scrape_sum(proxy.url, "enginemeter_requests_total") + lost
+        assert counted == n + 12, (counted, n + 12)
+        assert scrape_sum(proxy.url, "enginemeter_in_flight_requests") == 0
+        assert "restarting it" in proxy.output() and "FileNotFoundError" not in proxy.output()
+
+
+def _closed_by_server(s: socket.socket) -> bytes:
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def test_every_worker_applies_the_connection_limits(tmp_path: Path) -> None:
+    """Issue 20: under --workers, silent connections stayed open, a head over 64 KiB got 200 (1 MiB did), a
+    slowloris head was open after 30 s. 16 connections of each kind: with SO_REUSEPORT spreading them, both workers get some."""
+    with _engine() as engine, _proxy(engine.url, tmp_path / "metrics", 2) as proxy:
+        host, port = "127.0.0.1", proxy.port
+        t0 = time.monotonic()
+        silent = [socket.create_connection((host, port)) for _ in range(16)]
+        cut: list[float] = []
+
+        def slowloris() -> None:
+            with socket.create_connection((host, port)) as s:
+                try:
+                    for b in b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 1000:
+                        s.sendall(bytes([b]))
+                        time.sleep(0.5)  # the client's pace (slowloris), not synchronisation
+                except OSError:
+                    cut.append(time.monotonic() - t0)
+
+        slow = [threading.Thread(target=slowloris) for _ in range(4)]
+        for t in slow:
+            t.start()
+        for _ in range(16):  # a head just over the limit, so that the server has read it all when it answers
+            with socket.create_connection((host, port)) as s:
+                s.settimeout(20)
+                s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES + 1024) + b"\r\n\r\n")
+                data = _closed_by_server(s)
+                assert data.startswith(b"HTTP/1.1 431"), data[:200]
+        for s in silent:
+            s.settimeout(HEADER_TIMEOUT_S + 15)
+            assert _closed_by_server(s) == b""
+            s.close()
+        closed_after = time.monotonic() - t0
+        for t in slow:
+            t.join(timeout=HEADER_TIMEOUT_S + 15)
+        assert len(cut) == 4 and max(cut) < HEADER_TIMEOUT_S + 8, cut
+        assert closed_after < HEADER_TIMEOUT_S + 8, closed_after

@@ -117,7 +117,7 @@ def build_app(
     app = asgi_app(gw)
     app.state.request_log = request_log
     app.state.tracing = tracing
-    passthrough = Passthrough(settings, router, engines, attempts, gw.authenticate, tracing)
+    passthrough = Passthrough(gw, tracing)
     app.router.routes.extend(passthrough_routes(passthrough))
     app.add_middleware(RequestContextMiddleware, tracing=tracing)
     app.fast = {path: RequestContextMiddleware(fn, tracing=tracing) for path, fn in app.fast.items()}

@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from proxy import __version__
 from proxy.errors import (
     BadRequest,
+    NotFound,
     PayloadTooLarge,
     ProxyError,
     RequestTimeout,
@@ -54,6 +55,7 @@ from proxy.server.gpu import GpuMonitor
 from proxy.server.guard import raise_fd_limit
 from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.mirror import Mirror
+from proxy.server.paths import route_path, upstream_path
 from proxy.server.relay import RelayResponse, error_response
 from proxy.server.result import new_request_id
 from proxy.server.routing import Decision, Router
@@ -241,7 +243,7 @@ class Gateway:
         """Serve the primary while a watcher waits on ``receive()``: the client hanging up in any phase (queued,
         prefill, streaming, a non-stream wait) cancels the attempt at once, which closes the upstream connection
         so the engine stops working for nobody (counted ``client_disconnect``)."""
-        watch = _Watch(receive)
+        watch = Watch(receive)
         response: Response | RelayResponse | None = None
         try:
             response = await self.serve(
@@ -324,7 +326,7 @@ class Gateway:
         self.metrics.requests.labels("none", label, "primary", stream, endpoint, outcome).inc()
 
 
-class _Watch:
+class Watch:
     """Waits on ``receive()`` in a task of its own; a disconnect while armed cancels the request's task.
 
     uvicorn answers ``receive()`` with ``http.disconnect`` once the response is complete too, so the response
@@ -365,6 +367,15 @@ class ProxyApp(Starlette):
     fast: dict[str, ASGIApp]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            # one normalised path for routing and forwarding; the proxy's own routes only at their canonical path
+            path, why = route_path(scope["path"])
+            if path is None:
+                err = NotFound(f"Not Found: {scope['method']} {scope['path']} ({why})")
+                await error_response(err, "")(scope, receive, send)
+                return
+            if path != scope["path"]:
+                scope = {**scope, "path": path, "raw_path": upstream_path(path).encode()}
         if scope["type"] == "http" and scope["method"] == "POST":
             app = self.fast.get(scope["path"])
             if app is not None:
@@ -482,6 +493,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
         exception_handlers={HTTPException: http_error},
     )
     app.state.gateway = gw
+    # a path outside the routes is the proxy's 404, never a redirect to another spelling (/tokenize/ -> /tokenize)
+    app.router.redirect_slashes = False
     app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
     return app
 

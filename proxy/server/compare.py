@@ -292,7 +292,9 @@ class ComparisonLog:
         name: str = "enginemeter-compare-log",
     ) -> None:
         self.path = path
-        #: permission bits of a file this writer creates: 0o600 (both logs may hold prompts; the umask still applies)
+        #: permission bits of the log and its rotated files: 0o600 (both logs may hold prompts and answers). A
+        #: file that already exists with other bits (an older run's 0644) is set to these when opened
+        #: (``_enforce_mode``); one this user cannot chmod is not written to (counted in ``errors``)
         self.mode = mode
         self.max_bytes = max(1, max_bytes)
         self.backups = max(0, backups)
@@ -342,10 +344,29 @@ class ComparisonLog:
                 os.replace(src, f"{self.path}.{i + 1}")
         os.replace(self.path, f"{self.path}.1")
 
+    def _enforce_mode(self, fd: int, path: str) -> None:
+        """The file open as ``fd`` gets ``self.mode``, whatever it had (O_CREAT's mode only applies to new files)."""
+        st = os.fstat(fd)
+        if st.st_mode & 0o7777 != self.mode:
+            os.fchmod(fd, self.mode)  # PermissionError (another user's file): the caller does not write to it
+            log.warning("log file %s had mode %o: set to %o", path, st.st_mode & 0o7777, self.mode)
+
     def _run(self) -> None:
         d = os.path.dirname(self.path)
         if d:
             os.makedirs(d, exist_ok=True)
+        # files of an earlier run (the log, its rotated copies) get the mode before anything else is written
+        for p in [self.path, *(f"{self.path}.{i}" for i in range(1, self.backups + 1))]:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                self._enforce_mode(fd, p)
+            except OSError:
+                log.exception("cannot set the mode of the log file %s", p)
+            finally:
+                os.close(fd)
         while True:
             item = self._q.get()
             if item is self._STOP:
@@ -364,6 +385,7 @@ class ComparisonLog:
                     # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
                     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
                     with os.fdopen(fd, "ab") as f:
+                        self._enforce_mode(fd, self.path)  # a file made by someone else meanwhile, too
                         f.write(line)
                 self.written += 1
             except Exception:  # a full disk must not kill the writer; count and go on

@@ -15,6 +15,12 @@
   also holds an upstream socket); ``raise_fd_limit()`` raises the soft ``RLIMIT_NOFILE`` to the hard one at start.
 
 The request *body* deadline is the app's (``Gateway.read_body``): it knows which routes read a body.
+
+``server_config()`` is the one uvicorn configuration ``enginemeter serve`` runs, in its own process and in every
+``--workers`` worker alike: these limits, one log format, and the graceful-shutdown timeout
+(``SHUTDOWN_TIMEOUT_S``, ``--shutdown-timeout``): after SIGTERM/SIGINT the proxy stops accepting, waits that long
+for requests in progress (streams included), then cancels what is left (each closes its upstream connection and
+ends in its one outcome) and exits.
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ import resource
 import time
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("enginemeter")
 
 HEADER_TIMEOUT_S = 10.0
+#: after SIGTERM/SIGINT, requests in progress get this long to finish before they are cancelled (``--shutdown-timeout``)
+SHUTDOWN_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 * 1024
 #: uvicorn's default; said here so the choice is visible (idle kept-alive client connections)
 KEEPALIVE_TIMEOUT_S = 5.0
@@ -191,3 +200,19 @@ def server_options(**limits: Any) -> dict[str, Any]:
         "http": guarded_protocol(**limits) if limits else GuardedHttpToolsProtocol,
         "timeout_keep_alive": KEEPALIVE_TIMEOUT_S,
     }
+
+
+def server_config(
+    app: Any, *, log_level: str = "info", shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, **limits: Any
+) -> uvicorn.Config:
+    """The uvicorn configuration of ``enginemeter serve``, one process or each of ``--workers N``: the connection
+    limits above, the graceful-shutdown timeout, uvicorn's loggers into the root handler (one log format)."""
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=log_level,
+        access_log=False,
+        # typed int, used as asyncio.timeout()'s delay: fractions work
+        timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]
+        **server_options(**limits),
+    )

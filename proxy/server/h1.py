@@ -25,6 +25,7 @@ A response closed before its end closes its connection, so the engine frees the 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import socket
@@ -32,7 +33,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import httptools
@@ -244,6 +245,19 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+def authorization(e: EngineSettings) -> str | None:
+    """The ``Authorization`` header of every request to engine ``e``, on every route (generation, shadow copies,
+    pass-through, probes, polls): ``Bearer <api_key>``; else Basic auth from the URL's ``user:password@`` (a
+    reverse proxy in front of the engine); else none. One header holds one credential: ``api_key`` wins."""
+    if e.api_key:
+        return f"Bearer {e.api_key}"
+    u = urlsplit(e.url)
+    if u.username is None and u.password is None:
+        return None
+    userpass = f"{unquote(u.username or '')}:{unquote(u.password or '')}".encode()
+    return "Basic " + base64.b64encode(userpass).decode("ascii")
+
+
 def _peer_closed(t: asyncio.Transport) -> bool:
     """Whether the engine has closed this idle connection, even if the loop has not seen its FIN yet (a peek at the
     socket: three syscalls a reuse). llama-server closes after every streamed response though its headers say
@@ -275,7 +289,8 @@ class H1Streams:
         self._port = u.port or (443 if self._https else 80)
         self._prefix = u.path.rstrip("/")
         host_header = u.netloc.rsplit("@", 1)[-1]
-        auth = f"authorization: Bearer {e.api_key}\r\n" if e.api_key else ""
+        credentials = authorization(e)
+        auth = f"authorization: {credentials}\r\n" if credentials else ""
         self._head_tail = f" HTTP/1.1\r\nhost: {host_header}\r\n{auth}".encode("latin-1")
         t = e.timeouts
         self._connect_s, self._pool_s, self._read_s = t.connect, t.pool, t.read

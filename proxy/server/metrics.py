@@ -71,6 +71,9 @@ FINISH_REASONS = ("stop", "length", "tool_calls", "other")
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
 
 REQ = ("engine", "model", "role", "stream")
+#: the help texts of the two counters the ``--workers`` supervisor writes (``proxy.server.workers.SupervisorCounts``)
+WORKER_LOST_HELP = "Requests in flight in a worker process that died (serve --workers N), counted by the supervisor."
+WORKER_RESTARTS_HELP = "Worker processes that died and were restarted (serve --workers N)."
 
 
 def _h(name: str, doc: str, buckets: Iterable[float], registry: CollectorRegistry, labels=REQ) -> Histogram:  # type: ignore[no-untyped-def]
@@ -178,6 +181,9 @@ class Metrics:
             f"{PREFIX}_shadow_ratio", "Shadow / primary ratio per pair (metric=ttft|tpot|decode_tps).",
             ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        # ---- serve --workers N: written by the supervisor when a worker dies (0 in one process) ------------
+        self.worker_lost = Counter(f"{PREFIX}_worker_lost_requests", WORKER_LOST_HELP, ("engine", "role"), registry=r)
+        self.worker_restarts = Counter(f"{PREFIX}_worker_restarts", WORKER_RESTARTS_HELP, registry=r)
         # ---- build -----------------------------------------------------------------------------------
         self.build = Gauge(
             f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r,
@@ -195,6 +201,7 @@ class Metrics:
         for e in engines:
             for role in ("primary", "shadow"):
                 self.in_flight.labels(e, role)
+                self.worker_lost.labels(e, role)
             for m in models:
                 for stream in ("true", "false"):
                     for outcome in OUTCOMES:

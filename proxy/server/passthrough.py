@@ -1,30 +1,43 @@
 """Pass-through: every ``/v1/*`` route the proxy does not serve itself, and the engines' ``/tokenize`` and
 ``/detokenize``, go to one engine as they are.
 
-receive -> authenticate -> read body (bounded) -> route by ``model`` -> map alias -> served name
-        -> send upstream -> relay the response as it comes -> one Result
+receive -> authenticate -> read body (bounded in size and time) -> parse a JSON body -> route by ``model``
+        -> map alias -> served name -> send upstream -> relay the response as it comes -> one Result
 
+- **The generation path's intake**, not a copy of it: ``Gateway.authenticate``, ``Gateway.read_body`` (413 over
+  ``max_body_bytes``, 408 when the body is not whole within ``body_timeout_s``), ``Gateway.parse`` (orjson: NaN,
+  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400; large bodies in a thread) and
+  its hang-up ``Watch``: from the end of the body on, a client that leaves cancels the request at once in any
+  phase (waiting for the engine's headers, its body, a stream), which closes the upstream connection; counted
+  ``client_disconnect``. A body is parsed when it is JSON by its content type, or by its first byte (``{`` or
+  ``[``) unless the content type says multipart, audio, image or octet-stream (``curl -d`` sends JSON as a
+  form, and llama.cpp reads it as JSON whatever the type); other bodies (multipart uploads) pass as bytes.
+- **Which path**: the path as ``proxy.server.paths`` normalised it for routing (dot segments resolved, no doubly
+  encoded dots or slashes), percent-encoded again; never the client's raw string, and never outside the routes
+  below (the router's 404 otherwise).
 - **Which engine**: the primary of the route the body's ``model`` picks (``Router.route_for``: alias, ``*``,
   ``default_route``); a body without ``model`` (``/tokenize``, multipart uploads, GET) goes to the primary of
   ``default_route``, else of the ``*`` route, else of the first route. No split, pin, fallback or shadow: a
   pass-through request is never mirrored.
-- **What changes**: a JSON body's ``model`` alias becomes the engine's served name (as for generation); a
-  small (<= 1 MiB) non-stream JSON answer gets the alias back (``"model":"<served>"`` replaced once, as bytes).
-  Nothing else: the body, the method, the query string and the status pass as they are. Request headers sent
-  upstream: ``content-type``, ``accept``, ``x-request-id``, ``traceparent``/``tracestate`` (and the engine's
-  own ``api_key``); response headers come back without hop-by-hop ones.
+- **What changes**: a JSON body's ``model`` alias becomes the engine's served name (as for generation; the body
+  is then serialized again, else it passes as the bytes that came); a small (<= 1 MiB) non-stream JSON answer
+  gets the alias back (``"model":"<served>"`` replaced once, as bytes). Nothing else: the method, the query
+  string and the status pass as they are. Request headers sent upstream: ``content-type``, ``accept``,
+  ``x-request-id``, ``traceparent``/``tracestate`` (and the engine's own credentials: ``api_key``, or Basic auth
+  from its URL); response headers come back without hop-by-hop ones.
 - **Unbuffered**: an SSE or chunked answer (``/v1/responses`` with ``stream``, ``/v1/audio/speech``) is
-  forwarded read by read, and a client that hangs up cancels the upstream request at once (as the relay does).
+  forwarded read by read.
 - **Counted**: one ``Result`` per request with an ``endpoint`` label from ``proxy.types.PassthroughEndpoint``,
   ``role="primary"``, the outcome, the status and e2e timing (no tokens, no TTFT): in
   ``enginemeter_requests_total``, ``enginemeter_passthrough_duration_seconds``, the request log and traces.
+  Refused before an engine is chosen: ``engine="none"``, ``rejected`` (or ``client_disconnect``).
 - The proxy's own paths (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) with another method
   get the proxy's 405, never the engine.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -32,18 +45,18 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
+import orjson
 from starlette.requests import Request
 from starlette.routing import BaseRoute, Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from proxy.errors import TRANSPORT_ERRORS, BadRequest, NotFound, PayloadTooLarge, ProxyError, from_transport_error
-from proxy.server.attempt import Attempts
+from proxy.errors import TRANSPORT_ERRORS, BadRequest, NotFound, ProxyError, from_transport_error
+from proxy.server.app import ClientGone, Gateway, Watch
 from proxy.server.context import current
+from proxy.server.paths import OWN_PATHS, upstream_path
 from proxy.server.relay import error_response
 from proxy.server.result import Result
-from proxy.server.routing import Router
 from proxy.server.upstream import Engine
-from proxy.settings import Settings
 from proxy.timing import StreamTimer, StreamTiming
 from proxy.types import Outcome, PassthroughEndpoint
 
@@ -52,8 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("enginemeter.passthrough")
 
-#: the proxy's own paths under /v1 (their other methods are the proxy's 405, not the engine's)
-OWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
 #: request headers sent upstream besides x-request-id and the trace headers
 FORWARD_REQUEST = (b"content-type", b"accept")
 #: never copied from the engine's response: hop-by-hop, and what the proxy's server sets itself
@@ -95,27 +106,31 @@ def endpoint_of(path: str) -> PassthroughEndpoint:
     return _ENDPOINTS.get(p, "other")
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its request body was whole."""
+#: content types whose bodies are never JSON, whatever their first byte
+_NOT_JSON = (b"multipart/", b"audio/", b"image/", b"application/octet-stream")
+
+
+def is_json(content_type: bytes, content: bytes) -> bool:
+    """Whether a pass-through body is parsed (and refused when it is hostile JSON): module docstring."""
+    if not content.strip():
+        return False
+    media = content_type.partition(b";")[0].strip().lower()
+    if media == b"application/json" or media.endswith(b"+json"):
+        return True
+    if media.startswith(_NOT_JSON):
+        return False
+    return content.lstrip()[:1] in (b"{", b"[")
 
 
 class Passthrough:
-    """The ASGI app behind every pass-through route."""
+    """The ASGI app behind every pass-through route; the intake (keys, body, parsing, hang-ups) is ``gateway``'s."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        router: Router,
-        engines: dict[str, Engine],
-        attempts: Attempts,
-        authenticate: Callable[[Request], None],
-        tracing: Tracing | None = None,
-    ) -> None:
-        self.settings = settings
-        self.router = router
-        self.engines = engines
-        self.attempts = attempts
-        self.authenticate = authenticate
+    def __init__(self, gateway: Gateway, tracing: Tracing | None = None) -> None:
+        self.gateway = gateway
+        self.settings = gateway.settings
+        self.router = gateway.router
+        self.engines = gateway.engines
+        self.attempts = gateway.attempts
         self.tracing = tracing
 
     def engine_for(self, model: str | None) -> Engine:
@@ -128,29 +143,14 @@ class Passthrough:
             route = s.routes[s.default_route if s.default_route is not None else 0]
         return self.engines[route.primary]
 
-    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.settings.max_body_bytes
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timer = StreamTimer()
+        request = Request(scope)
         headers = dict(scope["headers"])  # lower-case names; a repeated header keeps its last value
         # the proxy owns request ids (as for generation requests); the client's x-request-id is forwarded and logged
         request_id = uuid.uuid4().hex
         client_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
-        path: str = scope["path"]
+        path: str = scope["path"]  # normalised by ProxyApp (proxy.server.paths)
         method: str = scope["method"]
         if path in OWN_PATHS:
             err = ProxyError(f"Method Not Allowed: {method} {path}")
@@ -158,52 +158,61 @@ class Passthrough:
             await error_response(err, request_id)(scope, receive, send)
             return
         endpoint = endpoint_of(path)
+        gw = self.gateway
         client_model: str | None = None
         try:
-            self.authenticate(Request(scope))
-            content = await self.read_body(scope, receive)
-            client_model, content = self._model(headers, content)
+            gw.authenticate(request)
+            content = await gw.read_body(request, receive)
+            client_model, doc = await self._model(headers, content)
             engine = self.engine_for(client_model)
+        except ClientGone:
+            self.rejected(endpoint, client_model, "client_disconnect")
+            return  # the client left while sending its body: nothing reached an engine
         except ProxyError as exc:
             self.rejected(endpoint, client_model, "rejected")
             await error_response(exc, request_id)(scope, receive, send)
             return
-        except _ClientGone:
-            self.rejected(endpoint, client_model, "client_disconnect")
-            return  # the client left while sending its body: nothing reached an engine
         served = self.attempts.served_model(client_model, engine) if client_model is not None else None
-        if client_model is not None and served is not None and served != client_model:
-            content = _set_model(content, served)
+        if doc is not None and served is not None and served != client_model:
+            doc["model"] = served
+            content = orjson.dumps(doc)
         call = _Call(self, engine, endpoint, request_id, client_model, served, timer, client_id)
-        await call.run(scope, receive, send, method, path, headers, content)
+        # as Gateway.respond: from here a hang-up in any phase cancels this task, which closes the upstream
+        watch = Watch(receive)
+        try:
+            await call.run(scope, receive, send, method, path, headers, content, watch.disarm)
+        except asyncio.CancelledError:
+            if watch.fired:  # the client hung up: the call has ended with its Result; nothing to answer
+                watch.task.uncancel()
+                return
+            raise
+        except Exception:
+            log.exception("pass-through request %s failed inside the proxy", request_id)
+            watch.disarm()
+            if not call.started:
+                await error_response(ProxyError("internal error in the proxy (logged)"), request_id)(
+                    scope, receive, send
+                )
+        finally:
+            watch.stop()
 
     def rejected(self, endpoint: PassthroughEndpoint, model: str | None, outcome: Outcome) -> None:
         """A request that never reached an engine still counts once (engine="none"), as a generation one does."""
         label = self.attempts.model_label(model)
         self.attempts.metrics.requests.labels("none", label, "primary", "false", endpoint, outcome).inc()
 
-    @staticmethod
-    def _model(headers: dict[bytes, bytes], content: bytes) -> tuple[str | None, bytes]:
-        """The body's ``model`` when it is a JSON object with one (else None); refuses a non-string model."""
-        ctype = headers.get(b"content-type", b"")
-        if not content or not (ctype.startswith(b"application/json") or content[:1] == b"{"):
-            return None, content
-        try:
-            doc = json.loads(content)
-        except ValueError:
-            return None, content  # the engine answers malformed JSON itself
-        if not isinstance(doc, dict) or "model" not in doc:
-            return None, content
+    async def _model(self, headers: dict[bytes, bytes], content: bytes) -> tuple[str | None, dict[str, Any] | None]:
+        """(the body's ``model``, the parsed body) for a JSON body (``Gateway.parse``: hostile JSON is a 400),
+        (None, None) for any other; refuses a non-string model."""
+        if not is_json(headers.get(b"content-type", b""), content):
+            return None, None
+        doc = await self.gateway.parse(content)
+        if "model" not in doc:
+            return None, doc
         model = doc["model"]
         if not isinstance(model, str):
             raise BadRequest("`model` must be a string", param="model")
-        return model, content
-
-
-def _set_model(content: bytes, served: str) -> bytes:
-    doc = json.loads(content)
-    doc["model"] = served
-    return json.dumps(doc, ensure_ascii=False).encode()
+        return model, doc
 
 
 class _Call:
@@ -230,6 +239,8 @@ class _Call:
         self.timer = timer
         self.status = 0
         self.stream = False
+        #: the response has begun (its start message is sent): an internal error can no longer be a 500
+        self.started = False
         self.outcome: Outcome | None = None
         self.error: str | None = None
         self.span: Any = None
@@ -256,12 +267,15 @@ class _Call:
         path: str,
         headers: dict[bytes, bytes],
         content: bytes,
+        on_end: Callable[[], None],
     ) -> None:
+        """Send upstream and relay the answer; ``on_end`` is called right before the response's last message
+        (the hang-up watcher must not take the server's end-of-response disconnect for a hang-up)."""
         metrics = self.owner.attempts.metrics
         metrics.in_flight.labels(self.engine.name, "primary").inc()  # until the one Result (Attempts.record)
         client = self.engine.client
         query = scope.get("query_string", b"").decode("latin-1")
-        url = path + ("?" + query if query else "")
+        url = upstream_path(path) + ("?" + query if query else "")
         response: httpx.Response | None = None
         try:
             request = client.build_request(method, url, content=content, headers=self.upstream_headers(headers))
@@ -271,18 +285,20 @@ class _Call:
             except TRANSPORT_ERRORS as exc:
                 err = from_transport_error(exc, self.engine.name)
                 self.outcome, self.error, self.status = err.outcome, err.message, err.status
+                on_end()
+                self.started = True
                 await error_response(err, self.request_id, engine=self.engine.name)(scope, receive, send)
                 return
             self.timer.headers()
             self.status = response.status_code
-            await self._relay(response, scope, receive, send)
+            await self._relay(response, send, on_end)
         except Exception as exc:
             if self.outcome is None:
                 self.outcome, self.error = "upstream_broken", f"{type(exc).__name__}: {exc}"
             raise
         except BaseException:
             if self.outcome is None:
-                self.outcome = "client_disconnect"
+                self.outcome = "client_disconnect"  # cancelled: the client hung up (or the server shut down)
             raise
         finally:
             if response is not None:
@@ -290,7 +306,7 @@ class _Call:
                     await response.aclose()
             self._finish()
 
-    async def _relay(self, response: httpx.Response, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _relay(self, response: httpx.Response, send: Send, on_end: Callable[[], None]) -> None:
         ctype = response.headers.get("content-type", "")
         self.stream = ctype.startswith("text/event-stream")
         out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in DROP_RESPONSE]
@@ -316,17 +332,30 @@ class _Call:
                 return  # nothing was sent: the client's connection closes without an answer
             body = _rewrite_model(body, self.served or "", self.client_model or "")
             out_headers.append((b"content-length", str(len(body)).encode()))
+            on_end()
+            self.started = True
             await send({"type": "http.response.start", "status": self.status, "headers": out_headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             self._ended()
             return
         if length is not None:
             out_headers.append((b"content-length", length.encode()))
-        await _relay_watched(self, response, out_headers, receive, send)
+        self.started = True
+        await send({"type": "http.response.start", "status": self.status, "headers": out_headers})
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except TRANSPORT_ERRORS as exc:
+            self._broken(exc)
+            return  # the response stays incomplete: the server closes the connection, the client sees a cut
+        on_end()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._ended()
 
     def _broken(self, exc: BaseException) -> None:
-        self.outcome = "upstream_broken"
-        self.error = f"engine {self.engine.name!r} broke off its answer: {type(exc).__name__}: {exc}"
+        err = from_transport_error(exc, self.engine.name)
+        self.outcome = err.outcome  # a read timeout is ``timeout``, a cut ``upstream_broken``
+        self.error = f"engine {self.engine.name!r} broke off its answer: {err.message}"
 
     def _ended(self) -> None:
         if self.outcome is None:
@@ -359,43 +388,11 @@ class _Call:
         owner.attempts.record(result)
 
 
-async def _relay_watched(
-    call: _Call, response: httpx.Response, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send
-) -> None:
-    """Forward the body read by read; a client disconnect cancels it at once (``RelayResponse``'s pattern)."""
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            while True:
-                message: Message = await receive()
-                if message["type"] == "http.disconnect":
-                    call.outcome = call.outcome or "client_disconnect"
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(watch)
-        await send({"type": "http.response.start", "status": call.status, "headers": headers})
-        try:
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except TRANSPORT_ERRORS as exc:
-            call._broken(exc)
-            tg.cancel_scope.cancel()
-            return  # the response stays incomplete: the server closes the connection, the client sees a cut
-        except OSError:
-            call.outcome = call.outcome or "client_disconnect"
-            tg.cancel_scope.cancel()
-            return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        call._ended()
-        tg.cancel_scope.cancel()
-
-
 def _rewrite_model(body: bytes, served: str, alias: str) -> bytes:
     for sep in (b":", b": "):
-        old = b'"model"' + sep + json.dumps(served, ensure_ascii=False).encode()
+        old = b'"model"' + sep + orjson.dumps(served)
         if old in body:
-            return body.replace(old, b'"model"' + sep + json.dumps(alias, ensure_ascii=False).encode(), 1)
+            return body.replace(old, b'"model"' + sep + orjson.dumps(alias), 1)
     return body
 
 

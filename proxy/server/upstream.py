@@ -25,7 +25,7 @@ import httpx
 
 from proxy import engines
 from proxy.errors import redact_url
-from proxy.server.h1 import H1Streams
+from proxy.server.h1 import H1Streams, authorization
 from proxy.settings import EngineSettings
 from proxy.types import EngineKind
 
@@ -46,14 +46,13 @@ def make_client(e: EngineSettings, *, transport: httpx.AsyncBaseTransport | None
     Generation requests never go through it (``H1Streams``), so a handful of connections is all it holds.
     """
     t = e.timeouts
-    headers = {"authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+    # the engine's credentials, as the relay sends them (h1.authorization); never part of the base URL, which
+    # httpx logs each request with
+    credentials = authorization(e)
+    headers = {"authorization": credentials} if credentials else {}
     limit = e.max_connections
-    # credentials in the URL become Basic auth, never part of the base URL httpx logs each request with
-    url = httpx.URL(e.url)
-    auth = httpx.BasicAuth(url.username, url.password) if url.username or url.password else None
     return httpx.AsyncClient(
-        base_url=url.copy_with(username=None, password=None) if auth else url,
-        auth=auth,
+        base_url=httpx.URL(e.url).copy_with(username=None, password=None),
         timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
         limits=httpx.Limits(
             max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=KEEPALIVE_EXPIRY_S

@@ -5,7 +5,21 @@ unless the environment names one), starts N workers with multiprocessing's ``spa
 the variable is set before any of them imports prometheus_client), restarts a worker that dies, forwards
 SIGTERM/SIGINT, and removes the directory it made when the last worker is gone.
 
+A worker that dies (SIGKILL, the OOM killer, a crash) is restarted in its place; the others serve on meanwhile.
+Its requests in progress are lost with it (their clients see the connection reset), and the supervisor counts
+them before the dead worker's gauges are dropped: ``enginemeter_worker_lost_requests_total{engine, role}`` gets
+what the dead worker's ``enginemeter_in_flight_requests`` file said (``lost_in_flight``), and
+``enginemeter_worker_restarts_total`` one. That file is a shared memory map the worker updated at every
+attempt's start and end, so it is exact at the moment of death, whatever killed the process; what it cannot
+know is the model, stream and endpoint of each lost attempt (the gauge has no such labels) and requests the
+worker had not yet handed to an engine (still sending their body, or refused): those leave no count. Counts the
+worker had already made (its ``counter_<pid>.db``) stay in the merged totals. A worker that dies within
+``CRASH_WINDOW_S`` of its start ``MAX_QUICK_CRASHES`` times in a row stops the whole server (exit 1).
+
 Each worker:
+
+- runs the same uvicorn configuration as a single-process ``serve`` (``guard.server_config``: header deadline,
+  head size limit, keep-alive and graceful-shutdown timeouts);
 
 - binds its own listening socket to the same host:port with ``SO_REUSEPORT``: the kernel spreads incoming
   connections over the workers by their address hash (a kept-alive connection stays with its worker);
@@ -250,6 +264,7 @@ class WorkerSpec:
     port: int
     directory: str
     log_level: str
+    shutdown_timeout_s: float = 30.0
 
 
 def worker_main(spec: WorkerSpec, ready: Any) -> None:
@@ -257,6 +272,7 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
     import uvicorn
 
     from proxy.server import build_app
+    from proxy.server.guard import server_config
 
     logging.basicConfig(
         level=getattr(logging, spec.log_level.upper(), logging.INFO),
@@ -267,7 +283,8 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
     role = WorkerRole(spec.index, Path(spec.directory))
     app = build_app(spec.settings, worker=role)
     wrapped = role.wrap(app, app.state.gateway.mirror, on_started=ready.set)
-    config = uvicorn.Config(wrapped, log_config=None, log_level=spec.log_level, access_log=False)
+    # the single-process serve's configuration: connection limits, shutdown timeout (proxy/server/guard.py)
+    config = server_config(wrapped, log_level=spec.log_level, shutdown_timeout_s=spec.shutdown_timeout_s)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.Server(config).run(sockets=[sock])
 
@@ -275,11 +292,62 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
 # ================================================================================================ supervisor
 
 
+def lost_in_flight(directory: Path, pid: int) -> dict[tuple[str, str], int]:
+    """What a dead worker's ``enginemeter_in_flight_requests`` said at its death, by (engine, role): read from its
+    multiprocess file before ``mark_process_dead`` removes it."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    path = directory / f"gauge_livesum_{pid}.db"
+    lost: dict[tuple[str, str], int] = {}
+    try:
+        values = MmapedDict.read_all_values_from_file(str(path))  # type: ignore[no-untyped-call]
+    except (OSError, ValueError):
+        return lost
+    for key, value, *_ in values:
+        try:
+            _, name, labels, _ = json.loads(key)
+        except ValueError:
+            continue
+        if name == "enginemeter_in_flight_requests" and value >= 1:
+            lost[(str(labels.get("engine")), str(labels.get("role")))] = round(value)
+    return lost
+
+
+class SupervisorCounts:
+    """The supervisor's own counters, written to its file in the multiprocess directory so that every worker's
+    scrape merges them (this process imported prometheus_client before the directory was set, so its metric
+    objects cannot write there: the file is written directly, with the keys prometheus-client uses)."""
+
+    def __init__(self, directory: Path) -> None:
+        from prometheus_client.mmap_dict import MmapedDict
+
+        self._file = MmapedDict(str(directory / f"counter_{os.getpid()}.db"))  # type: ignore[no-untyped-call]
+        self._totals: dict[str, float] = {}
+
+    def add(self, metric: str, help_text: str, labels: dict[str, str], n: float) -> None:
+        from prometheus_client.mmap_dict import mmap_key
+
+        key = mmap_key(metric, f"{metric}_total", list(labels), list(labels.values()), help_text)
+        self._totals[key] = self._totals.get(key, 0.0) + n
+        self._file.write_value(key, self._totals[key], time.time())  # type: ignore[no-untyped-call]
+
+    def worker_died(self, lost: dict[tuple[str, str], int]) -> None:
+        from proxy.server.metrics import PREFIX, WORKER_LOST_HELP, WORKER_RESTARTS_HELP
+
+        for (engine, role), n in lost.items():
+            self.add(f"{PREFIX}_worker_lost_requests", WORKER_LOST_HELP, {"engine": engine, "role": role}, n)
+        self.add(f"{PREFIX}_worker_restarts", WORKER_RESTARTS_HELP, {}, 1)
+
+    def close(self) -> None:
+        self._file.close()  # type: ignore[no-untyped-call]
+
+
 def serve_workers(
     settings: Settings,
     n: int,
     *,
     log_level: str = "info",
+    shutdown_timeout_s: float = 30.0,
     on_shutdown: Sequence[Callable[[], None]] = (),
     announce: Callable[[int], None] | None = None,
 ) -> int:
@@ -305,11 +373,15 @@ def serve_workers(
     stopping = threading.Event()
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     started: dict[int, float] = {}
+    #: each worker's start-up Event, held while the worker runs: a restart's Event collected before the child
+    #: opened its semaphore made every restart die with FileNotFoundError
+    readies: dict[int, Any] = {}
+    counts = SupervisorCounts(Path(directory))
     crashes = 0
 
     def start(i: int) -> Any:
-        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level)
-        ready = ctx.Event()
+        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s)
+        ready = readies[i] = ctx.Event()
         p = ctx.Process(target=worker_main, args=(spec, ready), name=f"enginemeter-worker-{i}", daemon=False)
         p.start()
         procs[i], started[i] = p, time.monotonic()
@@ -325,11 +397,11 @@ def serve_workers(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
-        readies = [start(i) for i in range(n)]
-        for i, ready in enumerate(readies):
+        first = [start(i) for i in range(n)]
+        for i, ready in enumerate(first):
             while not ready.wait(0.1) and procs[i].exitcode is None and not stopping.is_set():
                 pass  # waiting for worker i's startup, or its exit
-        if all(r.is_set() for r in readies) and not stopping.is_set():
+        if all(r.is_set() for r in first) and not stopping.is_set():
             log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
             if announce is not None:
                 announce(port)
@@ -339,18 +411,25 @@ def serve_workers(
                 if p.exitcode is None:
                     continue
                 del procs[i]
+                lost: dict[tuple[str, str], int] = {}
                 if p.pid is not None:
+                    lost = lost_in_flight(Path(directory), p.pid)
                     mark_process_dead(p.pid, directory)  # type: ignore[no-untyped-call]
                 if stopping.is_set():
                     continue
+                counts.worker_died(lost)
                 quick = time.monotonic() - started[i] < CRASH_WINDOW_S
                 crashes = crashes + 1 if quick else 0
+                what = ", ".join(f"{e}/{r}: {k}" for (e, r), k in sorted(lost.items())) or "none"
                 if crashes >= MAX_QUICK_CRASHES:
                     log.error("worker %d exited with %s %d times at start: stopping", i, p.exitcode, crashes)
                     status = 1
                     on_signal(signal.SIGTERM, None)
                     continue
-                log.error("worker %d exited with %s: restarting it", i, p.exitcode)
+                log.error(
+                    "worker %d (pid %s) exited with %s; requests in flight lost (engine/role): %s; restarting it",
+                    i, p.pid, p.exitcode, what,
+                )  # fmt: skip
                 start(i)
     finally:
         stopping.set()
@@ -360,6 +439,7 @@ def serve_workers(
         for s, h in previous.items():
             signal.signal(s, h)
         reserve.close()
+        counts.close()
         for stop in on_shutdown:
             stop()
         if made_dir is not None:
