@@ -192,7 +192,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_in_flight_are_counted(tmp
                 r = httpx.post(f"{proxy.url}/v1/chat/completions", json=BODY, headers={"connection": "close"})
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
             outcomes = [f.result(timeout=60) for f in streams]
-        assert proxy.proc is not None and proxy.proc.poll() is None, proxy.output()[-3000:]
+        assert proxy.process.is_running(), proxy.output()[-3000:]
         assert outcomes.count("cut") == lost and outcomes.count("done") == n - lost, outcomes
         wait_until(lambda: scrape_sum(proxy.url, "enginemeter_worker_lost_requests_total", engine="llamacpp", role="primary") == lost)  # fmt: skip
         assert scrape_sum(proxy.url, "enginemeter_worker_restarts_total") == 1
