@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,6 +27,7 @@ from proxy.diagnosis import Diagnosis, find_process, gather, with_gpu
 from proxy.gpumemory import DeviceMemory, MemoryReading
 from proxy.server.attribution import is_local_host, read_pid_file
 from proxy.server.gpu import GpuMonitor
+from proxy.server.tasks import held
 from proxy.server.upstream import Engine
 
 log = logging.getLogger("enginemeter.diagnosis")
@@ -93,16 +94,9 @@ class LiveDiagnosis:
                 await self.refresh(e)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - t0)))
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
+    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Held for the app's lifetime."""
-        task = asyncio.ensure_future(self.run())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        return held(self.run)
 
     # ---- GPU figures from the sampler's cache ----------------------------------------------------------
 

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from proxy import engines
 from proxy.engines import Facts, PollError, quant_key
+from proxy.server.tasks import held
 from proxy.server.upstream import Engine
 from proxy.settings import Settings
 
@@ -204,13 +205,6 @@ class EngineStatePoller:
             "drift": [d for d in drift(self.settings, self.states) if d["drift"]],
         }
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
+    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Held for the app's lifetime: polls at ``interval`` until exit."""
-        task = asyncio.ensure_future(self.run())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        return held(self.run)
