@@ -16,17 +16,21 @@ FAILS: frozenset[str] = frozenset({"inconclusive", "noisy", "unresolved", "stay"
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One point of a sweep. ``cache`` is cold|warm|live; ``prompt_len`` a length class or ``mixed``."""
+    """One point of a sweep. ``cache`` is cold|warm|live; ``prompt_len`` a length class or ``mixed``.
+
+    Live cells are groups of mirrored pairs by observed concurrency: ``concurrency``..``concurrency_max`` (0: no
+    upper bound); their ``max_tokens`` is the one the group's requests asked for, 0 when they asked for several."""
 
     cache: str
     concurrency: int
     max_tokens: int
     prompt_len: str
     rate: float | None = None
+    concurrency_max: int | None = None
 
     def label(self) -> str:
-        if self.cache == "live":  # max_tokens holds the group's upper bound (0: open)
-            lo, hi = self.concurrency, self.max_tokens
+        if self.cache == "live":
+            lo, hi = self.concurrency, self.concurrency_max if self.concurrency_max is not None else self.concurrency
             return "live, observed " + (f"c={lo}" if hi == lo else f"c≥{lo}" if hi == 0 else f"c={lo}–{hi}")
         rate = f", rate={self.rate:g}/s" if self.rate is not None else ""
         return f"{self.cache}, c={self.concurrency}{rate}, max_tokens={self.max_tokens}, prompt={self.prompt_len}"
