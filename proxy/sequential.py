@@ -17,13 +17,18 @@ what paired log-ratios of latencies are; the price is width (about 1.5× a fixed
 validity that is asymptotic: ``MIN_PAIRS`` pairs are taken before anything is decided.
 
 Each observation is ``log(shadow / primary)`` of one time metric of one comparable pair (so + is "the shadow is
-slower", the bench's sign). The interval kept is the **running intersection** of all intervals so far (still a
-valid confidence sequence) — it only shrinks, so a decision, once made, is final and never flips:
+slower", the bench's sign). The first time the interval clears a region, that is the **decision**, and it is
+final (a confidence sequence is valid at a data-dependent time, so "decided after N pairs" keeps its 1 − α):
 
 - ``faster``: the whole interval below ``−log(1 + m)``: the shadow is faster by at least ``m`` (speed ratio);
 - ``slower``: the whole interval above ``+log(1 + m)``;
 - ``tie``: the whole interval inside ``±log(1 + m)``: no difference as large as ``m``;
 - ``not yet``: anything else.
+
+The interval shown is always the current one (it contains the current estimate). Live traffic drifts — the
+mix of prompts changes, another client loads an engine, a shadow falls behind and queues — and then the mean
+the pairs estimate moves. When the current interval has left the decided region entirely, ``drift`` is set:
+the decision stands as what was true up to then, and the report says the traffic has changed since.
 
 ``m`` is the minimum effect (``MIN_EFFECT``, 5 %): below it a difference is not worth a switch, and a small
 systematic A/A bias (the shadow's copy starts a few microseconds after the primary) stays below it.
@@ -105,12 +110,12 @@ class Interval:
     decision: Decision
     #: the pair count at which the decision was made (None while "not yet")
     decided_after: int | None
-    #: the running intersection came out empty: the data broke the assumptions (drift); the decision stands
-    contradiction: bool = False
+    #: the current interval has left the decided region: the traffic changed since the decision (which stands)
+    drift: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {"pairs": self.n, "delta": self.estimate, "interval": [self.lo, self.hi], "decision": self.decision,
-                "decided_after": self.decided_after, "contradiction": self.contradiction}  # fmt: skip
+                "decided_after": self.decided_after, "drift": self.drift}  # fmt: skip
 
 
 @dataclass
@@ -124,11 +129,11 @@ class ConfidenceSequence:
     n: int = 0
     mean: float = 0.0
     _m2: float = 0.0
-    lo: float = -math.inf  # the running intersection, in log space
+    lo: float = -math.inf  # the current interval, in log space
     hi: float = math.inf
     decision: Decision = "not yet"
     decided_after: int | None = None
-    contradiction: bool = False
+    drift: bool = False
     _r2: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,13 +150,9 @@ class ConfidenceSequence:
             return
         sd = math.sqrt(max(self._m2 / (self.n - 1), 1e-12))
         w = sd * margin(self.n, self.alpha, self._r2)
-        lo, hi = max(self.lo, self.mean - w), min(self.hi, self.mean + w)
-        if lo > hi:
-            self.contradiction = True  # keep the last non-empty interval
-            return
-        self.lo, self.hi = lo, hi
+        lo, hi = self.lo, self.hi = self.mean - w, self.mean + w
+        e = math.log1p(self.min_effect)
         if self.decision == "not yet":
-            e = math.log1p(self.min_effect)
             if hi < -e or (self.min_effect == 0 and hi < 0):
                 self.decision = "faster"
             elif lo > e or (self.min_effect == 0 and lo > 0):
@@ -160,6 +161,12 @@ class ConfidenceSequence:
                 self.decision = "tie"
             if self.decision != "not yet":
                 self.decided_after = self.n
+        elif not self.drift:
+            self.drift = (
+                (self.decision == "faster" and lo >= -e)
+                or (self.decision == "slower" and hi <= e)
+                or (self.decision == "tie" and (hi < -e or lo > e))
+            )
 
     def state(self) -> Interval:
         bounded = math.isfinite(self.lo) and math.isfinite(self.hi)
@@ -170,7 +177,7 @@ class ConfidenceSequence:
             hi=math.expm1(self.hi) if bounded else None,
             decision=self.decision,
             decided_after=self.decided_after,
-            contradiction=self.contradiction,
+            drift=self.drift,
         )
 
 
@@ -249,6 +256,8 @@ def sentence(shadow: str, primary: str, s: Stream, st: Interval, min_effect: flo
     if st.lo is not None and st.hi is not None:
         ci += f", anytime-valid interval {st.lo:+.1%} … {st.hi:+.1%}"
     tail = f" after {st.decided_after} pairs ({st.n} now; {ci})"
+    if st.drift:
+        tail += " — the traffic has changed since: the current interval no longer supports the decision"
     if st.decision == "faster":
         return f"{where}: {shadow} faster than {primary} by ≥ {m}, decided{tail}"
     if st.decision == "slower":

@@ -7,7 +7,6 @@ the same way does (the control below), so the test can fail.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections.abc import Callable
@@ -99,20 +98,36 @@ def test_a_real_difference_is_declared_within_a_bounded_number_of_pairs_and_stay
     the decision, the interval's shrinking and its side never change afterwards."""
     rng = random.Random(7)
     cs = ConfidenceSequence(alpha=0.05 / len(STREAMS))
-    decisions, widths = [], []
+    decisions = []
     for _ in range(2_000):
         cs.add(math.log(0.8) + gamma_log_ratio(rng) * 0.5)
         decisions.append(cs.decision)
         st = cs.state()
         if st.lo is not None and st.hi is not None:
-            widths.append(st.hi - st.lo)
-            assert st.lo <= st.hi
+            assert st.estimate is not None and st.lo <= st.estimate <= st.hi
     assert cs.decided_after is not None and MIN_PAIRS <= cs.decided_after <= 150
     assert set(decisions[cs.decided_after - 1 :]) == {"faster"}  # never flips back
     assert set(decisions[: cs.decided_after - 1]) == {"not yet"}
-    assert all(b <= a for a, b in itertools.pairwise(widths))  # the running intersection only shrinks
+    assert not cs.drift
     st = cs.state()
     assert st.hi is not None and st.hi < -0.05 and st.estimate is not None and -0.25 < st.estimate < -0.15
+
+
+def test_a_decision_stands_and_drift_after_it_is_flagged() -> None:
+    """The shadow is faster for 200 pairs, then much slower (it fell behind and queues): the decision made
+    stays, and the stream says the traffic changed since."""
+    rng = random.Random(3)
+    cs = ConfidenceSequence(alpha=0.05 / len(STREAMS))
+    for _ in range(200):
+        cs.add(math.log(0.5) + rng.gauss(0, 0.2))
+    assert (cs.decision, cs.drift) == ("faster", False)
+    at = cs.decided_after
+    for _ in range(600):
+        cs.add(math.log(3.0) + rng.gauss(0, 0.2))
+    st = cs.state()
+    assert (st.decision, st.decided_after, st.drift) == ("faster", at, True)
+    assert st.lo is not None and st.estimate is not None and st.lo <= st.estimate and st.lo > -0.05
+    assert "the traffic has changed since" in sentence("b", "a", STREAMS[0], st, 0.05)
 
 
 def test_nothing_is_decided_before_the_minimum_number_of_pairs() -> None:
