@@ -110,11 +110,16 @@ def test_five_client_hang_ups_among_100_pairs_leave_the_verdict_decidable(
     body = {"model": "tiny", "messages": MSG, "max_tokens": 16, "stream": True, "temperature": 0}
     with proxy(s) as p:
         for i in range(100):
-            with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=body, timeout=60) as r:
+            hang_up = i % 20 == 7
+            # a long answer, so the client leaves while the primary still streams
+            req = {**body, "max_tokens": 400} if hang_up else body
+            with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=req, timeout=60) as r:
                 assert r.status_code == 200
                 for line in r.iter_lines():
-                    if i % 20 == 7 and '"content":"' in line:
+                    if hang_up and '"content":"' in line:
                         break  # hang up after the first token
+            if hang_up:  # its copy runs on to its end; the next request starts once it has
+                wait_until(lambda: p.gateway.mirror is not None and not p.gateway.mirror.in_flight.get("b"), timeout=60)
         wait_until(lambda: len(p.of("primary")) == 100 and len(p.of("shadow")) == 100, timeout=60)
         assert sum(x.outcome == "client_disconnect" for x in p.of("primary")) == 5
         mirror = p.gateway.mirror
@@ -136,7 +141,7 @@ def test_five_client_hang_ups_among_100_pairs_leave_the_verdict_decidable(
     decode = next(x for x in live["streams"] if x["regime"] == "decode")
     alone = [r for r in records(log) if r["comparable"] and r["concurrency"]["overlapping"] == 1]
     # a stream whose tokens all came in one read has no TPOT (that pair says nothing about decode speed)
-    assert decode["pairs"] == sum(1 for r in alone if r["primary"]["tpot_s"] and r["shadow"]["tpot_s"]) >= 50
+    assert decode["pairs"] == sum(1 for r in alone if r["primary"]["tpot_s"] and r["shadow"]["tpot_s"]) >= MIN_PAIRS
 
 
 def test_sampling_shown_is_what_each_engine_was_sent(tmp_path: Path, llama_server_factory: LlamaServerFactory) -> None:
