@@ -144,6 +144,33 @@ def test_five_client_hang_ups_among_100_pairs_leave_the_verdict_decidable(
     assert decode["pairs"] == sum(1 for r in alone if r["primary"]["tpot_s"] and r["shadow"]["tpot_s"]) >= MIN_PAIRS
 
 
+def test_pairs_lost_while_the_shadow_was_down_are_counted_not_held_against_it(
+    tmp_path: Path, llama_server_factory: LlamaServerFactory
+) -> None:
+    a, b = llama_server_factory(np=1), llama_server_factory(np=1)
+    log = tmp_path / "c.jsonl"
+    s = settings(log, (eng("a", a.url), eng("b", b.url)), (RouteSettings(primary="a", shadows=("b",)),))
+    with proxy(s) as p:
+        for _ in range(12):
+            assert chat(p).status_code == 200
+        paired(p, 12, "a", "b")
+        b.stop()  # the shadow goes down; the client's traffic goes on
+        for _ in range(3):
+            assert chat(p).status_code == 200
+        mirror = p.gateway.mirror
+        assert mirror is not None and mirror.log is not None
+        wait_until(lambda: mirror.compared == 15, timeout=60)  # comparable or not, every pair is logged
+        assert mirror.log.flush()
+    assert [r["shadow"]["outcome"] for r in records(log)][-3:] == ["connect_error"] * 3
+    out = tmp_path / "out"
+    assert main(["report", "--log", str(log), "--out", str(out), "--min-effect", "5%"]) in (0, 3)
+    (v,) = json.loads((out / "verdict.json").read_text())["verdicts"]
+    assert v["stopped_at"] is None or v["stopped_at"]["gate"] != "data", v["stopped_at"]
+    md = (out / "report.md").read_text()
+    assert "| a → b | 15 | 12 | 0 | 0 | 3 | 0 | 0 |" in md
+    assert "3 engine unreachable (connection refused: down or restarting)" in md and "(unreachable — b: 3)" in md
+
+
 def test_sampling_shown_is_what_each_engine_was_sent(tmp_path: Path, llama_server_factory: LlamaServerFactory) -> None:
     """llama-server primary, the SGLang emulator as shadow. Three kinds of request: greedy with every param
     explicit, sampled with llama.cpp's repeat_penalty (SGLang has no equivalent: dropped there), and bare (the

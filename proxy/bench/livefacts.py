@@ -45,7 +45,9 @@ class ProxyInfo:
     run: str | None = None
     states: dict[str, dict[str, Any]] = field(default_factory=dict)  # /health engine_state
     memory: dict[str, MemReading] = field(default_factory=dict)
-    mirror: dict[str, Any] = field(default_factory=dict)  # /health mirror
+    mirror: dict[str, Any] = field(default_factory=dict)  # /health mirror (the answering worker's)
+    #: enginemeter_mirror_requests_total by result, summed over engines (every worker's: /metrics merges them)
+    copies: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -64,16 +66,19 @@ def proxy_info(url: str, timeout: float = 5.0) -> ProxyInfo:
     states = (health.get("engine_state") or {}).get("engines") or {}
     mirror = health.get("mirror") or {}
     peaks: dict[str, float] = {}
+    copies: dict[str, int] = {}
     for name, labels, v in parse_metrics(text):
         if name == "enginemeter_engine_gpu_memory_peak_bytes":
             peaks[labels.get("engine", "")] = peaks.get(labels.get("engine", ""), 0) + v
+        elif name == "enginemeter_mirror_requests_total":
+            copies[labels.get("result", "")] = copies.get(labels.get("result", ""), 0) + int(v)
     mem: dict[str, MemReading] = {}
     for engine in set(states) | set(peaks):
         now = read_memory(text, engine)
         if now.source in PER_ENGINE:
             peak = int(peaks.get(engine, now.used_bytes or 0))
             mem[engine] = MemReading(max(peak, now.used_bytes or 0), "proxy engine peak", now.gpus, now.total_bytes)
-    return ProxyInfo(base, mirror.get("run"), states, mem, mirror)
+    return ProxyInfo(base, mirror.get("run"), states, mem, mirror, copies)
 
 
 # ---- sampling and greedy agreement -------------------------------------------------------------------

@@ -160,8 +160,8 @@ def load_live(
             lost.update(
                 {k: v for k, v in (end.get("counts") or {}).items() if k.startswith("dropped_") or k == "unpaired"}
             )
-    if same_run:
-        lost = Counter({**(info.mirror.get("dropped") or {}), "unpaired": info.mirror.get("unpaired", 0)})
+    if same_run and info.copies:  # the proxy still runs: its counters so far (every worker's)
+        lost = Counter({k: n for k, n in info.copies.items() if k.startswith("dropped_") or k == "unpaired"})
     out = []
     for p in sorted({k[0] for k in sel.pairs}):
         mine = {s: recs for (pp, s), recs in sel.pairs.items() if pp == p}
