@@ -5,7 +5,7 @@ fixed-sample interval checked after every pair declares a difference that is not
 5 % (each look is another chance). A **confidence sequence** is a sequence of intervals that covers the true
 value at *every* time at once with probability 1 − α, so it may be looked at after every pair.
 
-The method: the Gaussian-mixture asymptotic confidence sequence (AsympCS) of Waudby-Smith, Arnold, Wu, Wang and
+The method: the Gaussian-mixture asymptotic confidence sequence (AsympCS) of Waudby-Smith, Arbour, Sinha, Kennedy and
 Ramdas, "Time-uniform central limit theory and asymptotic confidence sequences" (Annals of Statistics, 2024;
 arXiv:2103.06476), which is Robbins' normal-mixture boundary with the running sample variance plugged in:
 
