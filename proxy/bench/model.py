@@ -26,7 +26,8 @@ class Cell:
     max_tokens: int
     prompt_len: str
     rate: float | None = None
-    concurrency_max: int | None = None
+    #: live cells only (out of the repr, which tests seed their random figures with)
+    concurrency_max: int | None = field(default=None, repr=False)
 
     def label(self) -> str:
         if self.cache == "live":
