@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -46,7 +47,7 @@ examples:
   enginemeter serve --primary llama=http://127.0.0.1:8081 --shadow sglang=http://127.0.0.1:30000
   enginemeter serve --config enginemeter.yaml
   enginemeter check-config enginemeter.yaml
-  enginemeter report --log ~/.local/state/enginemeter/comparisons.jsonl --out report/
+  enginemeter report --log ~/.local/state/enginemeter/comparisons.jsonl --out report/   # the latest run
   enginemeter bench --engine llama=http://127.0.0.1:8081 --engine sglang=http://127.0.0.1:30000 --quick
   enginemeter diagnose http://127.0.0.1:8081             # where llama.cpp's time goes, memory or not
 
@@ -188,6 +189,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"enginemeter: {exc}", file=sys.stderr)
         _stop(embedded)
         return 1
+    from proxy.server.compare import new_run_id
+
+    # one id for this run, shared by every worker: its records in the comparison log, the banner's report command
+    settings = dataclasses.replace(settings, run_id=new_run_id())
     workers = args.workers if args.workers is not None else default_workers()
     if workers > 1:
         return _run_workers(settings, sock, embedded, args.log_level, workers, args.shutdown_timeout)
@@ -283,6 +288,8 @@ def _run(
 ) -> int:
     from proxy.server import build_app
 
+    # the real port when --listen asked for port 0 (the run record says where this proxy listened)
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
@@ -290,8 +297,7 @@ def _run(
 
     # connection limits, graceful-shutdown timeout, one log format: the same in every --workers worker
     config = server_config(app, log_level=log_level, shutdown_timeout_s=shutdown_timeout_s)
-    port = sock.getsockname()[1]  # the real one when --listen asked for port 0
-    server = _Server(config, on_started=lambda: _banner(dataclasses.replace(settings, port=port), embedded))
+    server = _Server(config, on_started=lambda: _banner(settings, embedded))
     # after its graceful shutdown uvicorn raises the signal again, under the handler that was there before it:
     # for SIGTERM that was the default one, and the process died of it (status -15) instead of exiting 0
     previous = signal.signal(signal.SIGTERM, _terminated)
@@ -334,6 +340,14 @@ def _stop(engines: Sequence[object]) -> None:
             stop()
 
 
+def report_command(s: Settings, base: str) -> str:
+    """The banner's report command: this run's pairs, engine facts and GPU memory from this proxy."""
+    cmd = ["enginemeter", "report", "--log", str(s.mirror.log_path)]
+    if s.run_id:
+        cmd += ["--run", s.run_id]
+    return shlex.join([*cmd, "--proxy", base, "--out", "enginemeter-report"])
+
+
 def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     host = f"[{s.host}]" if ":" in s.host else s.host
     base = f"http://{host}:{s.port}"
@@ -349,9 +363,9 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
         f"  metrics:         {base}/metrics",
         f"  health:          {base}/health",
     ]
-    if s.mirror.log_path:
+    if s.mirror.log_path and any(r.shadows for r in s.routes):
         lines.append(f"  comparison log:  {s.mirror.log_path}")
-        lines.append(f"  report:          enginemeter report --log {s.mirror.log_path} --out enginemeter-report")
+        lines.append(f"  report:          {report_command(s, base)}")
     lines.append(
         f"  try: curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f"""-d '{{"model":"{model}","stream":true,"max_tokens":32,"messages":[{{"role":"user","content":"hello"}}]}}'"""

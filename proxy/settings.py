@@ -42,6 +42,10 @@ DEFAULT_SAMPLING: Mapping[str, float] = {"temperature": 0.8, "top_k": 40, "top_p
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
+#: a request header the proxy honours: ``off`` = serve this request but send no copy to the shadows (the bench
+#: sends it through a proxy, so its own requests never reach a shadow or the comparison log)
+MIRROR_HEADER = "x-enginemeter-mirror"
+
 #: unknown keys are refused; types are strict when a file is read (``CONFIG_ADAPTER.validate_json(strict=True)``),
 #: lax for Python callers (tests build these with tuples or lists alike)
 _SECTION = ConfigDict(extra="forbid")
@@ -178,6 +182,9 @@ class MirrorSettings:
     log_max_bytes: int = Field(default=50_000_000, ge=1, description="rotate the log above this size")
     log_backups: int = Field(default=3, ge=0, description="rotated files kept (log.1, log.2, ...)")
     record_text: bool = Field(default=False, description="also log both outputs' text (privacy: off by default)")
+    min_effect: float = Field(
+        default=0.05, ge=0, lt=1, description="live verdict (/health): the smallest relative difference it calls"
+    )
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -348,6 +355,9 @@ class Settings:
     add_timings: bool = False
     #: True when built from --primary/--shadow only: every client model name routes to the primary
     quick: bool = False
+    #: this proxy run's id in the comparison log (``enginemeter serve`` makes one for all its workers; None: the
+    #: mirror draws its own)
+    run_id: str | None = None
 
     def engine(self, name: str) -> EngineSettings:
         for e in self.engines:

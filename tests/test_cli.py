@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,7 +25,7 @@ from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy import __version__
 from proxy.listen import engine_at_listen_address
 from proxy.settings import EngineSettings, RouteSettings, Settings, json_schema
-from tests.helpers import REPO, wait_until
+from tests.helpers import REPO, LlamaServerFactory, wait_until
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 
@@ -244,30 +246,70 @@ def test_engine_at_listen_address() -> None:
     assert not at("https://127.0.0.1", "127.0.0.1", 80)
 
 
-def test_quick_form_names_engines_by_kind_and_logs_pairs_for_report(tmp_path: Path) -> None:
-    """``serve --primary URL --shadow URL`` then ``report --log`` with the path the banner printed."""
-    knobs = Knobs(tokens=4, cadence_ms=1)
+def pairs_of(log: Path, run: str, n: int) -> bool:
+    """The log holds ``n`` pair records of ``run``."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for line in lines if (r := json.loads(line)).get("run") == run and r["type"] == "pair") == n
+
+
+def run_as_printed(tmp_path: Path, command: str) -> subprocess.CompletedProcess[str]:
+    """A command line the banner printed, run as a user would paste it (the installed ``enginemeter``)."""
+    argv = shlex.split(command)
+    assert argv[0] == "enginemeter"
+    return subprocess.run([str(Path(sys.executable).parent / "enginemeter"), *argv[1:]], cwd=tmp_path,
+                          env=clean_env(tmp_path), capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+
+
+def test_the_banners_report_command_works_as_printed_and_reports_its_own_run(
+    tmp_path: Path, llama_server_factory: LlamaServerFactory
+) -> None:
+    """Two proxy runs of the quick form write one default log; each banner's report command, pasted while its
+    proxy runs, reports that run's pairs only; a plain ``report --log`` reads the latest, ``--run`` each one."""
+    a, b = llama_server_factory(np=1), llama_server_factory(np=1)
+    body = {"model": "anything", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    runs: list[str] = []
+    for n in (7, 4):
+        with serving(tmp_path, "--primary", a.url, "--shadow", b.url, "--listen", "127.0.0.1:0", "--workers", "1") as s:
+            base = s.read_until("enginemeter listening on ").split()[-1]
+            assert s.read_until("  engine ").split() == ["engine", "llamacpp-1", a.url]  # named by kind
+            log = Path(s.read_until("  comparison log:").split(":", 1)[1].strip())
+            assert log == tmp_path / "state" / "enginemeter" / "comparisons.jsonl"
+            command = s.read_until("  report:").split(":", 1)[1].strip()
+            argv = shlex.split(command)
+            runs.append(argv[argv.index("--run") + 1])
+            assert argv[argv.index("--proxy") + 1] == base and argv[argv.index("--log") + 1] == str(log)
+            for _ in range(n):
+                assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
+            wait_until(functools.partial(pairs_of, log, runs[-1], n), timeout=30)
+            report = run_as_printed(tmp_path, command)
+            assert report.returncode == 0, report.stderr
+            assert "verdict llamacpp-2 vs llamacpp-1:" in report.stdout  # the names the quick form gave
+            md = (tmp_path / "enginemeter-report" / "report.md").read_text()
+            assert f"{n} pairs mirrored from llamacpp-1 to llamacpp-2" in md and f"proxy run(s): {runs[-1]}" in md
+            assert "quantization equal: llamacpp-1 F16 (engine info) vs llamacpp-2 F16 (engine info)" in md
+            assert s.stop()[0] == 0
+    assert runs[0] != runs[1]
+    latest = cli(tmp_path, "report", "--log", str(log), "--out", str(tmp_path / "latest"))
+    assert latest.returncode == 0, latest.stderr
+    assert f"the latest proxy run only: {runs[1]}" in latest.stdout and runs[0] in latest.stdout
+    assert "4 pairs mirrored" in (tmp_path / "latest" / "report.md").read_text()
+    for rid, n in zip(runs, (7, 4), strict=True):
+        one = cli(tmp_path, "report", "--log", str(log), "--run", rid[:17], "--out", str(tmp_path / rid))
+        assert one.returncode == 0, one.stderr
+        assert f"{n} pairs mirrored" in (tmp_path / rid / "report.md").read_text()
+    both = cli(tmp_path, "report", "--log", str(log), "--run", "all", "--out", str(tmp_path / "all"))
+    assert both.returncode == 0 and "11 pairs mirrored" in (tmp_path / "all" / "report.md").read_text()
+
+
+def test_no_report_command_without_a_shadow(tmp_path: Path) -> None:
     with (
-        run_in_thread(FaultEngineConfig(model="m", knobs=knobs)) as a,
-        run_in_thread(FaultEngineConfig(model="m", knobs=knobs)) as b,
-        serving(tmp_path, "--primary", a, "--shadow", b, "--listen", "127.0.0.1:0") as s,
+        run_in_thread(FaultEngineConfig()) as a,
+        serving(tmp_path, "--primary", f"a={a}", "--listen", "127.0.0.1:0") as s,
     ):
-        base = s.read_until("enginemeter listening on ").split()[-1]
-        assert s.read_until("  engine ").split() == ["engine", "llamacpp-1", a]
-        log = Path(s.read_until("  comparison log:").split(":", 1)[1].strip())
-        assert log == tmp_path / "state" / "enginemeter" / "comparisons.jsonl"
-        body = {"model": "anything", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-        n = 10
-        for _ in range(n):
-            assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code == 200
-        wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= n, timeout=30)
-        rc, _ = s.stop()
-    assert rc == 0
-    pair = json.loads(log.read_text().splitlines()[0])
-    assert "llamacpp-1" in json.dumps(pair) and "llamacpp-2" in json.dumps(pair)
-    report = cli(tmp_path, "report", "--log", str(log), "--out", str(tmp_path / "report"))
-    assert report.returncode == 0, report.stderr
-    assert "llamacpp-1" in report.stdout and "llamacpp-2" in report.stdout  # the names the quick form gave
+        s.read_until("  route * -> a")
+        s.read_until("  try: ")
+        assert not any("report" in line or "comparison log" in line for line in s.stdout)
+        assert s.stop()[0] == 0
 
 
 def test_no_log_mirrors_without_a_comparison_log(tmp_path: Path) -> None:

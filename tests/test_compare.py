@@ -12,7 +12,7 @@ from proxy.server.compare import ComparisonLog, compare, first_diff, observe_com
 from proxy.server.metrics import Metrics
 from proxy.server.result import Result
 from proxy.timing import EngineTimings, StreamTiming, Usage
-from proxy.types import Outcome, Role
+from proxy.types import EngineKind, Outcome, Role
 
 
 def _result(
@@ -163,6 +163,7 @@ def test_record_schema_and_text_only_when_given() -> None:
     rec = to_record(c, ts=1.0)
     assert set(rec) == {
         "v",
+        "type",
         "ts",
         "request_id",
         "model",
@@ -175,12 +176,14 @@ def test_record_schema_and_text_only_when_given() -> None:
         "mismatch",
         "delta",
         "first_diff_pos",
+        "first_diff_token",
         "ratios",
     }
     assert set(rec["primary"]) == {
         "engine",
         "kind",
         "outcome",
+        "status",
         "ttft_s",
         "upstream_ttft_s",
         "tpot_s",
@@ -200,6 +203,54 @@ def test_record_schema_and_text_only_when_given() -> None:
     with_text = to_record(c, prompt=[{"role": "user", "content": "hi"}], primary_text="a", shadow_text="b")
     assert with_text["prompt"][0]["content"] == "hi"
     assert (with_text["primary"]["text"], with_text["shadow"]["text"]) == ("a", "b")
+    assert not {"run", "t_start", "concurrency"} & set(rec) and "sampling" not in rec["primary"]
+
+
+def test_record_says_its_run_its_start_its_concurrency_and_what_sampling_each_engine_got() -> None:
+    from proxy.normalize import normalize_request
+
+    client = {"model": "m", "messages": [], "temperature": 0.7, "min_p": 0.1, "repeat_penalty": 1.1}
+    defaults = {"top_p": 0.95}
+    kinds: dict[str, EngineKind] = {"primary": "llamacpp", "shadow": "sglang"}
+    norms = {role: normalize_request(client, endpoint="chat", kind=kind, served_model="m", defaults=defaults)
+             for role, kind in kinds.items()}  # fmt: skip
+    c = compare(_result("primary", "llama"), _result("shadow", "sglang"))
+    rec = to_record(c, ts=2.0, run="r1", t_start=1.5, concurrency=(2, 5), sampling=norms)
+    assert (rec["run"], rec["t_start"], rec["concurrency"]) == ("r1", 1.5, {"at_start": 2, "overlapping": 5})
+    p, sh = rec["primary"]["sampling"], rec["shadow"]["sampling"]
+    assert p == {"params": {"temperature": 0.7, "min_p": 0.1, "repeat_penalty": 1.1, "top_p": 0.95},
+                 "dropped": [], "defaulted": ["top_p"]}  # fmt: skip
+    # llama.cpp's window-limited repeat_penalty has no equivalent on SGLang: dropped there, never converted
+    assert sh["params"] == {"temperature": 0.7, "min_p": 0.1, "top_p": 0.95} and sh["dropped"] == ["repeat_penalty"]
+    json.dumps(rec)
+
+
+def test_run_and_engine_records() -> None:
+    from proxy.server.compare import engine_record, new_run_id, run_record
+
+    rid = new_run_id(0.0)
+    assert rid.startswith("19700101T000000Z-") and len(rid) == 21 and new_run_id() != new_run_id()
+    run = run_record(rid, listen="http://127.0.0.1:8080", pairs=[("a", "b"), ("a", "b"), ("c", "b")],
+                     engines={"a": {"kind": "llamacpp"}}, version="1", ts=5.0)  # fmt: skip
+    assert run == {"v": 1, "type": "run", "run": rid, "ts": 5.0, "listen": "http://127.0.0.1:8080", "version": "1",
+                   "pairs": [["a", "b"], ["c", "b"]], "engines": {"a": {"kind": "llamacpp"}}}  # fmt: skip
+    eng = engine_record(rid, "a", {"quantization": "F16", "slots": 4}, ts=6.0)
+    assert eng == {"v": 1, "type": "engine", "run": rid, "ts": 6.0, "engine": "a", "quantization": "F16", "slots": 4}
+
+
+def test_first_differing_token_counts_the_whole_token_events_before_the_difference() -> None:
+    from dataclasses import replace
+
+    from proxy.server.compare import first_diff_token
+
+    p = replace(_result("primary", "llama", text="Hello world!"), text_ends=(5, 11, 12))  # "Hello" " world" "!"
+    s = replace(_result("shadow", "sglang", text="Hello there"), text_ends=(5, 11))  # "Hello" " there"
+    c = compare(p, s)
+    assert (c.first_diff_pos, c.first_diff_token) == (6, 1)  # the second token differs
+    assert compare(p, replace(s, text="Hello world!", text_ends=(5, 11, 12))).first_diff_token is None
+    assert compare(p, replace(s, text="Hello world", text_ends=(5, 11))).first_diff_token == 2  # a prefix
+    assert compare(replace(p, text_ends=None), s).first_diff_token is None  # offsets not collected
+    assert first_diff_token(0, (3,), (1, 2)) == 0
 
 
 def test_log_rotates_and_keeps_a_bounded_number_of_files(tmp_path: Path) -> None:

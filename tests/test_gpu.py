@@ -486,13 +486,13 @@ def test_mirrored_pairs_say_whether_primary_and_shadow_share_a_gpu(
             wait_until(lambda: gpu.status.samples >= 1)
             body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
             assert p.client.post("/v1/chat/completions", json=body).status_code == 200
-            wait_until(lambda: log.exists() and log.read_text().count("\n") >= 1)
+            wait_until(lambda: log.exists() and '"type":"pair"' in log.read_text())
             gauge = p.value("enginemeter_pair_contended", primary="llama", shadow="sglang")
     finally:
         for proc in (a, b):
             proc.kill()
             proc.wait()
-    record = json.loads(log.read_text().splitlines()[0])
+    record = next(r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "pair")
     assert record["contended"] is contended
     assert record["gpus"] == {"primary": [0], "shadow": [shadow_gpu]}
     assert gauge == (1 if contended else 0)

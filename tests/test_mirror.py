@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,10 +95,12 @@ def timed_stream(p: ProxyUnderTest, *, max_tokens: int = 64, path: str = "/v1/ch
     return Timed(ttft_s=ttft, total_s=time.perf_counter() - t0, text="".join(parts))
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
+def read_log(path: Path, kind: str = "pair") -> list[dict[str, Any]]:
+    """The comparison log's records of one ``type`` (pair records by default; a run also writes run, engine and
+    end records)."""
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines()]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("type", "pair") == kind]
 
 
 # --------------------------------------------------------------------------------------------- isolation
@@ -512,3 +515,86 @@ def test_quick_flags_mirror_every_request(proxy_factory: ProxyFactory) -> None:
             timed_stream(p, max_tokens=2)
         assert p.value("enginemeter_mirror_requests_total", engine="engine2", result="sent") == 5
         wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="engine1", shadow="engine2") == 5)
+
+
+# --------------------------------------------------------------------------------- opt-out, runs, records
+
+
+def test_a_request_that_says_mirror_off_is_served_and_never_copied(proxy_factory: ProxyFactory, tmp_path: Path) -> None:
+    log = tmp_path / "pairs.jsonl"
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as shadow,
+    ):
+        p = proxy_factory(
+            mirrored(engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp"), log_path=str(log))
+        )
+        body = {"model": "m", "messages": MSGS, "max_tokens": 3}
+        for value in ("off", "OFF"):
+            r = p.client.post("/v1/chat/completions", json=body, headers={"x-enginemeter-mirror": value})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        bad = p.client.post("/v1/chat/completions", json=body, headers={"x-enginemeter-mirror": "sometimes"})
+        assert bad.status_code == 400
+        err = bad.json()["error"]
+        assert err["param"] == "x-enginemeter-mirror" and err["enginemeter"] is True
+        assert (
+            p.client.post("/v1/chat/completions", json=body, headers={"x-enginemeter-mirror": "on"}).status_code == 200
+        )
+        wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="p", shadow="s") == 1)
+        assert p.value("enginemeter_mirror_requests_total", engine="s", result="dropped_header") == 2
+        assert p.value("enginemeter_mirror_requests_total", engine="s", result="sent") == 1
+        assert httpx.get(f"{shadow}/_fake/stats", timeout=5).json()["requests"] == 1  # the one copy, nothing else
+        assert httpx.get(f"{primary}/_fake/stats", timeout=5).json()["requests"] == 3
+        mirror = p.gateway.mirror
+        assert mirror is not None and mirror.log is not None and mirror.log.flush()
+        assert len(read_log(log)) == 1
+
+
+def test_a_run_writes_its_id_on_every_record_between_its_run_and_end_records(tmp_path: Path) -> None:
+    from proxy.server.compare import new_run_id
+    from tests.helpers import start_proxy
+
+    log = tmp_path / "pairs.jsonl"
+    run = new_run_id()
+    knobs = Knobs(tokens=6, cadence_ms=30)
+    with (
+        run_in_thread(FaultEngineConfig(knobs=knobs)) as primary,
+        run_in_thread(FaultEngineConfig(knobs=knobs)) as shadow,
+    ):
+        with ExitStack() as stack:
+            settings = replace(
+                mirrored(
+                    engine("p", primary, kind="llamacpp"), engine("s", shadow, kind="llamacpp"), log_path=str(log)
+                ),
+                run_id=run,
+            )
+            p = start_proxy(stack, settings)
+            body = {"model": "m", "messages": MSGS, "max_tokens": 6, "stream": True, "temperature": 0,
+                    "top_k": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+            assert p.client.post("/v1/chat/completions", json=body).status_code == 200  # alone
+            wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="p", shadow="s") == 1)
+            with ThreadPoolExecutor(4) as pool:  # four at once: each overlapped the others
+                codes = list(pool.map(lambda _: p.client.post("/v1/chat/completions", json=body).status_code, range(4)))
+            assert codes == [200] * 4
+            wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="p", shadow="s") == 5)
+            state = httpx.get(f"{p.url}/health", timeout=5).json()["mirror"]
+            assert state["run"] == run
+            (live,) = state["live"]
+            assert (live["primary"], live["shadow"]) == ("p", "s")
+            assert {(x["regime"], x["metric"]) for x in live["streams"]} >= {("decode", "tpot_s"), ("load", "ttft_s")}
+        # the proxy has stopped: the end record is written
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert recs[0]["type"] == "run" and recs[-1]["type"] == "end"
+    assert {r["run"] for r in recs} == {run}
+    first = recs[0]
+    assert first["pairs"] == [["p", "s"]] and first["listen"].startswith("http://127.0.0.1:")
+    assert first["engines"]["s"]["kind"] == "llamacpp"
+    pairs = [r for r in recs if r["type"] == "pair"]
+    assert len(pairs) == 5 and recs[-1]["counts"]["sent"] == 5 and recs[-1]["compared"] == 5
+    assert pairs[0]["concurrency"] == {"at_start": 1, "overlapping": 1}
+    assert all(r["concurrency"]["overlapping"] >= 2 for r in pairs[1:])
+    assert all(r["t_start"] < r["ts"] for r in pairs)
+    for r in pairs:  # what each engine got, after the per-kind mapping (top_k 0 = off on llama.cpp)
+        for side in ("primary", "shadow"):
+            assert r[side]["sampling"]["params"]["temperature"] == 0 and r[side]["sampling"]["params"]["top_k"] == 0
+            assert r[side]["sampling"]["dropped"] == [] and "top_p" in r[side]["sampling"]["defaulted"]

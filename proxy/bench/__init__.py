@@ -11,4 +11,8 @@ The verdict (pure):
 (parity, data, memory) + ``stats`` (paired bootstrap, noise floor) -> ``verdict`` (stay | switch |
 inconclusive, the gate it stopped at, each reason with its numbers) -> ``report`` + ``charts`` (Markdown,
 self-contained HTML, SVG, verdict.json). ``cli`` registers ``enginemeter bench`` and ``enginemeter report``.
+
+The live report (``report --log``): ``livelog`` (the log's proxy runs, selection, causes) -> ``logreport``
+(+ ``livefacts``: engine facts, sampling carried, greedy agreement) -> the same gates and verdict, plus
+``proxy.sequential`` (the anytime-valid verdict per regime) -> ``livereport``.
 """

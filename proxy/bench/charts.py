@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -224,3 +224,106 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
     else:
         note = "No memory chart: GPU memory was unknown (no proxy /metrics given and no NVML device)."
     return charts, note
+
+
+# ---- live traffic (enginemeter report --log) ------------------------------------------------------------
+
+LIVE_CHART_FILES = ("live_delta_over_pairs", "live_by_concurrency")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    plt.rcParams["svg.hashsalt"] = "enginemeter"
+    return plt
+
+
+def live_delta_chart(
+    histories: Mapping[str, Mapping[Any, Sequence[tuple[int, float, float | None, float | None]]]],
+    min_effect: float,
+    primary: str,
+    out: Path,
+) -> Path | None:
+    """Δ per regime as the pairs arrived: shadow / primary of the running (geometric) mean and its anytime-valid
+    interval, one panel per stream (``proxy.sequential.STREAMS``), one colour per shadow; the grey band is the
+    minimum effect (inside it: no difference worth a switch). ``histories``: shadow -> stream -> (pairs, Δ,
+    lo, hi) after each pair."""
+    plt = _pyplot()
+    streams = [s for s in dict.fromkeys(k for h in histories.values() for k, v in h.items() if v)]
+    if plt is None or not streams:
+        return None
+    fig, axes = plt.subplots(len(streams), 1, figsize=(6.4, 2.4 * len(streams)), squeeze=False)
+    for ax, stream in zip(axes[:, 0], streams, strict=True):
+        for i, (shadow, h) in enumerate(histories.items()):
+            pts = h.get(stream) or ()
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            ax.plot(xs, [1 + p[1] for p in pts], color=f"C{i}", label=f"{shadow} / {primary}")
+            band = [(p[0], 1 + p[2], 1 + p[3]) for p in pts if p[2] is not None and p[3] is not None]
+            if band:
+                ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=f"C{i}",
+                                alpha=0.25, linewidth=0)  # fmt: skip
+        ax.axhspan(1 / (1 + min_effect), 1 + min_effect, color="grey", alpha=0.2, linewidth=0)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("pairs in this regime")
+        ax.set_ylabel("shadow / primary (log)")
+        label = getattr(stream, "label", str(stream))
+        regime = {"decode": "single-request decode", "load": "under load", "long": "long context"}.get(
+            getattr(stream, "regime", ""), ""
+        )
+        ax.set_title(f"{regime}: {label} — running estimate, shaded: anytime-valid interval", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / "live_delta_over_pairs.svg"
+    fig.savefig(p, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return p
+
+
+def live_concurrency_chart(points: Sequence[tuple[str, int, float | None, float | None]], out: Path) -> Path | None:
+    """TTFT (upstream, ms, log) and decode tok/s by observed concurrency, per engine: the median of the pairs at
+    each level, bars from the 25th to the 75th percentile. ``points``: (engine, concurrency, TTFT s, tok/s)."""
+    plt = _pyplot()
+    if plt is None or not points:
+        return None
+    names = list(dict.fromkeys(p[0] for p in points))
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    for ax, idx, scale, ylabel in ((axes[0], 2, 1000.0, "TTFT (ms, log)"), (axes[1], 3, 1.0, "decode tok/s")):
+        drew = False
+        for i, n in enumerate(names):
+            by: dict[int, list[float]] = {}
+            for p in points:
+                v = p[idx]
+                if p[0] == n and isinstance(v, int | float) and v > 0:
+                    by.setdefault(p[1], []).append(float(v) * scale)
+            xs = sorted(by)
+            if not xs:
+                continue
+            q = [statistics.quantiles(by[x], n=4) if len(by[x]) > 1 else [by[x][0]] * 3 for x in xs]
+            med = [statistics.median(by[x]) for x in xs]
+            drew = True
+            ax.errorbar(xs, med, yerr=[[m - qq[0] for m, qq in zip(med, q, strict=True)],
+                                       [qq[2] - m for m, qq in zip(med, q, strict=True)]],
+                        marker="o", capsize=3, color=f"C{i}", label=n)  # fmt: skip
+        if idx == 2 and drew:
+            ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("observed concurrency (mirrored requests overlapping the pair)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        if drew:
+            ax.legend(fontsize=7)
+    fig.suptitle("Live traffic by observed concurrency — median, bars = 25th–75th percentile", fontsize=9)
+    fig.tight_layout()
+    path = out / "live_by_concurrency.svg"
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path

@@ -66,8 +66,8 @@ def _pct(s: str) -> float:
         v = float(s.rstrip("%"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a percentage (e.g. 5 or 5%), got {s!r}") from None
-    if not 0 < v < 100:
-        raise argparse.ArgumentTypeError(f"expected a percentage between 0 and 100, got {s!r}")
+    if not 0 <= v < 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in [0, 100), got {s!r}")
     return v / 100
 
 
@@ -188,6 +188,15 @@ def add_commands(sub: Any) -> None:
                    "and GPU sharing from this running proxy's /health and /metrics")  # fmt: skip
     r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
     r.add_argument("--min-effect", type=_pct, metavar="PCT", help=MIN_EFFECT_HELP + "; default: the run's own")
+    r.add_argument("--run", metavar="ID|all", help="log: the proxy run to report (an id or its prefix, as the "
+                   "serve banner prints it; all: every run in the log); default: the latest run")  # fmt: skip
+    r.add_argument("--since", metavar="TIME", help="log: pairs started at or after TIME (Unix s, ISO 8601, or "
+                   "30m/2h/1d ago)")  # fmt: skip
+    r.add_argument("--until", metavar="TIME", help="log: pairs started at or before TIME")
+    r.add_argument("--primary", metavar="NAME", help="log: only pairs mirrored from this primary engine")
+    r.add_argument("--shadow", metavar="NAME", help="log: only pairs mirrored to this shadow engine")
+    r.add_argument("--max-error-rate", type=_pct, metavar="PCT", default=0.02, help="log: engine-side failures up "
+                   "to this share of the pairs are left out (and stated); above it the data gate stops (default 2)")  # fmt: skip
     r.add_argument(
         "--fail-on",
         type=_fail_on,
@@ -323,27 +332,55 @@ def _verdict_status(out: dict[str, Any], fail_on: frozenset[str] | None) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    import httpx
-
-    from proxy.bench.logreport import engine_info_from_proxy, expand, load_log
     from proxy.bench.report import load_bench, write_report
 
     quant = _pairs(args.quantization, "--quantization")
+    if args.log:
+        return _report_log(args, quant)
     try:
-        if args.log:
-            info, mem = engine_info_from_proxy(args.proxy) if args.proxy else ({}, {})
-            data = load_log(expand(args.log), baseline=args.baseline, quantization=quant, blocks=args.blocks,
-                            engine_info=info, memory=mem, memory_budget_bytes=_bytes(args.memory_budget),
-                            min_effect=args.min_effect)  # fmt: skip
-        else:
-            data = load_bench(Path(args.results), baseline=args.baseline, quantization=quant,
-                              min_effect=args.min_effect)  # fmt: skip
-    except (ValueError, OSError, KeyError, httpx.HTTPError) as exc:
+        data = load_bench(Path(args.results), baseline=args.baseline, quantization=quant,
+                          min_effect=args.min_effect)  # fmt: skip
+    except (ValueError, OSError, KeyError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2
     out = write_report(data, Path(args.out))
     _print_summary(out, None)
     return _verdict_status(out, args.fail_on)
+
+
+def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
+    from proxy.bench.livelog import parse_time
+    from proxy.bench.livereport import write_live_report
+    from proxy.bench.logreport import expand, load_live, proxy_info
+    from proxy.bench.model import MIN_EFFECT
+
+    try:
+        info = proxy_info(args.proxy) if args.proxy else None
+        if info is not None and info.error:
+            print(f"enginemeter report: the proxy at {args.proxy} did not answer ({info.error}); reporting from "
+                  "the log alone (no GPU memory)", file=sys.stderr)  # fmt: skip
+        lives = load_live(
+            expand(args.log), run=args.run, since=parse_time(args.since) if args.since else None,
+            until=parse_time(args.until) if args.until else None, primary=args.primary or args.baseline,
+            shadow=args.shadow, quantization=quant, blocks=args.blocks, proxy=info,
+            memory_budget_bytes=_bytes(args.memory_budget),
+            min_effect=MIN_EFFECT if args.min_effect is None else args.min_effect, max_error_rate=args.max_error_rate,
+        )  # fmt: skip
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"enginemeter report: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    for live in lives:
+        # one report per primary: its own directory when the log mirrored from several
+        out = write_live_report(live, Path(args.out) if len(lives) == 1 else Path(args.out) / live.primary)
+        for line in live.selection.notes:
+            print(f"note: {line}")
+        for shadow, v in out["live"].items():
+            for line in v.lines():
+                print(f"live {shadow} vs {live.primary}: {line}")
+        _print_summary(out, None)
+        status = max(status, _verdict_status(out, args.fail_on))
+    return status
 
 
 def _print_summary(out: dict[str, Any], took_s: float | None) -> None:

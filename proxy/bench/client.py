@@ -16,11 +16,15 @@ from typing import IO, Any
 
 import httpx
 
+from proxy.settings import MIRROR_HEADER
 from proxy.sse import SSEFramer
 from proxy.stream import error_text, loads, read_event
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
 
 CHAT_PATH = "/v1/chat/completions"
+#: every bench request says so: through a mirroring proxy it is then never copied to a shadow (a copy would
+#: pre-warm the shadow's cache with the "cold" prompts and land in the comparison log); engines ignore it
+NO_MIRROR = {MIRROR_HEADER: "off"}
 _NEVER_SEEN = "Server disconnected without sending a response"
 
 
@@ -92,7 +96,7 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
     error: str | None = None
     try:
         timer.sent()
-        async with client.stream("POST", CHAT_PATH, content=body, headers=headers) as resp:
+        async with client.stream("POST", CHAT_PATH, content=body, headers={**headers, **NO_MIRROR}) as resp:
             timer.headers()
             status = resp.status_code
             if status != 200:

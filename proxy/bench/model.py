@@ -6,12 +6,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.sequential import MIN_EFFECT as SEQ_MIN_EFFECT
+
 #: partial: a regime the decision needs was not measured (neither switch nor stay)
 Decision = Literal["stay", "switch", "partial", "inconclusive"]
 #: flagged: the cell cannot decide (an engine was busy with requests the bench did not send)
 Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "unresolved", "flagged", "stay", "note"]
-#: the default minimum effect (``--min-effect``): smaller differences are called ties, never wins
-MIN_EFFECT = 0.05
+#: the default --min-effect, the same for the bench and for live traffic
+MIN_EFFECT = SEQ_MIN_EFFECT
+
 #: the gates, in order
 STEPS: tuple[str, ...] = ("parity", "data", "memory", "decode", "throughput", "long-context")
 #: outcomes that fail their gate (parity, data, memory); speed outcomes are weighed per regime instead
@@ -20,17 +23,22 @@ FAILS: frozenset[str] = frozenset({"inconclusive", "stay"})
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One point of a sweep. ``cache`` is cold|warm|live; ``prompt_len`` a length class or ``mixed``."""
+    """One point of a sweep. ``cache`` is cold|warm|live; ``prompt_len`` a length class or ``mixed``.
+
+    Live cells are groups of mirrored pairs by observed concurrency: ``concurrency``..``concurrency_max`` (0: no
+    upper bound); their ``max_tokens`` is the one the group's requests asked for, 0 when they asked for several."""
 
     cache: str
     concurrency: int
     max_tokens: int
     prompt_len: str
     rate: float | None = None
+    #: live cells only (out of the repr, which tests seed their random figures with)
+    concurrency_max: int | None = field(default=None, repr=False)
 
     def label(self) -> str:
-        if self.cache == "live":  # max_tokens holds the group's upper bound (0: open)
-            lo, hi = self.concurrency, self.max_tokens
+        if self.cache == "live":
+            lo, hi = self.concurrency, self.concurrency_max if self.concurrency_max is not None else self.concurrency
             return "live, observed " + (f"c={lo}" if hi == lo else f"c≥{lo}" if hi == 0 else f"c={lo}–{hi}")
         rate = f", rate={self.rate:g}/s" if self.rate is not None else ""
         return f"{self.cache}, c={self.concurrency}{rate}, max_tokens={self.max_tokens}, prompt={self.prompt_len}"

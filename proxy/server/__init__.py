@@ -96,8 +96,12 @@ def build_app(
         if worker is not None:
             worker.collectors += [gpu, engine_state, diagnosis]
     # other workers do not sample GPUs: their pairs' records leave `gpus`/`contended` unknown
-    mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None)
+    state = engine_state
+    mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None,
+                    facts_of=(lambda name: state.states.get(name)) if state is not None else None)  # fmt: skip
     attempts.observers.append(mirror.on_result)
+    if any(r.shadows for r in settings.routes):
+        attempts.on_new.append(mirror.on_attempt)
     gw = Gateway(
         settings=settings,
         registry=registry,

@@ -17,28 +17,29 @@ What is compared:
 - cached prompt tokens each side (``usage.prompt_tokens_details.cached_tokens`` / SGLang's top-level
   ``cached_tokens``, else llama.cpp ``timings.cache_n``), so a cache hit can be told from engine speed.
 
-``ComparisonLog`` writes one JSON line per pair to a size-rotated file from its own thread: the event loop
-only puts a dict on a bounded queue (and drops it, counted, when the writer cannot keep up).
+- for greedy requests whose texts differ, also the first differing *token* position: the number of token
+  events both sides sent whole before the first differing character (each event is one token on llama.cpp,
+  SGLang and vLLM at their default stream interval).
+
+The log record (``to_record``) says which proxy run (``run``) and which primary/shadow pair it belongs to, when
+the pair started and how many mirrored requests overlapped it (``concurrency``), and per side the sampling the
+engine actually got after normalization and which params were dropped or filled in (``run_record`` is the line a
+run starts with). ``ComparisonLog`` (``proxy.server.jsonlog``) writes them from its own thread.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import logging
+import bisect
 import os
-import queue
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.normalize import Normalized
+from proxy.server.jsonlog import ComparisonLog as ComparisonLog  # the writer (re-exported: its old home)
 from proxy.server.metrics import Metrics
 from proxy.server.result import Result
-
-log = logging.getLogger("enginemeter.compare")
 
 #: bump when a field changes meaning or disappears (adding fields does not bump it)
 RECORD_VERSION = 1
@@ -51,6 +52,8 @@ class Side:
     engine: str
     kind: str
     outcome: str
+    #: the engine's HTTP status (0: no answer)
+    status: int
     ttft_s: float | None
     upstream_ttft_s: float | None
     tpot_s: float | None
@@ -73,6 +76,7 @@ class Side:
             engine=r.engine,
             kind=r.engine_kind,
             outcome=r.outcome,
+            status=r.status,
             ttft_s=t.ttft_s,
             upstream_ttft_s=t.upstream_ttft_s,
             tpot_s=t.tpot_s,
@@ -105,6 +109,8 @@ class Comparison:
     prompt_delta: int | None  # shadow - primary
     completion_delta: int | None
     first_diff_pos: int | None
+    #: token events both sides sent whole before the first difference (None: equal, or not streamed)
+    first_diff_token: int | None
     ratio_ttft: float | None  # shadow / primary
     ratio_tpot: float | None
     ratio_decode_tps: float | None
@@ -120,6 +126,13 @@ def first_diff(a: str, b: str) -> int | None:
         if a[i] != b[i]:
             return i
     return n
+
+
+def first_diff_token(pos: int, *ends: Sequence[int] | None) -> int | None:
+    """How many whole token events end at or before code point ``pos`` on every side (``ends``: each side's
+    cumulative end offsets of its token events' text)."""
+    counts = [bisect.bisect_right(e, pos) for e in ends if e is not None]
+    return min(counts) if len(counts) == len(ends) and counts else None
 
 
 def _ratio(shadow: float | None, primary: float | None) -> float | None:
@@ -139,10 +152,12 @@ def compare(primary: Result, shadow: Result) -> Comparison:
     prompt_d = _delta(s.prompt_tokens, p.prompt_tokens) if ok else None
     compl_d = _delta(s.completion_tokens, p.completion_tokens) if ok else None
     finish_mm = (p.finish_reason != s.finish_reason) if ok and p.finish_reason and s.finish_reason else None
-    output_mm = diff_pos = None
+    output_mm = diff_pos = diff_tok = None
     if ok and greedy and primary.text is not None and shadow.text is not None:
         diff_pos = first_diff(primary.text, shadow.text)
         output_mm = diff_pos is not None
+        if diff_pos is not None and primary.stream:
+            diff_tok = first_diff_token(diff_pos, primary.text_ends, shadow.text_ends)
     return Comparison(
         request_id=primary.request_id,
         model=primary.model,
@@ -159,6 +174,7 @@ def compare(primary: Result, shadow: Result) -> Comparison:
         prompt_delta=prompt_d,
         completion_delta=compl_d,
         first_diff_pos=diff_pos,
+        first_diff_token=diff_tok,
         ratio_ttft=_ratio(s.upstream_ttft_s, p.upstream_ttft_s) if ok else None,
         ratio_tpot=_ratio(s.tpot_s, p.tpot_s) if ok else None,
         ratio_decode_tps=_ratio(s.decode_tps, p.decode_tps) if ok else None,
@@ -194,6 +210,7 @@ def _side_record(s: Side) -> dict[str, Any]:
         "engine": s.engine,
         "kind": s.kind,
         "outcome": s.outcome,
+        "status": s.status,
         "ttft_s": s.ttft_s,
         "upstream_ttft_s": s.upstream_ttft_s,
         "tpot_s": s.tpot_s,
@@ -208,6 +225,22 @@ def _side_record(s: Side) -> dict[str, Any]:
     }
 
 
+#: the sampling params a pair record carries per side, as the engine got them (after normalization)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "repeat_penalty", "ignore_eos", "max_tokens")  # fmt: skip
+
+
+def sampling_of(norm: Normalized) -> dict[str, Any]:
+    """What one engine got of a request's sampling: the values after normalization, and which params the
+    proxy dropped for the engine's kind or filled in from ``sampling_defaults``."""
+    body = norm.body
+    return {
+        "params": {k: body[k] for k in SAMPLING_KEYS if k in body},
+        "dropped": sorted({c.param for c in norm.changes if c.action == "dropped"}),
+        "defaulted": sorted({c.param for c in norm.changes if c.action == "defaulted"}),
+    }
+
+
 def to_record(
     c: Comparison,
     *,
@@ -216,14 +249,22 @@ def to_record(
     primary_text: str | None = None,
     shadow_text: str | None = None,
     gpus: Mapping[str, Sequence[int]] | None = None,
+    run: str | None = None,
+    t_start: float | None = None,
+    concurrency: tuple[int, int] | None = None,
+    sampling: Mapping[str, Normalized] | None = None,
 ) -> dict[str, Any]:
     """The JSONL record (schema in docs/routing.md). Text fields appear only when given.
 
     ``gpus``: role (``primary``/``shadow``) -> the GPU indices that side's engine holds memory on (the GPU
     monitor's attribution); when given, the record says which and whether the two share one (``contended``:
-    mirrored requests then slow each other, and ``enginemeter report --log`` stops at its parity gate)."""
+    mirrored requests then slow each other, and ``enginemeter report --log`` stops at its parity gate).
+    ``run``: the proxy run's id; ``t_start``: Unix time the request arrived (both sides start then);
+    ``concurrency``: (mirrored requests in flight at its start, mirrored requests that overlapped it at any
+    time), itself included; ``sampling``: role -> that side's normalized request."""
     rec: dict[str, Any] = {
         "v": RECORD_VERSION,
+        "type": "pair",
         "ts": time.time() if ts is None else ts,
         "request_id": c.request_id,
         "model": c.model,
@@ -241,6 +282,7 @@ def to_record(
         },
         "delta": {"prompt_tokens": c.prompt_delta, "completion_tokens": c.completion_delta},
         "first_diff_pos": c.first_diff_pos,
+        "first_diff_token": c.first_diff_token,
         "ratios": {
             "ttft": c.ratio_ttft,
             "tpot": c.ratio_tpot,
@@ -248,6 +290,14 @@ def to_record(
             "e2e": c.ratio_e2e,
         },
     }
+    if run is not None:
+        rec["run"] = run
+    if t_start is not None:
+        rec["t_start"] = t_start
+    if concurrency is not None:
+        rec["concurrency"] = {"at_start": concurrency[0], "overlapping": concurrency[1]}
+    for role, norm in (sampling or {}).items():
+        rec[role]["sampling"] = sampling_of(norm)
     if gpus is not None:
         p, sh = sorted(gpus.get("primary", ())), sorted(gpus.get("shadow", ()))
         rec["gpus"] = {"primary": p, "shadow": sh}
@@ -261,133 +311,30 @@ def to_record(
     return rec
 
 
-@contextlib.contextmanager
-def _dir_locked(path: str) -> Iterator[None]:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+def new_run_id(now: float | None = None) -> str:
+    """A proxy run's id: its start time (UTC, sortable) and 4 random hex digits, e.g. ``20261203T101500Z-3fa2``."""
+    t = time.gmtime(time.time() if now is None else now)
+    return time.strftime("%Y%m%dT%H%M%SZ", t) + "-" + os.urandom(2).hex()
 
 
-class ComparisonLog:
-    """Bounded, rotating JSONL file written by one daemon thread.
+def run_record(
+    run: str,
+    *,
+    listen: str,
+    pairs: Iterable[tuple[str, str]],
+    engines: Mapping[str, Mapping[str, Any]],
+    version: str,
+    ts: float | None = None,
+) -> dict[str, Any]:
+    """The line a proxy run writes to the comparison log when it starts: its id, where it listened, the
+    primary/shadow pairs its routes mirror, and each engine's kind and served model as probed at start."""
+    return {"v": RECORD_VERSION, "type": "run", "run": run, "ts": time.time() if ts is None else ts,
+            "listen": listen, "version": version, "pairs": [list(p) for p in dict.fromkeys(pairs)],
+            "engines": {k: dict(v) for k, v in engines.items()}}  # fmt: skip
 
-    ``write()`` never blocks: it serializes nothing and only ``put_nowait``s on a bounded queue; when the queue
-    is full the record is dropped and ``dropped`` grows. Rotation is by size: ``path`` -> ``path.1`` -> ...
-    -> ``path.<backups>`` (the oldest is deleted); ``backups=0`` truncates in place.
-    """
 
-    _STOP = object()
-
-    def __init__(
-        self,
-        path: str,
-        *,
-        max_bytes: int,
-        backups: int,
-        queue_size: int = 10_000,
-        mode: int = 0o600,
-        name: str = "enginemeter-compare-log",
-    ) -> None:
-        self.path = path
-        #: permission bits of the log and its rotated files: 0o600 (both logs may hold prompts and answers). A
-        #: file that already exists with other bits (an older run's 0644) is set to these when opened
-        #: (``_enforce_mode``); one this user cannot chmod is not written to (counted in ``errors``)
-        self.mode = mode
-        self.max_bytes = max(1, max_bytes)
-        self.backups = max(0, backups)
-        self.written = 0
-        self.dropped = 0
-        self.errors = 0
-        self._q: queue.Queue[object] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def write(self, record: dict[str, Any]) -> bool:
-        try:
-            self._q.put_nowait(record)
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush what is queued and stop the thread (blocking: call it off the event loop)."""
-        if not self._thread.is_alive():
-            return
-        try:
-            self._q.put(self._STOP, timeout=timeout)
-        except queue.Full:
-            return
-        self._thread.join(timeout)
-
-    def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until everything queued so far is on disk (blocking; for tests and shutdown)."""
-        done = threading.Event()
-        try:
-            self._q.put(done, timeout=timeout)
-        except queue.Full:
-            return False
-        return done.wait(timeout)
-
-    # ------------------------------------------------------------------------------ writer thread
-
-    def _rotate(self) -> None:
-        if self.backups == 0:
-            os.close(os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, self.mode))
-            return
-        for i in range(self.backups - 1, 0, -1):
-            src = f"{self.path}.{i}"
-            if os.path.exists(src):
-                os.replace(src, f"{self.path}.{i + 1}")
-        os.replace(self.path, f"{self.path}.1")
-
-    def _enforce_mode(self, fd: int, path: str) -> None:
-        """The file open as ``fd`` gets ``self.mode``, whatever it had (O_CREAT's mode only applies to new files)."""
-        st = os.fstat(fd)
-        if st.st_mode & 0o7777 != self.mode:
-            os.fchmod(fd, self.mode)  # PermissionError (another user's file): the caller does not write to it
-            log.warning("log file %s had mode %o: set to %o", path, st.st_mode & 0o7777, self.mode)
-
-    def _run(self) -> None:
-        d = os.path.dirname(self.path)
-        if d:
-            os.makedirs(d, exist_ok=True)
-        # files of an earlier run (the log, its rotated copies) get the mode before anything else is written
-        for p in [self.path, *(f"{self.path}.{i}" for i in range(1, self.backups + 1))]:
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                self._enforce_mode(fd, p)
-            except OSError:
-                log.exception("cannot set the mode of the log file %s", p)
-            finally:
-                os.close(fd)
-        while True:
-            item = self._q.get()
-            if item is self._STOP:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                line = (json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-                # `serve --workers N`: every worker appends to this file; a lock on its directory keeps a
-                # rotation and another worker's line apart (each line is one O_APPEND write)
-                with _dir_locked(d or "."):
-                    size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-                    if size and size + len(line) > self.max_bytes:
-                        self._rotate()
-                    # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
-                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
-                    with os.fdopen(fd, "ab") as f:
-                        self._enforce_mode(fd, self.path)  # a file made by someone else meanwhile, too
-                        f.write(line)
-                self.written += 1
-            except Exception:  # a full disk must not kill the writer; count and go on
-                self.errors += 1
-                log.exception("writing the log %s failed", self.path)
+def engine_record(run: str, engine: str, facts: Mapping[str, Any], *, ts: float | None = None) -> dict[str, Any]:
+    """What the engine-state poller learned about an engine (model path, context, slots, quantization), written
+    once per run and again when it changes, so the report judges parity from the log alone."""
+    return {"v": RECORD_VERSION, "type": "engine", "run": run, "ts": time.time() if ts is None else ts,
+            "engine": engine, **facts}  # fmt: skip

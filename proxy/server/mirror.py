@@ -19,15 +19,25 @@ Guarantees (each one is tested in tests/test_mirror.py):
 - **Switchable at run time:** ``enabled`` and per-route ``sample_rate`` (``set()``, used by /admin/mirror).
 
 ``result`` label of ``enginemeter_mirror_requests_total`` (a closed set): ``sent``, ``dropped_disabled``,
-``dropped_sampled``, ``dropped_full``, ``dropped_endpoint``, ``failed`` (the copy could not even be built —
+``dropped_sampled``, ``dropped_full``, ``dropped_endpoint``, ``dropped_header``, ``failed`` (the copy could not even be built —
 a bug, logged), ``unpaired`` (the pair never completed within its expiry: a half was lost).
 
-Pairing: Results arrive through ``on_result`` (an ``Attempts`` observer, wired by ``build_app``) and are matched by request id in a bounded table.
-The primary half is the *last* primary Result of the request: a primary that failed before any token on an
-engine with fallbacks after it is held as tentative, since the next engine may still serve. A pair is
-compared as soon as the final primary and a shadow are both in; entries expire ``mirror.timeout + 60 s``
-after the request (tentative halves are compared then), and the table holds at most ``MAX_PENDING`` entries
-(the oldest is evicted). Lost halves are counted ``unpaired``.
+Pairing: Results arrive through ``on_result`` (an ``Attempts`` observer, wired by ``build_app``) and are matched
+by request id in the bounded table of ``proxy.server.pairing`` (expiry ``mirror.timeout + 60 s``; lost halves
+counted ``unpaired``).
+
+**Runs.** Each proxy run has an id (``Settings.run_id``, made by ``enginemeter serve`` so every worker shares it;
+else one is drawn here). With a log, the run starts it with a ``run`` record (its pairs, engines, listen
+address), every pair record carries it, an ``engine`` record follows when the engine-state poller learns an
+engine's facts (model path, quantization, context, slots), and an ``end`` record closes it with the mirror's
+counts. ``enginemeter report --log`` reads the latest run unless told otherwise.
+
+**Opt-out.** A request with ``x-enginemeter-mirror: off`` (``Decision.mirror``) is served and not copied
+(``dropped_header``): the bench sends it, so its requests stay out of the shadow and the log.
+
+**Live verdict.** Every comparable pair feeds its engine pair's ``proxy.sequential.LiveVerdict`` (anytime-valid
+intervals per regime); ``state()["live"]`` (in ``/health`` and ``/admin/mirror``) says what is decided so far.
+With ``serve --workers`` each worker's is its own share of the traffic.
 """
 
 from __future__ import annotations
@@ -38,14 +48,24 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
+from proxy import __version__
 from proxy.errors import BadRequest
+from proxy.sequential import LiveVerdict, regime_of
 from proxy.server.attempt import Attempts, drain
-from proxy.server.compare import ComparisonLog, compare, observe_comparison, to_record
+from proxy.server.compare import (
+    ComparisonLog,
+    compare,
+    engine_record,
+    new_run_id,
+    observe_comparison,
+    run_record,
+    to_record,
+)
 from proxy.server.h1 import H1Streams
 from proxy.server.metrics import Metrics
+from proxy.server.pairing import PairTable, Pending
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
 from proxy.server.routing import Decision
@@ -63,33 +83,14 @@ RESULTS = (
     "dropped_sampled",
     "dropped_full",
     "dropped_endpoint",
+    "dropped_header",
     "failed",
     "unpaired",
 )
 PAIR_GRACE_S = 60.0
-MAX_PENDING = 10_000
 SWEEP_INTERVAL_S = 1.0
-#: a primary with one of these outcomes and no token may be followed by a fallback attempt
-_FALLBACK_OUTCOMES = frozenset({"connect_error", "timeout", "upstream_broken", "engine_error"})
-
-
-@dataclass
-class _Pending:
-    created: float  # time.monotonic()
-    engines: tuple[str, ...]  # the decision's serving engine + fallbacks
-    expected: set[str]  # shadow engines whose Result is still to be compared
-    shadows: dict[str, Result] = field(default_factory=dict)
-    primary: Result | None = None
-    primary_final: bool = False
-    prompt: Any = None
-
-
-def _primary_is_final(r: Result, engines: tuple[str, ...]) -> bool:
-    if r.outcome not in _FALLBACK_OUTCOMES or r.n_token_events > 0:
-        return True
-    if r.outcome == "engine_error" and 0 < r.status < 500:
-        return True  # 4xx: the proxy does not fall back
-    return not engines or r.engine == engines[-1]
+#: what an ``engine`` record carries of the engine-state poller's facts
+FACT_FIELDS = ("kind", "model", "model_path", "context_length", "slots", "quantization", "build")
 
 
 class Mirror:
@@ -101,10 +102,13 @@ class Mirror:
         metrics: Metrics,
         *,
         gpus_of: Callable[[str], Sequence[int]] | None = None,
+        facts_of: Callable[[str], Any] | None = None,
     ) -> None:
         s = settings.mirror
         #: engine -> GPU indices it holds memory on (the GPU monitor's cached attribution; None: no GPU data)
         self.gpus_of = gpus_of
+        #: engine -> its latest engine-state poll (an object with ``t_ok`` and ``FACT_FIELDS``; None: not polled)
+        self.facts_of = facts_of
         self.settings = settings
         self.engines = engines
         self.attempts = attempts
@@ -114,12 +118,17 @@ class Mirror:
         self.max_in_flight = s.max_in_flight
         self.timeout = s.timeout
         self.record_text = s.record_text
+        self.run_id = settings.run_id or new_run_id()
+        self.started = time.time()
+        self.min_effect = s.min_effect
         self.in_flight: dict[str, int] = {}
         self.counts: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self.compared = 0
         self.log: ComparisonLog | None = None
+        self.live: dict[tuple[str, str], LiveVerdict] = {}
+        self.pairs = PairTable(self.timeout + PAIR_GRACE_S, self._emit, lambda name: self._count(name, "unpaired"))
+        self._facts_written: dict[str, tuple[Any, ...]] = {}
         self._streams: dict[str, StreamClient] = {}
-        self._pending: dict[str, _Pending] = {}
         self._rng = random.Random()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -144,6 +153,7 @@ class Mirror:
     def state(self) -> dict[str, Any]:
         routes = self.settings.routes
         return {
+            "run": self.run_id,
             "enabled": self.enabled,
             "max_in_flight": self.max_in_flight,
             "timeout_s": self.timeout,
@@ -156,11 +166,12 @@ class Mirror:
             "dropped": {k: v for k, v in self.counts.items() if k.startswith("dropped_")},
             "failed": self.counts["failed"],
             "unpaired": self.counts["unpaired"],
-            "pending_pairs": len(self._pending),
+            "pending_pairs": len(self.pairs),
             "compared": self.compared,
             "log": None
             if self.log is None
             else {"path": self.log.path, "written": self.log.written, "dropped": self.log.dropped},
+            "live": [v.to_json() for v in self.live.values()],
         }
 
     # ------------------------------------------------------------------------------------ dispatch
@@ -184,6 +195,11 @@ class Mirror:
             log.exception("mirroring %s failed", request_id)
             return False
 
+    def _drop(self, shadows: Sequence[str], why: str) -> bool:
+        for name in shadows:
+            self._count(name, why)
+        return False
+
     def _submit(
         self,
         decision: Decision,
@@ -196,18 +212,14 @@ class Mirror:
         if not shadows:
             return False
         if endpoint not in MIRRORED_ENDPOINTS:
-            for name in shadows:
-                self._count(name, "dropped_endpoint")
-            return False
+            return self._drop(shadows, "dropped_endpoint")
+        if not decision.mirror:
+            return self._drop(shadows, "dropped_header")
         if not self.enabled:
-            for name in shadows:
-                self._count(name, "dropped_disabled")
-            return False
+            return self._drop(shadows, "dropped_disabled")
         rate = self.rates[decision.route] if decision.route < len(self.rates) else decision.sample_rate
         if rate < 1.0 and self._rng.random() >= rate:
-            for name in shadows:
-                self._count(name, "dropped_sampled")
-            return False
+            return self._drop(shadows, "dropped_sampled")
         self.sweep()  # cheap (looks at the oldest entry); the lifespan's sweeper covers idle periods
         sent: list[str] = []
         for name in shadows:
@@ -217,13 +229,14 @@ class Mirror:
             sent.append(name)
         if not sent:
             return False
-        self._add_pending(
+        self.pairs.add(
             request_id,
-            _Pending(
+            Pending(
                 created=time.monotonic(),
                 engines=decision.engines,
                 expected=set(sent),
                 prompt=(body.get("messages", body.get("prompt")) if self.record_text else None),
+                t_start=time.time(),
             ),
         )
         for name in sent:
@@ -237,6 +250,13 @@ class Mirror:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
+
+    def on_attempt(self, attempt: Attempt) -> None:
+        """An ``Attempts.on_new`` hook: keeps the normalized request of each side of a mirrored request (one dict
+        lookup per attempt), so its pair record says what sampling each engine really got."""
+        e = self.pairs.get(attempt.request_id)
+        if e is not None:
+            e.norms[(attempt.role, attempt.engine.name)] = attempt.norm
 
     def _pool(self, engine: Engine) -> StreamClient:
         streams = self._streams.get(engine.name)
@@ -294,7 +314,7 @@ class Mirror:
         except Exception as exc:
             if attempt is None:
                 self._count(name, "failed")
-                self._forget(request_id, name)
+                self.pairs.forget(request_id, name)
             else:
                 attempt.finish("upstream_broken", f"{type(exc).__name__}: {exc}")
             log.exception("shadow copy of %s to %s failed", request_id, name)
@@ -306,49 +326,23 @@ class Mirror:
 
     # ------------------------------------------------------------------------------------- pairing
 
-    def _add_pending(self, request_id: str, entry: _Pending) -> None:
-        old = self._pending.pop(request_id, None)
-        if old is not None:  # a client reused its x-request-id while the first was pending
-            self._expire(request_id, old)
-        while len(self._pending) >= MAX_PENDING:
-            key = next(iter(self._pending))
-            self._expire(key, self._pending.pop(key))
-        self._pending[request_id] = entry
-
-    def _forget(self, request_id: str, shadow: str) -> None:
-        e = self._pending.get(request_id)
-        if e is not None:
-            e.expected.discard(shadow)
-            if not e.expected:
-                del self._pending[request_id]
-
     def on_result(self, r: Result) -> None:
-        e = self._pending.get(r.request_id)
-        if e is None:
-            return
-        if r.role == "primary":
-            e.primary = r
-            e.primary_final = _primary_is_final(r, e.engines)
-        elif r.role == "shadow" and r.engine in e.expected:
-            e.shadows[r.engine] = r
-        else:
-            return
-        if e.primary is not None and e.primary_final:
-            self._pair(e)
-            if not e.expected:
-                self._pending.pop(r.request_id, None)
+        self.pairs.on_result(r)
 
-    def _pair(self, e: _Pending) -> None:
-        assert e.primary is not None
-        for name, shadow in list(e.shadows.items()):
-            del e.shadows[name]
-            e.expected.discard(name)
-            self._emit(e, e.primary, shadow)
+    def sweep(self, now: float | None = None) -> None:
+        self.pairs.sweep(now)
 
-    def _emit(self, e: _Pending, primary: Result, shadow: Result) -> None:
+    def _emit(self, e: Pending, primary: Result, shadow: Result, concurrency: tuple[int, int]) -> None:
         c = compare(primary, shadow)
         self.compared += 1
         observe_comparison(self.metrics, c)
+        if c.comparable:
+            key = (primary.engine, shadow.engine)
+            live = self.live.get(key)
+            if live is None:
+                live = self.live[key] = LiveVerdict(*key, min_effect=self.min_effect)
+            p, s = c.primary, c.shadow
+            live.add(regime_of(concurrency[1], p.prompt_tokens), _figures(p), _figures(s))
         gpus: dict[str, Sequence[int]] | None = None
         if self.gpus_of is not None:
             gpus = {"primary": self.gpus_of(primary.engine), "shadow": self.gpus_of(shadow.engine)}
@@ -357,44 +351,60 @@ class Mirror:
                 self.metrics.contended.labels(primary.engine, shadow.engine).set(1 if shared else 0)
             else:
                 gpus = None  # no attribution (no NVML, remote engines): say nothing rather than "not contended"
-        if self.log is not None:
-            text = self.record_text
-            self.log.write(
-                to_record(
-                    c,
-                    prompt=e.prompt if text else None,
-                    primary_text=primary.text if text else None,
-                    shadow_text=shadow.text if text else None,
-                    gpus=gpus,
-                )
+        if self.log is None:
+            return
+        self._write_facts(primary.engine, shadow.engine)
+        text = self.record_text
+        norms = {role: n for role, n in (("primary", e.norms.get(("primary", primary.engine))),
+                                         ("shadow", e.norms.get(("shadow", shadow.engine)))) if n is not None}  # fmt: skip
+        self.log.write(
+            to_record(
+                c,
+                prompt=e.prompt if text else None,
+                primary_text=primary.text if text else None,
+                shadow_text=shadow.text if text else None,
+                gpus=gpus,
+                run=self.run_id,
+                t_start=e.t_start,
+                concurrency=concurrency,
+                sampling=norms,
             )
+        )
 
-    def _expire(self, key: str, e: _Pending) -> None:
-        if e.primary is not None:
-            self._pair(e)  # a tentative primary: nothing better came
-        for name in e.expected:
-            self._count(name, "unpaired")
-        e.expected.clear()
-
-    def sweep(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        ttl = self.timeout + PAIR_GRACE_S
-        while self._pending:
-            key, e = next(iter(self._pending.items()))
-            if now - e.created < ttl:
-                break  # insertion order is creation order
-            del self._pending[key]
-            self._expire(key, e)
+    def _write_facts(self, *names: str) -> None:
+        """An ``engine`` record for each engine whose polled facts are new to this run's log."""
+        if self.facts_of is None or self.log is None:
+            return
+        for name in names:
+            st = self.facts_of(name)
+            if st is None or getattr(st, "t_ok", None) is None:
+                continue
+            facts = tuple(getattr(st, f, None) for f in FACT_FIELDS)
+            if self._facts_written.get(name) != facts:
+                self._facts_written[name] = facts
+                self.log.write(engine_record(self.run_id, name, dict(zip(FACT_FIELDS, facts, strict=True))))
 
     # ----------------------------------------------------------------------------------- lifecycle
 
+    def _run_record(self) -> dict[str, Any]:
+        s = self.settings
+        pairs = [(r.primary, sh) for r in s.routes for sh in r.shadows if sh != r.primary]
+        pairs += [(x, sh) for r in s.routes for x in (*r.split, *r.fallback) for sh in r.shadows if sh != x]
+        engines = {n: {"kind": e.kind, "model": e.model} for n, e in self.engines.items()}
+        host = f"[{s.host}]" if ":" in s.host else s.host
+        return run_record(self.run_id, listen=f"http://{host}:{s.port}", pairs=pairs, engines=engines,
+                          version=__version__, ts=self.started)  # fmt: skip
+
     @asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
-        """Held for the app's lifetime: opens the log, sweeps expired pairs; on exit ends the copies still
-        in flight (outcome ``client_disconnect``), then closes the mirror's pools and flushes the log."""
+        """Held for the app's lifetime: opens the log (its run record first), sweeps expired pairs; on exit ends
+        the copies still in flight (outcome ``client_disconnect``), closes the mirror's pools, writes the run's
+        ``end`` record and flushes the log."""
         s = self.settings.mirror
         if s.log_path:
             self.log = ComparisonLog(s.log_path, max_bytes=s.log_max_bytes, backups=s.log_backups)
+            if any(r.shadows for r in self.settings.routes):
+                self.log.write(self._run_record())
         sweeper = asyncio.ensure_future(self._sweep_forever())
         try:
             yield
@@ -407,9 +417,18 @@ class Mirror:
             pools, self._streams = list(self._streams.values()), {}
             await asyncio.gather(*(p.aclose() for p in pools), return_exceptions=True)
             if self.log is not None:
+                if any(r.shadows for r in self.settings.routes):
+                    self.log.write({"v": 1, "type": "end", "run": self.run_id, "ts": time.time(),
+                                    "counts": dict(self.counts), "compared": self.compared})  # fmt: skip
                 await asyncio.to_thread(self.log.close)
 
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)  # a periodic timer, not a synchronisation
             self.sweep()
+
+
+def _figures(side: Any) -> dict[str, Any]:
+    """The figures a live-verdict stream reads, from a ``compare.Side``."""
+    return {"upstream_ttft_s": side.upstream_ttft_s, "ttft_s": side.ttft_s, "tpot_s": side.tpot_s,
+            "e2e_s": side.e2e_s, "completion_tokens": side.completion_tokens}  # fmt: skip

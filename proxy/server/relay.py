@@ -27,6 +27,7 @@ forwarded as the bytes that arrived.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -423,6 +424,7 @@ class Attempt:
             n_token_events=self.timer.n_token_events,
             greedy=self.norm.greedy,
             text="".join(self._text) if self.collect_text else None,
+            text_ends=tuple(itertools.accumulate(map(len, self._text))) if self.collect_text else None,
             error=self.error,
             usage_stripped=self.usage_stripped,
             reserialized=self.reserialized,

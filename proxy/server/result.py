@@ -34,6 +34,8 @@ class Result:
     greedy: bool
     #: output text, collected only when the request is part of a compared pair
     text: str | None = None
+    #: cumulative end offsets (code points) of each token event's text in ``text`` (same condition)
+    text_ends: tuple[int, ...] | None = None
     error: str | None = None
     #: usage events removed from the client's stream (it did not ask for usage)
     usage_stripped: int = 0

@@ -8,7 +8,9 @@ Order of decisions for one request:
 3. otherwise a weighted ``split`` picks, sticky by hashing the sticky header or the OpenAI ``user`` field
    (random when neither is present); without a split the route's primary serves;
 4. ``fallback`` engines follow the chosen one, used only when it fails before the first byte;
-5. shadows are the route's shadow engines other than the serving one.
+5. shadows are the route's shadow engines other than the serving one; a request that says
+   ``x-enginemeter-mirror: off`` is not mirrored (``Decision.mirror``; the bench sends it, so its requests
+   never reach the shadow nor the comparison log). ``on`` is the default; any other value is a 400.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from proxy.errors import BadRequest, NotFound
-from proxy.settings import RouteSettings, Settings
+from proxy.settings import MIRROR_HEADER, RouteSettings, Settings
 
 
 class Decision(NamedTuple):
@@ -28,6 +30,8 @@ class Decision(NamedTuple):
     shadows: tuple[str, ...]
     sample_rate: float
     pinned: bool
+    #: False: the request asked not to be mirrored (``MIRROR_HEADER: off``)
+    mirror: bool = True
 
     @property
     def engine(self) -> str:
@@ -93,4 +97,15 @@ class Router:
             chosen, pinned = route.primary, False
         engines = (chosen, *(f for f in route.fallback if f != chosen))
         shadows = tuple(s for s in route.shadows if s != chosen)
-        return Decision(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned)
+        return Decision(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned,
+                        mirror=mirror_wanted(headers))  # fmt: skip
+
+
+def mirror_wanted(headers: Mapping[str, str]) -> bool:
+    v = headers.get(MIRROR_HEADER)
+    if v is None:
+        return True
+    v = v.strip().lower()
+    if v in ("on", "off"):
+        return v == "on"
+    raise BadRequest(f"`{MIRROR_HEADER}` must be `on` or `off`, got {v[:40]!r}", param=MIRROR_HEADER)
