@@ -68,7 +68,10 @@ class Conclusion(NamedTuple):
     next_step: str | None
 
 
-def _missing_flags(step: str, slots: int | None) -> str:
+def _missing_flags(step: str, slots: int | None, live: bool = False) -> str:
+    if live:
+        return {"decode": "pairs that ran alone (observed c=1)", "throughput": "pairs at observed concurrency ≥ 2"}.get(
+            step, "enginemeter bench --prompt-lengths short,long (mirrored prompts are of mixed length)")  # fmt: skip
     if step == "decode":
         return "--concurrency 1 (the single-request cell)"
     if step == "throughput":
@@ -79,13 +82,15 @@ def _missing_flags(step: str, slots: int | None) -> str:
     return "--prompt-lengths short,long (or 4k, 16k: the longest the context holds)"
 
 
-def answer(step: str, title: str, comps: Sequence[Comparison], base: str, cand: str, slots: int | None) -> RegimeAnswer:
+def answer(
+    step: str, title: str, comps: Sequence[Comparison], base: str, cand: str, slots: int | None, live: bool = False
+) -> RegimeAnswer:
     mine = [c for c in comps if c.step == step]
     prim = next((c for c in mine if c.primary), None)
     if prim is None:
-        flags = _missing_flags(step, slots)
-        return RegimeAnswer(step, title, "not measured", f"{title}: not measured — add {flags}", fix=flags,
-                            head="not measured")  # fmt: skip
+        flags = _missing_flags(step, slots, live)
+        text = f"{title}: not measured — " + (f"needs {flags}" if live else f"add {flags}")
+        return RegimeAnswer(step, title, "not measured", text, fix=None if live else flags, head="not measured")
     outs = {c.outcome for c in mine}
     # every figure of the regime counts: under load, no queueing (TTFT) is a win as much as more tokens/s
     if "flagged" in outs:
@@ -172,7 +177,7 @@ def conclude(
 ) -> Conclusion:  # fmt: skip
     order = {s: i for i, s in enumerate(STEPS)}
     reasons.sort(key=lambda x: order.get(x.step, len(STEPS)))  # stable: each gate's reasons keep their order
-    regimes = tuple(answer(step, title, comps, base, cand, slots) for step, title in REGIMES)
+    regimes = tuple(answer(step, title, comps, base, cand, slots, r.live) for step, title in REGIMES)
     required = ("decode",) if r.live else ("decode", "throughput")
     failed = next((x for x in reasons if x.step in GATES and x.outcome in FAILS), None)
     if failed is not None:
