@@ -27,6 +27,7 @@ from proxy.bench.config import Target
 from proxy.bench.engines import probe
 from proxy.bench.livelog import cause, outcomes, parse_time, read_log, select
 from proxy.bench.logreport import load_live
+from proxy.bench.report import write_report
 from proxy.cli import main
 from proxy.sequential import MIN_PAIRS
 from proxy.server.compare import new_run_id
@@ -389,3 +390,6 @@ def test_the_cells_carry_the_concurrency_bounds_and_the_requested_max_tokens(tmp
         (c.concurrency, c.concurrency_max, c.max_tokens, c.label()) for c in {x.cell for x in live.data.results.samples}
     }
     assert cells == {(2, 3, 48, "live, observed c=2–3"), (8, 0, 48, "live, observed c≥8")}
+    rep = write_report(live.data, tmp_path / "out")  # the results table's c column is the observed range
+    md = Path(rep["report_md"]).read_text()
+    assert "| 2–3 | 48 | mixed |" in md and "| ≥8 | 48 | mixed |" in md

@@ -68,6 +68,13 @@ _MARK = {"ok": "✓", "inconclusive": "✗", "win": "▲", "loss": "▼", "tie":
          "stay": "■", "note": "·"}  # fmt: skip
 
 
+def _load(c: Cell) -> str:
+    """The c column: the concurrency (with its rate), or a live group's observed range."""
+    if c.cache == "live" and c.concurrency_max is not None and c.concurrency_max != c.concurrency:
+        return f"{c.concurrency}–{c.concurrency_max}" if c.concurrency_max else f"≥{c.concurrency}"
+    return f"{c.concurrency}" + (f" @ {c.rate:g}/s" if c.rate is not None else "")
+
+
 def _cell_order(c: Cell) -> tuple[Any, ...]:
     return (c.rate or 0, c.concurrency, c.max_tokens, length_rank(c.prompt_len))
 
@@ -219,7 +226,7 @@ def _cell_tables(d: Data, cache: str) -> list[Block]:
             err = sum(s.n_err for s in mine)
             ok = sum(s.n_ok for s in mine)
             mem = [s.gpu_mem_peak_bytes for s in mine if s.gpu_mem_peak_bytes is not None]
-            load = f"{c.concurrency}" + (f" @ {c.rate:g}/s" if c.rate is not None else "")
+            load = _load(c)
             rows.append([load, str(c.max_tokens), c.prompt_len, n, str(len(mine)),
                          *[_agg((getattr(s, attr) for s in mine), unit) for _, attr, unit in _METRICS],
                          _agg(s.prompt_tokens for s in mine), _agg(s.completion_tokens for s in mine),
@@ -244,7 +251,7 @@ def _percentile_tables(d: Data, cache: str) -> list[Block]:
     slo = d.goodput
     rows = []
     for (engine, c), reqs in sorted(by.items(), key=lambda kv: (_cell_order(kv[0][1]), kv[0][0])):
-        row = [f"{c.concurrency}" + (f" @ {c.rate:g}/s" if c.rate is not None else ""), str(c.max_tokens),
+        row = [_load(c), str(c.max_tokens),
                c.prompt_len, engine, str(len(reqs))]  # fmt: skip
         for attr in ("ttft_s", "tpot_s", "itl_s"):
             vals = [float(g) for q in reqs for g in (q.get(attr) or [])] if attr == "itl_s" else [
