@@ -429,9 +429,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: flags whose value may start with "-" (``tune --vary -np=1,2,4``): argparse would read such a value as a flag
+DASH_VALUE_FLAGS = ("--vary",)
+
+
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--vary -np=1,2`` -> ``--vary=-np=1,2``, so argparse takes the value as the flag's."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a in DASH_VALUE_FLAGS:
+            nxt = next(it, None)
+            out.append(a if nxt is None else f"{a}={nxt}")
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = ["enginemeter", *(sys.argv[1:] if argv is None else argv)]  # as typed: for the bench's rerun advice
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_dash_values(raw))
+    args.argv = ["enginemeter", *raw]  # as typed: for the bench's rerun advice
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise

@@ -69,7 +69,7 @@ def test_quick_bench_np1_vs_np2(np1_np2: tuple[str, str], tmp_path: Path, monkey
     assert rc == 0
     results = out / "results.jsonl"
     (run,) = recs(results, "run")
-    assert run["version"] == 3
+    assert run["version"] == 4
     assert [e["name"] for e in run["engines"]] == ["a", "b", "a-aa"]  # the A/A pass of the baseline
     assert [e["aa_of"] for e in run["engines"]] == [None, None, "a"]
     assert [e["kind"] for e in run["engines"]] == ["llamacpp"] * 3
@@ -653,8 +653,14 @@ def test_log_groups_by_observed_concurrency_and_flags_contention(tmp_path: Path)
 
 
 def test_bench_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--engine", "a=http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
-    assert "at least two" in capsys.readouterr().err
+    assert main(["bench", "--out", str(tmp_path)]) == 2
+    assert "give at least one engine" in capsys.readouterr().err
+    assert main(["bench", "--engine", "a=http://x", "--engine", "a=http://y", "--out", str(tmp_path)]) == 2
+    assert "engine a is given twice" in capsys.readouterr().err
+    assert main(["bench", "--launch", "x=python -m my.server", "--out", str(tmp_path)]) == 2
+    assert "cannot tell which port" in capsys.readouterr().err
+    assert main(["bench", "--engine", "a=http://x", "--quantization", "b=Q8_0", "--out", str(tmp_path)]) == 2
+    assert "no engine named b" in capsys.readouterr().err
     assert main(["bench", "--engine", "a=", "--engine", "b=", "--through", "http://x", "--out", str(tmp_path)]) == 2
     assert "--model" in capsys.readouterr().err
     assert (

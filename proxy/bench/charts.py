@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from proxy.bench.verdict import Verdict
 
 CHART_FILES = ("verdict_forest", "ttft_vs_load", "decode_vs_load", "throughput_vs_load", "ttft_vs_prompt_length",
-               "latency_vs_throughput", "memory")  # fmt: skip
+               "latency_vs_throughput", "memory", "tune")  # fmt: skip
 #: the A/A pass is the baseline measured again: drawn as noise around it, not as a third engine
 AA_STYLE = {"color": "0.6", "linestyle": ":", "marker": "."}
 
@@ -224,3 +224,47 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
     else:
         note = "No memory chart: GPU memory was unknown (no proxy /metrics given and no NVML device)."
     return charts, note
+
+
+Spread = tuple[float, float, float] | None
+
+
+def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: int | None, out: Path) -> Path | None:
+    """``enginemeter tune``: single-request decode tok/s and concurrent output tok/s per setting (median, bars
+    min–max over repeats); None without matplotlib or data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not any(a or b for _, a, b in points):
+        return None
+    plt.rcParams["svg.hashsalt"] = "enginemeter"
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    xs = list(range(len(points)))
+    for i, (label, color) in enumerate((("single request (c=1) decode tok/s", "C0"),
+                                        (f"concurrent output tok/s (c={conc or '?'})", "C1"))):  # fmt: skip
+        pts: list[tuple[int, tuple[float, float, float]]] = []
+        for x, pt in zip(xs, points, strict=True):
+            v = pt[1] if i == 0 else pt[2]
+            if v:
+                pts.append((x, v))
+        if not pts:
+            continue
+        ys = [v[0] for _, v in pts]
+        lo = [v[0] - v[1] for _, v in pts]
+        hi = [v[2] - v[0] for _, v in pts]
+        ax.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], capsize=3, marker="o", color=color, label=label)
+    ax.set_xticks(xs, [p[0] for p in points])
+    ax.set_xlabel(flag)
+    ax.set_ylabel("tok/s")
+    ax.set_title(f"tok/s by {flag} — median, bars = min–max over repeats", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "tune.svg"
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path
