@@ -307,6 +307,15 @@ def test_q8_0_vs_f16_stops_at_the_quantization_check(
     (v,) = verdict(tmp_path / "out")["verdicts"]
     assert v["stopped_at"] == {"gate": "parity", "check": "quantization"}, v["summary"]
     assert "quantization differs: f16 F16 (engine info) vs q8 Q8_0 (engine info)" in v["summary"]
+    assert v["discounted"] is None
+    # the same results with the difference declared: parity passes with a caveat, the verdict is discounted
+    declared = tmp_path / "declared"
+    assert main(["report", "--results", str(tmp_path / "out" / "results.jsonl"), "--accept-quantization-difference",
+                 "--out", str(declared)]) == 0  # fmt: skip
+    (v,) = verdict(declared)["verdicts"]
+    assert v["stopped_at"]["gate"] != "parity" and v["discounted"].startswith(
+        "includes the precision difference F16 vs Q8_0"
+    )
 
 
 def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: Path) -> None:

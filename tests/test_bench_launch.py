@@ -256,3 +256,56 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
+
+
+def test_ctrl_c_while_a_launched_engine_is_measured_stops_it_and_keeps_what_finished(
+    llama_server_bin: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "proxy.cli", "bench", "--launch", f"a={llama(llama_server_bin, tiny_model, 1, 1024)}",
+            *SMALL, "--concurrency", "1", "--prompt-lengths", "short", "--repeats", "200", "--out", str(tmp_path)]  # fmt: skip
+    p = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        res = tmp_path / "results.jsonl"
+        wait_until(lambda: res.exists() and res.read_text().count('"type":"sample"') >= 3, timeout=60)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err.decode()
+    (stint,) = recs(res, "stint")
+    assert stint["engine"] == "a" and gone(stint["launch"]["pid"])
+    assert recs(res, "end")[0]["interrupted"] is True
+    assert "**Interrupted run**" in (tmp_path / "report.md").read_text()
+
+
+def test_preflight_applies_to_a_launched_engine_once_it_is_ready(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ready by its kind's signal (an OpenAI server: /v1/models answers), then the one tiny request fails: exit 2,
+    the engine stopped."""
+    script = (
+        "import http.server, json, os, sys\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def reply(self, code, doc):\n"
+        "        b = json.dumps(doc).encode(); self.send_response(code)\n"
+        "        self.send_header('content-type', 'application/json'); self.send_header('content-length', str(len(b)))\n"
+        "        self.end_headers(); self.wfile.write(b)\n"
+        "    def do_GET(self): self.reply(200 if self.path == '/v1/models' else 404, {'data': [{'id': 'm'}]})\n"
+        "    def do_POST(self): self.reply(503, {'error': {'message': 'model not loaded'}})\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n"
+    )
+    rc = main(
+        ["bench", "--launch", f"bad={PY} -c {shlex.quote(script)} --port {{port}}", *SMALL, "--out", str(tmp_path)]
+    )
+    assert rc == 2
+    assert (
+        "preflight failed: engine bad" in capsys.readouterr().err and "model not loaded" in verdict(tmp_path)["cause"]
+    )
+    assert verdict(tmp_path)["stopped_at"] == {"gate": "preflight", "check": "reachable"}
+    pid = int((tmp_path / "engines" / "bad.log").read_text().split("\npid ")[1].split()[0])
+    assert not _alive(pid) and gone(pid)

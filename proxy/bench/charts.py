@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from proxy.bench.verdict import Verdict
 
 CHART_FILES = ("verdict_forest", "ttft_vs_load", "decode_vs_load", "throughput_vs_load", "ttft_vs_prompt_length",
-               "latency_vs_throughput", "memory", "tune")  # fmt: skip
+               "latency_vs_throughput", "memory")  # fmt: skip
 #: the A/A pass is the baseline measured again: drawn as noise around it, not as a third engine
 AA_STYLE = {"color": "0.6", "linestyle": ":", "marker": "."}
 
@@ -232,6 +232,8 @@ Spread = tuple[float, float, float] | None
 def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: int | None, out: Path) -> Path | None:
     """``enginemeter tune``: single-request decode tok/s and concurrent output tok/s per setting (median, bars
     min–max over repeats); None without matplotlib or data."""
+    path = out / "tune.svg"
+    path.unlink(missing_ok=True)  # a chart this run does not draw must not survive
     try:
         import matplotlib
 
@@ -264,7 +266,6 @@ def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: in
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = out / "tune.svg"
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
     return path

@@ -120,7 +120,7 @@ def _tune(args: argparse.Namespace) -> int:
     import logging
 
     from proxy.bench.benchfile import read_bench_file
-    from proxy.bench.cli import print_summary, verdict_status
+    from proxy.bench.cli import verdict_status
     from proxy.bench.config import Target
     from proxy.bench.report import load_bench, write_report
     from proxy.bench.runner import PreflightError, run_bench
@@ -174,5 +174,9 @@ def _tune(args: argparse.Namespace) -> int:
     print(summary.table_text())
     for line in summary.lines:
         print(line)
-    print_summary(out, time.monotonic() - t0)
+    print(
+        f"each setting against {flag} {vs[0].value} (the verdicts, their intervals and the noise floor): "
+        f"{out['report_md']}, {out['report_html']}; tune.json and verdict.json beside them"
+    )
+    print(f"tune took {time.monotonic() - t0:.0f} s")
     return 130 if interrupted else verdict_status(out, fail_on_of(args, file))

@@ -4,9 +4,10 @@ from the bench's own verdicts of each setting against the first (``proxy.bench.v
 The rule (the people who asked for this tool, docs/tune.md): if a setting raises throughput under load (or single-
 request decode) beyond the noise floor, **tuning helps** — keep llama.cpp with it, and when its memory peak rose
 with it the bottleneck is batching and KV allocation (keep tuning: ``-b``/``-ub``, ``-c``); if no setting is
-better beyond the noise, **tuning is flat** — and with memory not full, the limit is the engine's: compare
-engines next (the bench command is given). Memory nearly full (≥ 90 % of the budget or of the GPU) changes the
-advice to freeing memory first.
+better beyond the noise and every estimate sits inside it, **tuning is flat** — and with memory not full, the
+limit is the engine's: compare engines next (the bench command is given). Memory nearly full (≥ 90 % of the
+budget or of the GPU) changes the advice to freeing memory first. An estimate beyond the noise floor whose
+interval still reaches inside it is neither: **unresolved**, with the repeats that would decide it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from proxy.bench.blocks import Block, gib
 from proxy.bench.charts import tune_chart
 from proxy.bench.model import Cell, Sample
-from proxy.bench.regimes import GATES, pct
+from proxy.bench.regimes import GATES, band, pct, rerun
 from proxy.bench.results import Data
 from proxy.bench.verdict import Comparison, Verdict, decide_all
 
@@ -62,7 +63,7 @@ class Row:
 class TuneSummary:
     flag: str
     rows: list[Row]
-    rule: str  # helps | flat | inconclusive
+    rule: str  # helps | flat | unresolved | inconclusive
     lines: list[str]
     best: dict[str, str | None]
     bench_command: str | None
@@ -153,10 +154,14 @@ def _winning(v: Verdict, step: str) -> Comparison | None:
 
 
 def _gain(c: Comparison) -> str:
-    g, lo, hi = (math.expm1(x) for x in c.log_gain)
+    """The candidate's gain in words: throughput as ±%, a time as "faster by" (or "slower by")."""
+    e, lo, hi = c.log_gain
     what = c.what.split(" (")[0]
-    return f"{what} {pct(g)} [{pct(lo)} … {pct(hi)}]" if c.higher_is_better else \
-        f"{what} faster by {pct(g)} [{pct(lo)} … {pct(hi)}]"  # fmt: skip
+    if c.higher_is_better:
+        return f"{what} {pct(math.expm1(e))} [{pct(math.expm1(lo))} … {pct(math.expm1(hi))}]"
+    if e < 0:  # slower: how much longer it takes
+        return f"{what} slower by {pct(math.expm1(-e))} [{pct(math.expm1(-hi))} … {pct(math.expm1(-lo))}]"
+    return f"{what} faster by {pct(math.expm1(e))} [{pct(math.expm1(lo))} … {pct(math.expm1(hi))}]"
 
 
 def _memory(d: Data, rows: Sequence[Row]) -> tuple[str, float | None]:
@@ -200,8 +205,9 @@ def summarize(d: Data, out: Path) -> TuneSummary:
     by_name = {r.name: r for r in rows}
 
     def best(step: str) -> tuple[Verdict, Comparison] | None:
+        """The setting whose win in this regime is largest (a regime that also lost a figure is a trade-off)."""
         wins = [(v, c) for v in usable if (c := _winning(v, step)) is not None
-                and any(a.step == step and a.answer == "win" for a in v.regimes)]  # fmt: skip
+                and any(a.step == step and a.answer in ("win", "mixed") for a in v.regimes)]  # fmt: skip
         return max(wins, key=lambda vc: vc[1].log_gain[0], default=None)
 
     b_load, b_single = best("throughput"), best("decode")
@@ -225,9 +231,10 @@ def summarize(d: Data, out: Path) -> TuneSummary:
             if tps is not None:
                 extra = f"; concurrent throughput {pct(math.expm1(tps.log_gain[0]))}, {tps.outcome}"
         lines.append(f"tuning helps: keep llama.cpp with {flag} {row.value} ({_gain(c)}{extra})")
-        lost = [a.title for a in v.regimes if a.answer in ("loss", "mixed")]
-        if lost:
-            lines.append(f"  trade-off: {flag} {row.value} is worse on {', '.join(lost)} — weigh by your traffic")
+        for x in v.comparisons:
+            if x.outcome == "loss":
+                lines.append(f"  trade-off: {flag} {row.value} loses {_gain(x)} ({x.cell.label()}) — weigh it by your "
+                             "traffic")  # fmt: skip
         if row.memory_peak_bytes is not None and first.memory_peak_bytes:
             grew = row.memory_peak_bytes > 1.05 * first.memory_peak_bytes
             lines.append(f"  memory peak {gib(first.memory_peak_bytes)} ({flag} {first.value}) → "
@@ -240,10 +247,21 @@ def summarize(d: Data, out: Path) -> TuneSummary:
         rule = "inconclusive"
         v0 = next(iter(verdicts.values()), None)
         lines.append("tune could not compare the settings: " + (v0.summary if v0 else "no verdict"))
+    elif looks := [(v, c) for v in usable for c in v.comparisons if c.step in ("decode", "throughput")
+                   and c.outcome == "unresolved" and abs(c.log_gain[0]) > math.log1p(c.win_band)]:  # fmt: skip
+        # an estimate beyond the band whose interval still reaches inside it: not flat, not decided
+        rule = "unresolved"
+        v, c = max(looks, key=lambda vc: abs(vc[1].log_gain[0]))
+        n = c.repeats_to_resolve()
+        fix = rerun(d.results.command, f"--repeats {n}") if n else "a quieter machine or more requests per repeat"
+        lines.append(f"not decided: {flag} {by_name[v.candidate].value} looks different ({_gain(c)}, {c.cell.label()}) "
+                     f"but the interval reaches inside this run's noise floor ±{band(c.win_band)} — neither 'helps' "
+                     f"nor 'flat'; next: {fix}")  # fmt: skip
     else:
         rule = "flat"
         ties = all(a.answer in ("tie", "not measured") for v in usable for a in v.regimes)
-        how = "every difference inside the minimum effect" if ties else "no setting better beyond this run's noise"
+        how = ("every difference inside the minimum effect" if ties else
+               "every estimate inside this run's noise floor, no setting better beyond it")  # fmt: skip
         worse = [f"{flag} {by_name[v.candidate].value}" for v in usable if v.decision == "stay" and any(
             a.answer == "loss" for a in v.regimes)]  # fmt: skip
         how += f"; {', '.join(worse)} slower" if worse else ""
