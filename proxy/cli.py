@@ -46,6 +46,8 @@ examples:
   enginemeter check-config enginemeter.yaml
   enginemeter report --log ~/.local/state/enginemeter/comparisons.jsonl --out report/
   enginemeter bench --engine llama=http://127.0.0.1:8081 --engine sglang=http://127.0.0.1:30000 --quick
+  enginemeter bench --launch llama='llama-server -m m.gguf --port {port}' --launch sglang='python -m ...'
+  enginemeter tune --launch 'llama-server -m m.gguf -ngl 99 -np {1,2,4,8} --port {port}'
   enginemeter diagnose http://127.0.0.1:8081             # where llama.cpp's time goes, memory or not
 
 Run "enginemeter COMMAND --help" for a command's options. Configuration reference: docs/config.md."""

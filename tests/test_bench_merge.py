@@ -84,6 +84,10 @@ def test_separate_runs_joined_with_the_baseline_repeated_as_the_floor_or_refused
     md = (rep / "report.md").read_text()
     assert "3 separate runs joined" in md and "A/A noise floor: a-aa = the baseline a's run repeated" in md
     assert "a-aa (A/A pass of a)" in md
+    # every engine launched fresh: the cold prefixes come from --seed, so separate runs sent the same requests and
+    # their greedy outputs pair up (the same weights: identical)
+    ag = vd["output_agreement"]
+    assert ag["pairs"] > 0 and ag["identical"] == ag["pairs"], ag
 
     # no repeat of the baseline: the report says there is no A/A floor
     rep2 = tmp_path / "joined2"

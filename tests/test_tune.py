@@ -23,12 +23,12 @@ def test_tune_over_np_at_concurrency_4_finds_the_gain_and_recommends_the_larger_
     llama_server_bin: Path, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Four requests at once: one slot queues them, four slots serve them together — TTFT under load falls
-    several-fold (the aggregate tok/s of this one-thread CPU model hardly moves: it may stay unresolved). Five
-    repeats: the floor is a relaunch of -np 1 measured minutes later on a loaded machine, and with three repeats
-    its t interval (t = 4.3) can swallow even a ×4 difference."""
+    several-fold (the aggregate tok/s of this one-thread CPU model hardly moves: it may stay unresolved). Eight
+    repeats of 32 tokens: the floor is a relaunch of -np 1 measured later on a loaded machine, and with three
+    repeats its t interval (t = 4.3) can swallow even a ×4 difference."""
     out = tmp_path / "tune"
     rc = main(["tune", "--launch", _cmd(llama_server_bin, tiny_model, 4096, "-np {1,2,4}"), *SMALL, "--concurrency",
-               "1,4", "--prompt-lengths", "short", "--repeats", "5", "--out", str(out)])  # fmt: skip
+               "1,4", "--prompt-lengths", "short", "--repeats", "8", "--max-tokens", "32", "--out", str(out)])  # fmt: skip
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "tuning helps: keep llama.cpp with -np 4 (" in stdout, stdout
@@ -49,6 +49,10 @@ def test_tune_over_np_at_concurrency_4_finds_the_gain_and_recommends_the_larger_
     assert "| -np | memory peak | load | prompt eval | decode | single tok/s | c=4 tok/s |" in md
     assert (out / "tune.svg").read_text().startswith("<?xml")
     assert json.loads((out / "verdict.json").read_text())["tune"]["rule"] == "helps"
+    # the report rebuilt from the results has the tune section again
+    again = tmp_path / "again"
+    assert main(["report", "--results", str(out / "results.jsonl"), "--out", str(again)]) == 0
+    assert "## Tuning -np: helps" in (again / "report.md").read_text() and (again / "tune.svg").exists()
 
 
 def test_a_flag_that_changes_nothing_is_flat_and_points_to_bench(

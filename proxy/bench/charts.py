@@ -232,6 +232,7 @@ Spread = tuple[float, float, float] | None
 def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: int | None, out: Path) -> Path | None:
     """``enginemeter tune``: single-request decode tok/s and concurrent output tok/s per setting (median, bars
     min–max over repeats); None without matplotlib or data."""
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "tune.svg"
     path.unlink(missing_ok=True)  # a chart this run does not draw must not survive
     try:

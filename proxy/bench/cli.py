@@ -217,7 +217,15 @@ def _report(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KeyError, httpx.HTTPError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2
-    out = write_report(data, Path(args.out))
+    lead, extra = [], {}
+    if len(data.runs) == 1 and (data.runs[0].get("config") or {}).get("tune"):  # a tune run: its table first
+        from proxy.bench.tunereport import summarize
+
+        summary = summarize(data, Path(args.out))
+        lead, extra = summary.blocks, {"tune": summary.to_json()}
+        for line in [summary.table_text(), *summary.lines]:
+            print(line)
+    out = write_report(data, Path(args.out), lead=lead, extra=extra)
     print_summary(out, None)
     return verdict_status(out, args.fail_on)
 

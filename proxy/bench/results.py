@@ -210,6 +210,8 @@ def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str
         f"A/A noise floor: {', '.join(aa)} = {_aa_how(run, bool(launched))}" if aa
         else "no A/A pass: the noise floor is the run-to-run variation",
         f"cache: {cfg.get('cache')} (cold = unique prefix per request"
+        + (", drawn from --seed: every engine was launched fresh, so runs with the same seed send the same "
+           "requests" if (run.get("protocol") or {}).get("cold_prefixes") == "seeded" else "")
         + (", cache_prompt:false to llama.cpp" if cfg.get("no_prompt_cache") else "")
         + ", SGLang /flush_cache before each phase; warm = bare prompts, primed once)",
         "sampling sent (before per-kind mapping): "

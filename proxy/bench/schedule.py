@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,9 +31,11 @@ def prompts_for(prompts: Sequence[Prompt], length: str) -> list[Prompt]:
     return [p for p in prompts if p.length == length] or list(prompts)
 
 
-def new_prefix(run_id: str, what: str = "bench") -> str:
-    """A unique cold-cache prefix, the same length every time (the same token count on every engine)."""
-    return f"[{secrets.token_hex(4)} {what} {run_id}] "
+def new_prefix(run_id: str, what: str = "bench", rng: random.Random | None = None) -> str:
+    """A unique cold-cache prefix, the same length every time (the same token count on every engine); drawn from
+    ``rng`` when given (a run of launched engines: the same prefixes in every run with the same seed)."""
+    tag = f"{rng.getrandbits(32):08x}" if rng is not None else secrets.token_hex(4)
+    return f"[{tag} {what} {run_id}] "
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class Plan:
     cells: list[CellSpec]
     reps: dict[tuple[CellSpec, int], RepPlan] = field(default_factory=dict)
     notes: list[dict[str, Any]] = field(default_factory=list)
+    #: the cold prefixes come from the seed (every engine launched), not from this run's random id
+    seeded: bool = False
 
 
 def prompt_digests(prompts: Iterable[Prompt]) -> dict[str, str]:
@@ -77,8 +82,12 @@ def too_long(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Mapp
 
 
 def make_plan(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Mapping[str, Any]],
-              contexts: Sequence[int], run_id: str) -> Plan:  # fmt: skip
-    """Leave out what does not fit (a note), then plan the cells and every repeat's requests."""
+              contexts: Sequence[int], run_id: str, *, seeded: bool = False) -> Plan:  # fmt: skip
+    """Leave out what does not fit (a note), then plan the cells and every repeat's requests. ``seeded``: the cold
+    prefixes come from ``cfg.seed`` — only where every engine is a fresh process (launched), which holds nothing
+    of an earlier run in its prompt cache; then two runs with the same seed send the very same requests."""
+    rng = random.Random(f"enginemeter cold prefixes {cfg.seed}") if seeded else None
+    tag = f"{cfg.seed & 0xFFFFFFFF:08x}" if seeded else run_id
     notes: list[dict[str, Any]] = []
     out, room, worst = too_long(cfg, prompts, counted, contexts)
     kept = [p for p in prompts if p not in out]
@@ -91,14 +100,14 @@ def make_plan(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Map
     cfg.prompt_lengths = tuple(pl for pl in cfg.prompt_lengths if any(p.length == pl for p in kept)) or tuple(
         sorted({p.length for p in kept}, key=suite_mod.length_rank)
     )
-    pl = Plan(kept, plan(cfg), notes=notes)
+    pl = Plan(kept, plan(cfg), notes=notes, seeded=seeded)
     for cell in pl.cells:
         pool = prompts_for(kept, cell.prompt_len)
         n = cell.requests(cfg)
         for rep in range(cfg.repeats):
             cold = cell.cache == "cold"
-            jobs = tuple((pool[i % len(pool)], new_prefix(run_id) if cold else "") for i in range(n))
-            aa = tuple((p, new_prefix(run_id) if pre else "") for p, pre in jobs)
+            jobs = tuple((pool[i % len(pool)], new_prefix(tag, rng=rng) if cold else "") for i in range(n))
+            aa = tuple((p, new_prefix(tag, rng=rng) if pre else "") for p, pre in jobs)
             offsets = arrivals(n, cell.rate, cfg.burstiness, seed=cfg.seed + rep) if cell.rate else None
             pl.reps[(cell, rep)] = RepPlan(jobs, aa, tuple(offsets) if offsets is not None else None)
     return pl

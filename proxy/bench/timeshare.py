@@ -191,7 +191,9 @@ async def _measure(run: _Run, s: Stint, mem: MemorySource, label: str, *, fresh:
     skip: set[CellSpec] = set()
     notes: list[dict[str, Any]] = []
     if run.plan is None:
-        pl = make_plan(cfg, run.suite, counted, [t.context_per_slot] if t.context_per_slot else [], run.run_id)
+        seeded = all(x.launch for x in cfg.engines)  # fresh processes only: nothing cached from an earlier run
+        pl = make_plan(cfg, run.suite, counted, [t.context_per_slot] if t.context_per_slot else [], run.run_id,
+                       seeded=seeded)  # fmt: skip
         run.plan, notes = pl, pl.notes
         run.w = Writer(run.path)
         mt = sorted({c.max_tokens for c in pl.cells})

@@ -132,6 +132,8 @@ def _tune(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         file = read_bench_file(args.config) if args.config else None
+        if file is not None and file.engines:
+            raise UsageError(f"{args.config}: tune takes its engine from --launch; engines: in the file are bench's")
         flag, vs = variants(args.launch, args.vary, args.name)
         for v in vs:
             parse_launch(v.name, v.command)
