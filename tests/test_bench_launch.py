@@ -103,7 +103,7 @@ def test_memory_moments_of_each_launch_and_the_memory_gate(
 ) -> None:
     """GPU memory before launch, loaded and idle, peak while generating and after stop, per process: the
     candidate launched alone on its GPU is judged against that GPU's total."""
-    reader = FollowingReader()
+    reader = LaunchedReader(tmp_path / "engines")
     launcher = Launcher(tmp_path, memory=GpuMemory(opener=lambda: reader), settle_s=0.2, settle_timeout_s=2.0,
                         grace_s=5.0, memory_timeout_s=10.0, cwd=REPO)  # fmt: skip
     cfg = _cfg(tmp_path, [Target("a", None, launch=llama(llama_server_bin, tiny_model, 1, 1024)),
@@ -128,11 +128,23 @@ def test_memory_moments_of_each_launch_and_the_memory_gate(
     assert "| a | baseline | launched |" in md and "15.00 GiB" in md and "| yes |" in md
 
 
-class StickyReader(FollowingReader):
+class LaunchedReader(FollowingReader):
+    """``FollowingReader`` restricted to the engines this test launched: the process groups whose leader writes
+    its output to a log under ``logs`` (a fixture's engine of an earlier test is no GPU process here)."""
+
+    def __init__(self, logs: Path) -> None:
+        super().__init__()
+        self.logs = str(logs)
+
+    def _pids(self) -> list[int]:
+        return [p for p in super()._pids() if _log_of(_leader(p)).startswith(self.logs)]
+
+
+class StickyReader(LaunchedReader):
     """Once an engine has run, one engine's worth of device memory stays used after it is gone."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, logs: Path) -> None:
+        super().__init__(logs)
         self.seen = False
 
     def devices(self) -> list[DeviceReading]:
@@ -144,7 +156,8 @@ class StickyReader(FollowingReader):
 def test_memory_that_does_not_come_back_stops_before_the_next_launch(
     llama_server_bin: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
-    launcher = Launcher(tmp_path, memory=GpuMemory(opener=StickyReader), settle_s=0.2, settle_timeout_s=1.0,
+    launcher = Launcher(tmp_path, memory=GpuMemory(opener=lambda: StickyReader(tmp_path / "engines")), settle_s=0.2,
+                        settle_timeout_s=1.0,
                         grace_s=5.0, memory_timeout_s=1.0, cwd=REPO)  # fmt: skip
     cfg = _cfg(tmp_path, [Target("a", None, launch=llama(llama_server_bin, tiny_model, 1, 1024)),
                           Target("b", None, launch=llama(llama_server_bin, tiny_model, 1, 1024))])  # fmt: skip
@@ -248,6 +261,21 @@ def _cfg(out: Path, engines: list[Target]) -> BenchConfig:
     return BenchConfig(engines=engines, out=out, concurrency=(1,), output_lengths=(8,), prompt_lengths=("short",),
                        repeats=3, warmup=0, cache="cold", max_tokens=8, aa="off", progress=False,
                        launch_timeout_s=60)  # fmt: skip
+
+
+def _leader(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return pid
+    return int(stat[stat.rfind(")") + 2 :].split()[2])
+
+
+def _log_of(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:

@@ -60,6 +60,10 @@ def test_two_result_files_merged_give_the_verdict_of_one_run(
     (vd,) = verdict(tmp_path / "rep")["verdicts"]
     assert vd["decision"] == whole.decision and vd["comparisons"] == verdict(one)["verdicts"][0]["comparisons"]
     assert verdict(tmp_path / "rep")["sources"] == [str(fa), str(fb)]
+    assert (
+        "A/A noise floor: a-aa = the baseline launched again in its own run (restart-to-restart noise) — the drift "
+        "between separate runs is not in it"
+    ) in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_separate_runs_joined_with_the_baseline_repeated_as_the_floor_or_refused(

@@ -189,14 +189,18 @@ def _protocol(datas: Sequence[Data], renames: Sequence[dict[str, str]], bl: str,
            + "; ".join(f"{src} ({', '.join(ren.values())})" for d, ren, src in _each(datas, renames))]  # fmt: skip
     floors = [n for ren in renames for n in ren.values() if n in cross_aa]
     mine = [n for n in floors if n.startswith(f"{bl}-aa")]
-    in_run = [ren[e.name] for d, ren in zip(datas, renames, strict=True) for e in d.results.engines
+    in_run = [(ren[e.name], bool(next((m.get("launch") for m in d.engines_meta if m["name"] == e.name), None)))
+              for d, ren in zip(datas, renames, strict=True) for e in d.results.engines
               if e.aa_of == bl or (e.aa_of and ren.get(e.aa_of) == bl)]  # fmt: skip
     if mine:
         out.append(f"A/A noise floor: {mine[0]} = the baseline {bl}'s run repeated (run-to-run noise, what separate "
                    "runs have)")  # fmt: skip
     elif in_run:
-        out.append(f"A/A noise floor: {in_run[0]}, inside the baseline's own run — it does not include the noise "
-                   f"between separate runs; repeat {bl}'s run and join that file too for that floor")  # fmt: skip
+        name, relaunch = in_run[0]
+        how = "the baseline launched again in its own run (restart-to-restart noise)" if relaunch else \
+            "a second pass inside the baseline's own run"  # fmt: skip
+        out.append(f"A/A noise floor: {name} = {how} — the drift between separate runs is not in it; repeat "
+                   f"{bl}'s run and join that file too for that floor")  # fmt: skip
     else:
         out.append(f"**no A/A noise floor**: {bl} was measured in one run only, without an A/A pass — the run-to-run "
                    f"variation stands in; run {bl} again and join that file too")  # fmt: skip
