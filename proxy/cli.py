@@ -49,6 +49,8 @@ examples:
   enginemeter check-config enginemeter.yaml
   enginemeter report --log ~/.local/state/enginemeter/comparisons.jsonl --out report/   # the latest run
   enginemeter bench --engine llama=http://127.0.0.1:8081 --engine sglang=http://127.0.0.1:30000 --quick
+  enginemeter bench --launch llama='llama-server -m m.gguf --port {port}' --launch sglang='python -m ...'
+  enginemeter tune --launch 'llama-server -m m.gguf -ngl 99 -np {1,2,4,8} --port {port}'
   enginemeter diagnose http://127.0.0.1:8081             # where llama.cpp's time goes, memory or not
 
 Run "enginemeter COMMAND --help" for a command's options. Configuration reference: docs/config.md."""
@@ -482,9 +484,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: flags whose value may start with "-" (``tune --vary -np=1,2,4``): argparse would read such a value as a flag
+DASH_VALUE_FLAGS = ("--vary",)
+
+
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--vary -np=1,2`` -> ``--vary=-np=1,2``, so argparse takes the value as the flag's."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a in DASH_VALUE_FLAGS:
+            nxt = next(it, None)
+            out.append(a if nxt is None else f"{a}={nxt}")
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = ["enginemeter", *(sys.argv[1:] if argv is None else argv)]  # as typed: for the bench's rerun advice
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_dash_values(raw))
+    args.argv = ["enginemeter", *raw]  # as typed: for the bench's rerun advice
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise

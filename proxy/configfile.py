@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from proxy.settings import (
     CONFIG_ADAPTER,
@@ -110,9 +110,9 @@ _EXPECTED = {
 }
 
 
-def _keys_at(loc: Loc) -> list[str]:
-    """The keys the file may have at ``loc`` (for 'unknown key' messages), walked from ConfigFile's types."""
-    tp: Any = ConfigFile
+def _keys_at(loc: Loc, root: Any = ConfigFile) -> list[str]:
+    """The keys the file may have at ``loc`` (for 'unknown key' messages), walked from ``root``'s types."""
+    tp: Any = root
     for part in loc:
         while typing.get_origin(tp) is Annotated:
             tp = typing.get_args(tp)[0]
@@ -131,13 +131,13 @@ def _keys_at(loc: Loc) -> list[str]:
 SECRET_KEYS = frozenset({"api_key", "api_keys", "admin_key"})
 
 
-def _describe(err: Any) -> tuple[Loc, str]:
+def _describe(err: Any, root: Any = ConfigFile) -> tuple[Loc, str]:
     loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     if SECRET_KEYS.intersection(p for p in loc if isinstance(p, str)):
         value = _Hidden(value)
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        known = _keys_at(loc[:-1])
+        known = _keys_at(loc[:-1], root)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return loc, f"unknown key{hint}; expected one of: {', '.join(known)}" if known else "unknown key"
@@ -227,8 +227,12 @@ def _substitute(data: Any, env: Mapping[str, str], problems: _Problems, loc: Loc
     return _REF.sub(one, data)
 
 
-def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Settings:
-    """Read, substitute, validate and cross-check one YAML file. Raises SettingsError with every problem."""
+def read_document(
+    path: str | Path, adapter: TypeAdapter[Any], root: Any, *, env: Mapping[str, str] | None = None
+) -> tuple[Any, _Problems]:
+    """Read, substitute and validate one YAML file against ``adapter`` (whose type is ``root``, for 'unknown key'
+    hints): the document, and the problem collector (with line numbers) for the caller's cross-checks. Raises
+    SettingsError with every problem. The proxy's config and the bench's file (``proxy.bench.benchfile``) share it."""
     env = os.environ if env is None else env
     path = Path(path)
     data, lines = _read_yaml(path)
@@ -241,12 +245,18 @@ def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Set
     problems.raise_if_any()
     try:
         # through JSON so strict mode reads YAML lists as the tuples and sets of the classes above
-        doc = CONFIG_ADAPTER.validate_json(json.dumps(data, default=str), strict=True)
+        doc = adapter.validate_json(json.dumps(data, default=str), strict=True)
     except ValidationError as exc:
         for err in exc.errors(include_url=False):
-            problems.add(*_describe(err))
+            problems.add(*_describe(err, root))
         problems.raise_if_any()
         raise  # unreachable: a ValidationError has at least one error
+    return doc, problems
+
+
+def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Settings:
+    """Read, substitute, validate and cross-check one YAML file. Raises SettingsError with every problem."""
+    doc, problems = read_document(path, CONFIG_ADAPTER, ConfigFile, env=env)
     settings = from_config_file(doc)
     _cross_check(settings, problems)
     problems.raise_if_any()

@@ -69,7 +69,7 @@ def test_quick_bench_np1_vs_np2(np1_np2: tuple[str, str], tmp_path: Path, monkey
     assert rc == 0
     results = out / "results.jsonl"
     (run,) = recs(results, "run")
-    assert run["version"] == 3
+    assert run["version"] == 4
     assert [e["name"] for e in run["engines"]] == ["a", "b", "a-aa"]  # the A/A pass of the baseline
     assert [e["aa_of"] for e in run["engines"]] == [None, None, "a"]
     assert [e["kind"] for e in run["engines"]] == ["llamacpp"] * 3
@@ -307,6 +307,15 @@ def test_q8_0_vs_f16_stops_at_the_quantization_check(
     (v,) = verdict(tmp_path / "out")["verdicts"]
     assert v["stopped_at"] == {"gate": "parity", "check": "quantization"}, v["summary"]
     assert "quantization differs: f16 F16 (engine info) vs q8 Q8_0 (engine info)" in v["summary"]
+    assert v["discounted"] is None
+    # the same results with the difference declared: parity passes with a caveat, the verdict is discounted
+    declared = tmp_path / "declared"
+    assert main(["report", "--results", str(tmp_path / "out" / "results.jsonl"), "--accept-quantization-difference",
+                 "--out", str(declared)]) == 0  # fmt: skip
+    (v,) = verdict(declared)["verdicts"]
+    assert v["stopped_at"]["gate"] != "parity" and v["discounted"].startswith(
+        "includes the precision difference F16 vs Q8_0"
+    )
 
 
 def test_bench_against_sglang_emulator(llama_server_factory: Factory, tmp_path: Path) -> None:
@@ -654,8 +663,14 @@ def test_log_groups_by_observed_concurrency_and_flags_contention(tmp_path: Path)
 
 
 def test_bench_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--engine", "a=http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
-    assert "at least two" in capsys.readouterr().err
+    assert main(["bench", "--out", str(tmp_path)]) == 2
+    assert "give at least one engine" in capsys.readouterr().err
+    assert main(["bench", "--engine", "a=http://x", "--engine", "a=http://y", "--out", str(tmp_path)]) == 2
+    assert "engine a is given twice" in capsys.readouterr().err
+    assert main(["bench", "--launch", "x=python -m my.server", "--out", str(tmp_path)]) == 2
+    assert "cannot tell which port" in capsys.readouterr().err
+    assert main(["bench", "--engine", "a=http://x", "--quantization", "b=Q8_0", "--out", str(tmp_path)]) == 2
+    assert "no engine named b" in capsys.readouterr().err
     assert main(["bench", "--engine", "a=", "--engine", "b=", "--through", "http://x", "--out", str(tmp_path)]) == 2
     assert "--model" in capsys.readouterr().err
     assert (

@@ -38,6 +38,20 @@ def _template() -> dict[str, Any]:
     return doc
 
 
+def _is_gguf(path: str | None) -> bool:
+    """SGLang's ``check_gguf_file``: a file named ``*.gguf`` or whose first four bytes are the GGUF magic."""
+    p = Path(path) if path else None
+    if p is None or not p.is_file():
+        return False
+    if p.suffix == ".gguf":
+        return True
+    try:
+        with p.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def server_info(engine: SGLangEmulator, template: dict[str, Any]) -> dict[str, Any]:
     """``/server_info`` as 0.5.17 builds it: every server arg as given on the command line (``max_running_requests``
     ``null`` unless set), then ``status``, the KV pool, ``max_req_input_len``, ``startup_time``, ``internal_states``
@@ -53,7 +67,9 @@ def server_info(engine: SGLangEmulator, template: dict[str, Any]) -> dict[str, A
         context_length=config.context_length,
         max_running_requests=config.max_running_requests,
         max_queued_requests=config.max_queued_requests,
-        load_format="auto",
+        # SGLang's ServerArgs: a model path that is a GGUF file sets quantization = load_format = "gguf"
+        load_format="gguf" if _is_gguf(engine.model_path) else "auto",
+        quantization="gguf" if _is_gguf(engine.model_path) else args.get("quantization"),
         dtype="auto",
         enable_metrics=config.enable_metrics,
         enable_cache_report=config.enable_cache_report,

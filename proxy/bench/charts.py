@@ -327,3 +327,49 @@ def live_concurrency_chart(points: Sequence[tuple[str, int, float | None, float 
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
     return path
+
+
+Spread = tuple[float, float, float] | None
+
+
+def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: int | None, out: Path) -> Path | None:
+    """``enginemeter tune``: single-request decode tok/s and concurrent output tok/s per setting (median, bars
+    min–max over repeats); None without matplotlib or data."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tune.svg"
+    path.unlink(missing_ok=True)  # a chart this run does not draw must not survive
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not any(a or b for _, a, b in points):
+        return None
+    plt.rcParams["svg.hashsalt"] = "enginemeter"
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    xs = list(range(len(points)))
+    for i, (label, color) in enumerate((("single request (c=1) decode tok/s", "C0"),
+                                        (f"concurrent output tok/s (c={conc or '?'})", "C1"))):  # fmt: skip
+        pts: list[tuple[int, tuple[float, float, float]]] = []
+        for x, pt in zip(xs, points, strict=True):
+            v = pt[1] if i == 0 else pt[2]
+            if v:
+                pts.append((x, v))
+        if not pts:
+            continue
+        ys = [v[0] for _, v in pts]
+        lo = [v[0] - v[1] for _, v in pts]
+        hi = [v[2] - v[0] for _, v in pts]
+        ax.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], capsize=3, marker="o", color=color, label=label)
+    ax.set_xticks(xs, [p[0] for p in points])
+    ax.set_xlabel(flag)
+    ax.set_ylabel("tok/s")
+    ax.set_title(f"tok/s by {flag} — median, bars = min–max over repeats", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path

@@ -57,6 +57,8 @@ class RequestOutcome:
     t_start_ns: int
     t_done_ns: int
     retried: bool = False
+    #: the generated text (choice 0's content, reasoning first): greedy outputs are compared across engines
+    text: str = ""
 
     @property
     def cached_tokens(self) -> int | None:
@@ -94,6 +96,7 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
     finish: str | None = None
     status = 0
     error: str | None = None
+    parts: list[str] = []
     try:
         timer.sent()
         async with client.stream("POST", CHAT_PATH, content=body, headers={**headers, **NO_MIRROR}) as resp:
@@ -109,7 +112,7 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
                         if ev.is_comment or not ev.data or ev.is_done:
                             continue
                         try:
-                            info = read_event(loads(ev.data))
+                            info = read_event(loads(ev.data), with_text=True)
                         except ValueError:
                             error = "malformed SSE event"
                             continue
@@ -118,6 +121,8 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
                             continue
                         if info.token:
                             timer.token(t_ns)
+                        if info.text:
+                            parts.append(info.text)
                         finish = info.finish_reason or finish
                         usage = info.usage or usage
                         engine_t = info.timings or engine_t
@@ -145,4 +150,5 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
         n_token_events=timer.n_token_events,
         t_start_ns=timer.t_received_ns,
         t_done_ns=timer.t_done_ns,
+        text="".join(parts),
     )

@@ -37,6 +37,8 @@ class Target:
     aa_of: str | None = None
     #: the engine name pinned through the proxy (a second pass pins its engine, not its own name)
     pin: str | None = None
+    #: a launched engine: its command line, verbatim (``--launch NAME='COMMAND'``); None: resident at ``url``
+    launch: str | None = None
 
 
 @dataclass
@@ -73,6 +75,19 @@ class BenchConfig:
     min_effect: float = 0.05
     #: the command line as given (for the rerun advice)
     argv: list[str] = field(default_factory=list)
+    #: a declared quantization difference passes the parity gate with a caveat; the verdict is *discounted*
+    accept_quantization_difference: bool = False
+    #: launched engines: seconds from launch to ready before the launch fails
+    launch_timeout_s: float = 900.0
+    #: parity checks a deliberate change explains (``enginemeter tune``: the swept flag changes the context per slot)
+    expected_differences: tuple[str, ...] = ()
+    #: ``enginemeter tune``: the swept flag, its values and the variants' names
+    tune: dict[str, Any] | None = None
+
+    @property
+    def time_shared(self) -> bool:
+        """Launched engines run one at a time, each the whole suite alone (``proxy.bench.timeshare``)."""
+        return any(t.launch for t in self.engines)
 
     @property
     def base_prompt_len(self) -> str:

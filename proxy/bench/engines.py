@@ -30,7 +30,8 @@ def quantization(
     props = props or {}
     meta = model_meta or {}
     for src, v in (("engine info", props.get("quantization")), ("engine info", props.get("model_ftype"))):
-        if isinstance(v, str) and v and v != "auto":
+        # "gguf" (SGLang and vLLM loading a llama.cpp file) names the format, not the precision: the file says it
+        if isinstance(v, str) and v and v != "auto" and v.lower() != "gguf":
             t.quantization, t.quantization_source = v, src
             return
     named = ftype_name(meta.get("ftype"))
@@ -41,7 +42,8 @@ def quantization(
     if where and Path(where).is_file():
         ftype = _gguf_file_type(Path(where))
         if ftype is not None:
-            t.quantization, t.quantization_source = ftype_name(ftype), "GGUF header"
+            says = " (the engine says gguf)" if str(props.get("quantization") or "").lower() == "gguf" else ""
+            t.quantization, t.quantization_source = ftype_name(ftype), f"GGUF header{says}"
             return
     dtype = props.get("dtype")
     if isinstance(dtype, str) and dtype not in ("", "auto"):

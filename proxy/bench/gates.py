@@ -109,8 +109,8 @@ def parity_gate(r: Results, b: EngineInfo, c: EngineInfo, offered: int | None) -
             out.append(_reason("parity", "inconclusive", f"output lengths differ: {b.name} {mb:.1f} vs {c.name} "
                                f"{mc:.1f} tokens per request on average — set ignore_eos or compare per-token "
                                "figures only", "output length"))  # fmt: skip
-    out += _context_parity(b, c, offered)
-    out += _quant_parity(b, c)
+    out += _context_parity(b, c, offered, "context" in r.expected)
+    out += _quant_parity(b, c, r.accept_quantization_difference)
     return out
 
 
@@ -166,10 +166,14 @@ def _sampling_parity(r: Results, b: EngineInfo, c: EngineInfo) -> list[Reason]:
     return out
 
 
-def _context_parity(b: EngineInfo, c: EngineInfo, offered: int | None) -> list[Reason]:
+def _context_parity(b: EngineInfo, c: EngineInfo, offered: int | None, expected: bool = False) -> list[Reason]:
     out: list[Reason] = []
     if b.context_per_slot and c.context_per_slot:
-        if b.context_per_slot != c.context_per_slot:
+        if b.context_per_slot != c.context_per_slot and expected:
+            out.append(_reason("parity", "note", f"context per slot differs: {b.name} {b.context_per_slot} vs {c.name} "
+                               f"{c.context_per_slot} tokens — the swept flag changes it (llama.cpp: -c divided by "
+                               "-np); that is part of what is compared", "context"))  # fmt: skip
+        elif b.context_per_slot != c.context_per_slot:
             out.append(_reason("parity", "inconclusive", f"context per slot differs: {b.name} {b.context_per_slot} vs "
                                f"{c.name} {c.context_per_slot} tokens — KV-cache size and batch room differ, so the "
                                "engines are not configured alike (llama.cpp: -c divided by -np)", "context"))  # fmt: skip
@@ -187,7 +191,18 @@ def _context_parity(b: EngineInfo, c: EngineInfo, offered: int | None) -> list[R
     return out
 
 
-def _quant_parity(b: EngineInfo, c: EngineInfo) -> list[Reason]:
+def quant_differs(b: EngineInfo, c: EngineInfo) -> bool:
+    """Both quantizations known and different after normalization (F16 = FP16 = float16; bf16 ≠ f16)."""
+    return bool(b.quantization and c.quantization and quant_key(b.quantization) != quant_key(c.quantization))
+
+
+def discount(b: EngineInfo, c: EngineInfo) -> str:
+    """What a verdict across a declared precision difference includes besides the engines."""
+    return (f"includes the precision difference {b.quantization} vs {c.quantization}; a same-weights comparison is "
+            "the clean test")  # fmt: skip
+
+
+def _quant_parity(b: EngineInfo, c: EngineInfo, accept: bool = False) -> list[Reason]:
     undeclared = [e.name for e in (b, c) if not e.quantization]
     if undeclared:
         return [_reason("parity", "inconclusive", f"quantization unknown for {', '.join(undeclared)} (--quantization "
@@ -197,6 +212,10 @@ def _quant_parity(b: EngineInfo, c: EngineInfo) -> list[Reason]:
           f"({c.quantization_source or 'declared'})"  # fmt: skip
     if kb != kc:
         extra = " — bf16 ≠ f16: same size, different number format" if {kb, kc} == {"bf16", "f16"} else ""
+        if accept:
+            return [_reason("parity", "note", f"quantization differs: {src}{extra} — accepted as a declared "
+                            f"difference (--accept-quantization-difference): the verdict is discounted, it "
+                            f"{discount(b, c)}", "quantization")]  # fmt: skip
         return [_reason("parity", "inconclusive", f"quantization differs: {src}{extra} — speed and quality both "
                         "change; compare like with like", "quantization")]  # fmt: skip
     return [_reason("parity", "ok", f"quantization equal: {src}", "quantization")]
@@ -225,8 +244,9 @@ def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> 
                         "every process on the device): memory fit not judged — run through the proxy", "memory")]  # fmt: skip
     nums = f"peak {base} {_gib(pb) if pb is not None else 'unknown'}, {cand} {_gib(pc)}"
     budget, what = r.memory_budget_bytes, "budget"
-    if budget is None and total and not (gb & gc):
-        budget, what = total, f"its GPU's total (GPU {', '.join(map(str, sorted(gc)))}, held by {cand} alone)"
+    if budget is None and total and (not (gb & gc) or cand in r.alone):
+        held = "launched alone on it" if cand in r.alone else "held by it alone"
+        budget, what = total, f"its GPU's total (GPU {', '.join(map(str, sorted(gc)))}, {held})"
     elif budget is None and total:
         return [_reason("memory", "note", f"{nums}; both engines hold memory on GPU {sorted(gb & gc)}: no budget "
                         "given (--memory-budget) and the GPU's total is not the candidate's to use", "memory")]  # fmt: skip

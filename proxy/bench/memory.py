@@ -1,9 +1,11 @@
 """GPU memory while a cell repeat runs, per engine where anything can tell.
 
-Sources, best first: the proxy's ``/metrics`` per-engine gauges (``enginemeter_engine_gpu_memory_used_bytes``
-then ``..._peak_bytes``: the proxy attributes GPU processes to engines through /proc), then its device gauge,
-then NVML locally (whole device). Only a per-engine source can judge "memory fits"; a device-wide reading
-includes whatever else runs on that GPU (the other engine too), and the verdict says so instead of judging.
+Sources, best first: a launched engine's own processes (``ProcessMemory``: NVML through the launcher's pid
+attribution, ``proxy.gpumemory``), the proxy's ``/metrics`` per-engine gauges
+(``enginemeter_engine_gpu_memory_used_bytes`` then ``..._peak_bytes``: the proxy attributes GPU processes to
+engines through /proc), then its device gauge, then NVML locally (whole device). Only a per-engine source can
+judge "memory fits"; a device-wide reading includes whatever else runs on that GPU (the other engine too), and
+the verdict says so instead of judging.
 """
 
 from __future__ import annotations
@@ -12,13 +14,31 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+if TYPE_CHECKING:
+    from proxy.gpumemory import GpuMemory
+
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)")
-PER_ENGINE = frozenset({"proxy engine gauge", "proxy engine peak"})
+#: the launched engine's own processes (NVML, attributed by its pid)
+PROCESS = "launched engine's processes (NVML)"
+PER_ENGINE = frozenset({"proxy engine gauge", "proxy engine peak", PROCESS})
+
+
+class MemorySource(Protocol):
+    """Where a cell repeat's GPU memory peak comes from (``sample_record`` reads the last three)."""
+
+    source: str
+    gpus: dict[str, tuple[int, ...]]
+    total_bytes: int | None
+
+    def watch(
+        self, client: httpx.AsyncClient | None, engine: str
+    ) -> AbstractAsyncContextManager[dict[str, int | None]]: ...
 
 
 def parse_metrics(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -80,11 +100,14 @@ def memory_from_metrics(text: str, engine: str) -> tuple[int | None, str]:
 class MemoryProbe:
     """Polls GPU memory while a cell repeat runs; ``box["peak"]`` is the highest reading (None: unknown)."""
 
+    gpus: dict[str, tuple[int, ...]]
+    total_bytes: int | None
+
     def __init__(self, metrics_url: str | None) -> None:
         self.metrics_url = metrics_url
         self.source = "unknown"
-        self.gpus: dict[str, tuple[int, ...]] = {}
-        self.total_bytes: int | None = None
+        self.gpus = {}
+        self.total_bytes = None
         self._nvml: Any = None
         if metrics_url is None:
             try:
@@ -152,3 +175,36 @@ class MemoryProbe:
             v = await self.read(client, engine)
             if v is not None:
                 box["peak"] = max(v, box["peak"] or 0)
+
+
+@dataclass
+class ProcessMemory:
+    """A launched engine's processes on the GPU, read through NVML by its pid while each repeat runs; ``peak``
+    keeps the highest reading of the whole run on it (the launch's "peak while generating")."""
+
+    memory: GpuMemory
+    name: str
+    pid: int
+    period_s: float = 0.5
+    source: str = PROCESS
+    gpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    total_bytes: int | None = None
+    peak_bytes: int | None = None
+    peak_device_bytes: int | None = None
+
+    @contextlib.asynccontextmanager
+    async def watch(self, client: httpx.AsyncClient | None, engine: str) -> AsyncIterator[dict[str, int | None]]:
+        box: dict[str, int | None] = {"peak": None}
+        async with self.memory.watch(self.name, pid=self.pid, period_s=self.period_s) as peak:
+            yield box
+        box["peak"] = peak.engine_bytes
+        if peak.engine_bytes is not None:
+            self.peak_bytes = max(peak.engine_bytes, self.peak_bytes or 0)
+        if peak.device_used_bytes is not None:
+            self.peak_device_bytes = max(peak.device_used_bytes, self.peak_device_bytes or 0)
+        last = peak.last
+        if last is not None and last.engine_gpus:
+            self.gpus[engine] = last.engine_gpus
+            self.total_bytes = sum(d.total_bytes for d in last.on_engine_gpus()) or None
+        if last is None or not last.devices:
+            self.source = "unknown"

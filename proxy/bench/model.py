@@ -138,3 +138,13 @@ class Results:
     flags: Mapping[tuple[str, Cell], str] = field(default_factory=dict)
     #: the command that made the results (for the rerun advice); None when unknown
     command: str | None = None
+    #: ``--accept-quantization-difference``: a declared precision difference passes parity with a caveat and
+    #: the verdict is *discounted* (``Verdict.discounted`` says by what)
+    accept_quantization_difference: bool = False
+    #: parity checks a deliberate change explains (``enginemeter tune``: ``context`` when the swept flag sets it)
+    expected: frozenset[str] = frozenset()
+    #: engines measured with the GPU to themselves (time-shared, no other GPU process when launched): their GPU's
+    #: installed memory is theirs to fill
+    alone: frozenset[str] = frozenset()
+    #: the engines ran one at a time (launched), not side by side
+    time_shared: bool = False

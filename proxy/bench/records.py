@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, cast
 
 from proxy.bench.client import RequestOutcome
 from proxy.bench.config import CellSpec, Target
-from proxy.bench.memory import MemoryProbe
+from proxy.bench.memory import MemorySource
 from proxy.bench.workload import meets_slo, percentile
 
 
 def _median(vals: Sequence[float]) -> float | None:
     return percentile(vals, 50)
+
+
+#: characters of each output kept in the record (the first divergence between two engines is found in them)
+OUT_HEAD_CHARS = 512
 
 
 def request_record(t: Target, o: RequestOutcome, t0_ns: int, **extra: Any) -> dict[str, Any]:
@@ -39,6 +44,10 @@ def request_record(t: Target, o: RequestOutcome, t0_ns: int, **extra: Any) -> di
         "finish_reason": o.finish_reason,
         "engine_timings": asdict(e) if e else None,
         "t_s": (o.t_start_ns - t0_ns) / 1e9,
+        # the output: its hash (identical or not) and head (where two engines' greedy outputs part)
+        "out_sha": hashlib.sha1(o.text.encode()).hexdigest()[:16] if o.ok else None,
+        "out_head": o.text[:OUT_HEAD_CHARS] if o.ok else None,
+        "out_chars": len(o.text) if o.ok else None,
     }
 
 
@@ -50,7 +59,7 @@ def sample_record(
     t_a: int,
     t_b: int,
     mem_peak: int | None,
-    mem: MemoryProbe,
+    mem: MemorySource,
     slo: Mapping[str, float],
     mem_engine: str,
 ) -> dict[str, Any]:

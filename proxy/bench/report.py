@@ -13,10 +13,13 @@ import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.bench import agreement as agreement_mod
+from proxy.bench import arms as arms_mod
+from proxy.bench import launchreport
+from proxy.bench.blocks import Block
 from proxy.bench.charts import CHART_FILES, make_charts
 from proxy.bench.checks import summary as protocol_checks
 from proxy.bench.gates import cache_flags
@@ -27,17 +30,7 @@ from proxy.bench.suite import length_rank
 from proxy.bench.verdict import Verdict, decide_all
 from proxy.bench.workload import meets_slo, percentile
 
-__all__ = ["Data", "load_bench", "read_jsonl", "verdict_json", "write_report"]
-
-
-@dataclass
-class Block:
-    kind: str  # h1 h2 h3 p ul table img
-    text: str = ""
-    items: list[str] = field(default_factory=list)
-    header: list[str] = field(default_factory=list)
-    rows: list[list[str]] = field(default_factory=list)
-    path: str = ""
+__all__ = ["Block", "Data", "load_bench", "read_jsonl", "verdict_json", "write_report"]
 
 
 def _num(x: float | None, unit: str = "", digits: int = 3) -> str:
@@ -79,16 +72,26 @@ def _cell_order(c: Cell) -> tuple[Any, ...]:
     return (c.rate or 0, c.concurrency, c.max_tokens, length_rank(c.prompt_len))
 
 
-def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdicts: Sequence[Verdict]) -> list[Block]:
+def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdicts: Sequence[Verdict],
+             lead: Sequence[Block] = (), agreements: Mapping[str, agreement_mod.Agreement] | None = None,
+             arms: Sequence[arms_mod.Arms] = ()) -> list[Block]:  # fmt: skip
     r = d.results
     out: list[Block] = [Block("h1", d.title)]
-    if d.interrupted:
+    if d.stopped:
+        out.append(Block("p", f"**Stopped early** — {d.stopped}; the report covers only what finished."))
+    elif d.interrupted:
         out.append(Block("p", "**Interrupted run** — the report covers only what finished."))
+    out += lead
     out.append(Block("h2", "Verdict"))
     for v in verdicts:
         out += _verdict_blocks(v)
+        ag = (agreements or {}).get(v.candidate)
+        if ag is not None:
+            out += agreement_mod.blocks(ag, v.baseline, v.candidate)
     if not verdicts:
-        out.append(Block("p", "Only one engine: nothing to compare."))
+        out.append(Block("p", "Only one engine: nothing to compare here. Join this run with another one's results "
+                         "(`enginemeter report --results A/results.jsonl B/results.jsonl`)."))  # fmt: skip
+    out += arms_mod.blocks(arms, d.engines_meta)
 
     out.append(Block("h2", "Engines"))
     rows = []
@@ -102,6 +105,7 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
                      "unknown" if dropped is None else ", ".join(dropped) or "none", str(e.get("url") or "–")])  # fmt: skip
     out.append(Block("table", header=["engine", "kind", "model", "quantization", "slots", "context/slot",
                                       "params dropped", "url"], rows=rows))  # fmt: skip
+    out += launchreport.blocks(d.stints, d.stopped)
     if d.protocol:
         out.append(Block("h2", "Protocol"))
         out.append(Block("ul", items=d.protocol))
@@ -139,7 +143,11 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
 
 
 def _verdict_blocks(v: Verdict) -> list[Block]:
-    out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**"), Block("p", v.summary)]
+    tag = " (discounted)" if v.discounted else ""
+    out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**{tag}"),
+           Block("p", v.summary)]  # fmt: skip
+    if v.discounted:
+        out.append(Block("p", f"**Discounted:** this answer {v.discounted}."))
     if v.next_step:
         out.append(Block("p", f"**Next:** `{v.next_step}`" if v.next_step.startswith("enginemeter ") else
                          f"**Next:** {v.next_step}"))  # fmt: skip
@@ -364,17 +372,31 @@ def verdict_json(verdicts: Sequence[Verdict], **extra: Any) -> dict[str, Any]:
     return {"version": 2, "decision": overall, **extra, "verdicts": [v.to_json() for v in verdicts]}
 
 
-def write_report(d: Data, out: Path) -> dict[str, Any]:
-    """Write report.md, report.html, the charts and verdict.json into ``out``; returns the verdicts and paths."""
+def write_report(
+    d: Data, out: Path, *, lead: Sequence[Block] = (), extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write report.md, report.html, the charts and verdict.json into ``out``; returns the verdicts and paths.
+    ``lead``: blocks before the verdict (``tune``'s table), ``extra``: keys added to verdict.json."""
     out.mkdir(parents=True, exist_ok=True)
     for name in CHART_FILES:
         (out / f"{name}.svg").unlink(missing_ok=True)  # a chart this run does not draw must not survive
     verdicts = decide_all(d.results)
     charts, note = make_charts(d, out, verdicts)
-    blocks = document(d, charts, note, verdicts)
+    agreements = {v.candidate: agreement_mod.agreement(d.requests, v.baseline, v.candidate) for v in verdicts}
+    arms = arms_mod.arms(d.engines_meta, d.results.baseline, verdicts)
+    blocks = document(d, charts, note, verdicts, lead, agreements, arms)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
     vj = verdict_json(verdicts, interrupted=d.interrupted)
+    for entry, v in zip(vj["verdicts"], verdicts, strict=True):
+        entry["output_agreement"] = agreements[v.candidate].to_json()
+    if arms:
+        vj["arms"] = [a.to_json() for a in arms]
+    if d.stints:
+        vj["time_shared"] = {"stints": launchreport.launches_json(d.stints), "stopped": d.stopped}
+    if len(d.sources) > 1:
+        vj["sources"] = d.sources
+    vj.update(extra or {})
     (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return {"report_md": out / "report.md", "report_html": out / "report.html", "verdict_json": out / "verdict.json",
-            "charts": list(charts.values()), "verdicts": verdicts}  # fmt: skip
+            "charts": list(charts.values()), "verdicts": verdicts, "arms_lines": [a.text for a in arms]}  # fmt: skip

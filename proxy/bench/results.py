@@ -35,6 +35,14 @@ class Data:
     goodput: Mapping[str, float] = field(default_factory=dict)
     #: each sample's engine and place in its repeat's order (results version 3)
     positions: list[dict[str, Any]] = field(default_factory=list)
+    #: time-shared runs: one record per engine stint (role, when, GPU processes before, the launch if launched)
+    stints: list[dict[str, Any]] = field(default_factory=list)
+    #: why the run ended early (a launch that failed, memory that did not come back); None: it did not
+    stopped: str | None = None
+    #: the results files this data was read from (several: ``report --results A B``, ``proxy.bench.merge``)
+    sources: list[str] = field(default_factory=list)
+    #: the ``run`` record of each source, in order
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -70,6 +78,7 @@ def load_bench(
     quantization: Mapping[str, str] | None = None,
     min_repeats: int = 3,
     min_effect: float | None = None,
+    accept_quantization_difference: bool = False,
 ) -> Data:
     recs = read_jsonl(path)
     run = next((r for r in recs if r.get("type") == "run"), None)
@@ -79,6 +88,11 @@ def load_bench(
     cfg = run.get("config", {})
     quant = dict(quantization or {})
     infos = []
+    # a time-shared run learns each engine's facts once it is up: its ``engine`` record replaces the run's entry
+    later = {r["name"]: {k: v for k, v in r.items() if k not in ("type", "role")} for r in recs
+             if r.get("type") == "engine" and isinstance(r.get("name"), str)}  # fmt: skip
+    run["engines"] = [later.pop(e["name"], e) for e in run["engines"]] + list(later.values())
+    stints = [r for r in recs if r.get("type") == "stint"]
     for e in run["engines"]:
         declared = quant.get(e["name"])
         q = declared or e.get("quantization")
@@ -136,6 +150,9 @@ def load_bench(
         min_repeats=min_repeats, requests=reqs, shared_prefix=cfg.get("suite") == SHARED_PREFIX,
         min_effect=min_effect if min_effect is not None else float(cfg.get("min_effect") or MIN_EFFECT),
         flags=_busy_flags(recs), command=bench_command(run),
+        accept_quantization_difference=accept_quantization_difference or bool(cfg.get("accept_quantization_difference")),
+        expected=frozenset(cfg.get("expected_differences") or ()), alone=_alone(stints),
+        time_shared=bool(run.get("time_shared")),
     )  # fmt: skip
     return Data(
         title="enginemeter bench report",
@@ -150,7 +167,14 @@ def load_bench(
         goodput=run.get("goodput") or {},
         positions=[{"engine": r["engine"], "position": r["position"]} for r in recs
                    if r.get("type") == "sample" and "position" in r],
+        stints=stints, stopped=(end or {}).get("stopped", {}).get("cause") if (end or {}).get("stopped") else None,
+        sources=[str(path)], runs=[run],
     )  # fmt: skip
+
+
+def _alone(stints: list[dict[str, Any]]) -> frozenset[str]:
+    """Launched engines that found no other process on the GPU when they started."""
+    return frozenset(s["engine"] for s in stints if s.get("launch") and s.get("gpu_processes_before") == 0)
 
 
 def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str]:
@@ -161,6 +185,13 @@ def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str
     per_cell = (f"{cfg['requests']} requests" if cfg.get("requests") else f"{cfg['duration_s']:g} s" if
                 cfg.get("duration_s") else f"{cfg.get('waves')} × concurrency requests")  # fmt: skip
     aa = [e["name"] for e in run["engines"] if e.get("aa_of")]
+    launched = [e for e in run["engines"] if e.get("launch")]
+    shared = (
+        "time-shared: each engine ran the whole suite alone, one after another"
+        + (f" ({len(launched)} launched by enginemeter, each stopped and its GPU memory back before the next)"
+           if launched else "")
+        + "; the bench's engines never ran side by side, so no contention applies"
+    ) if run.get("time_shared") else None  # fmt: skip
     out = [
         f"started {dt.datetime.fromtimestamp(run.get('started', 0), dt.UTC):%Y-%m-%d %H:%M:%S} UTC"
         + (f", took {end['duration_s']:.0f} s" if end and isinstance(end.get("duration_s"), int | float) else ""),
@@ -175,9 +206,12 @@ def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str
         if rates else "closed loop: at most `concurrency` requests in flight, the next sent as one ends",
         f"{cfg.get('repeats')} repeats per cell, engines rotating order; {cfg.get('warmup')} warm-up request(s) per "
         f"engine discarded; {per_cell} per cell repeat",
-        (f"A/A noise floor: {', '.join(aa)} = a second pass of the baseline in every cell repeat" if aa
-         else "no A/A pass: the noise floor is the run-to-run variation"),
+        *([shared] if shared else []),
+        f"A/A noise floor: {', '.join(aa)} = {_aa_how(run, bool(launched))}" if aa
+        else "no A/A pass: the noise floor is the run-to-run variation",
         f"cache: {cfg.get('cache')} (cold = unique prefix per request"
+        + (", drawn from --seed: every engine was launched fresh, so runs with the same seed send the same "
+           "requests" if (run.get("protocol") or {}).get("cold_prefixes") == "seeded" else "")
         + (", cache_prompt:false to llama.cpp" if cfg.get("no_prompt_cache") else "")
         + ", SGLang /flush_cache before each phase; warm = bare prompts, primed once)",
         "sampling sent (before per-kind mapping): "
@@ -186,6 +220,14 @@ def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str
     if run.get("goodput"):
         out.append("goodput SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in run["goodput"].items()))
     return out
+
+
+def _aa_how(run: Mapping[str, Any], launched: bool) -> str:
+    if not run.get("time_shared"):
+        return "a second pass of the baseline in every cell repeat"
+    if launched:
+        return "the baseline launched again after the candidates (restart-to-restart noise)"
+    return "the baseline measured again after the candidates"
 
 
 def _busy_flags(recs: list[dict[str, Any]]) -> dict[tuple[str, Cell], str]:

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.bench.gates import data_gate, memory_gate, parity_gate
+from proxy.bench.gates import data_gate, discount, memory_gate, parity_gate, quant_differs
 from proxy.bench.model import Cell, Decision, EngineInfo, Outcome, Reason, Req, Results, Sample
 from proxy.bench.regimes import REGIMES, RegimeAnswer, band, conclude
 from proxy.bench.stats import Paired, paired_bootstrap, variation
@@ -198,6 +198,8 @@ class Verdict:
     regimes: tuple[RegimeAnswer, ...] = ()
     #: what to run next (inconclusive / partial): the flags to add, or that no feasible rerun resolves it
     next_step: str | None = None
+    #: a declared quantization difference was accepted: what the answer includes besides the engines (None: clean)
+    discounted: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -206,6 +208,7 @@ class Verdict:
             "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check or "unnamed"} if self.stopped_at
             else None,
             "regimes": [a.to_json() for a in self.regimes], "next_step": self.next_step,
+            "discounted": self.discounted,
             "reasons": [{"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive,
                          "text": x.text} for x in self.reasons],
             "comparisons": [c.to_json() for c in self.comparisons],
@@ -303,8 +306,10 @@ def decide(r: Results, candidate: str) -> Verdict:
     c = conclude(r, base, candidate, reasons, comps, aa, {s for s, _ in REGIMES if s in measured},
                  max(slots) if slots else None)  # fmt: skip
     noise = "A/A pass" if aa else "run-to-run variation"
+    b, k = infos[base], infos[candidate]
+    discounted = discount(b, k) if r.accept_quantization_difference and quant_differs(b, k) else None
     return Verdict(base, candidate, c.decision, c.summary, c.reasons, tuple(comps), c.stopped_at, c.stopped_check,
-                   noise, c.regimes, c.next_step)  # fmt: skip
+                   noise, c.regimes, c.next_step, discounted)  # fmt: skip
 
 
 def _text(comp: Comparison, base: str, cand: str) -> str:
