@@ -157,7 +157,7 @@ def test_configured_pairs_start_at_zero(tmp_path: Path) -> None:
 
 
 def test_series_per_engine_and_alias_are_as_documented() -> None:
-    """docs/metrics.md#series: 2 + 4E + 18E(E+M) at start; up to 1,417 per (engine, model label) pair with
+    """docs/metrics.md#series: 88 + 4E + 18E(E+M) at start; up to 1,481 per (engine, model label) pair with
     traffic. Counted by perf/series.py on the proxy's own Metrics."""
     import importlib.util
 
@@ -169,7 +169,7 @@ def test_series_per_engine_and_alias_are_as_documented() -> None:
     for e, m in [(1, 1), (1, 2), (2, 1), (2, 3)]:
         pairs = e * (e + m)
         primed, full, _ = series.count(e, m)
-        assert primed == 2 + 4 * e + 18 * pairs, (e, m, primed)
-        assert full == primed + 1399 * pairs, (e, m, full)
+        assert primed == 88 + 4 * e + 18 * pairs, (e, m, primed)
+        assert full == primed + 1463 * pairs, (e, m, full)
     doc = (path.parent.parent / "docs" / "metrics.md").read_text()
-    assert "**2 + 4·E + 18·E·(E + M)**" in doc and "**1,417 series per pair**" in doc and "1,399 more" in doc
+    assert "**88 + 4·E + 18·E·(E + M)**" in doc and "**1,481 series per pair**" in doc and "1,463 more" in doc

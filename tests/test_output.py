@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.server import relay
+from proxy.server import responses
 from proxy.server.guard import server_options
 from proxy.server.output import Output, SendOutput, SocketOutput, socket_output
 from proxy.settings import EngineSettings, RouteSettings, Settings
@@ -123,7 +123,7 @@ def test_the_proxy_says_which_way_its_stream_chunks_go(
 ) -> None:
     """``enginemeter serve``'s server takes the direct path (a silent fallback to the slower ASGI path would show
     here); any other server the ASGI one. Logged once per process and path."""
-    monkeypatch.setattr(relay, "_said", set())
+    monkeypatch.setattr(responses, "_said", set())
     with run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as engine:
         p = proxy_factory(
             Settings(

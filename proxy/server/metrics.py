@@ -45,6 +45,11 @@ GAP_BUCKETS = (
 OVERHEAD_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
+#: 0.5 ms .. 10 s: how late the event loop runs (libuv timers are millisecond-grained: an idle loop shows 0-1 ms),
+#: how long a request waits for it, how long a garbage collection holds it
+LOOP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 #: OpenTelemetry gen_ai.client.token.usage boundaries
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 TPS_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000)
@@ -122,7 +127,8 @@ class Metrics:
         self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", b["ttft"], r)  # fmt: skip
         self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", b["ttft"], r)  # fmt: skip
         self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", b["ttft"], r)
-        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request).", b["overhead"], r)  # fmt: skip
+        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request, event-loop queueing included).", b["overhead"], r)  # fmt: skip
+        self.proxy_delay = _h("proxy_delay_seconds", "Everything the proxy added to the client's time to first byte: received -> sent upstream, plus (streams) the engine's first event -> the client's first byte.", b["overhead"], r)  # fmt: skip
         self.gap = _h("inter_chunk_seconds", "Gap between consecutive token-carrying chunks (a chunk may carry several tokens).", b["inter_chunk"], r)  # fmt: skip
         self.tpot = _h("time_per_output_token_seconds", "(last token - first token) / (completion_tokens - 1).", b["inter_chunk"], r)  # fmt: skip
         self.decode_tps = _h("decode_tokens_per_second", "(completion_tokens - 1) / (last token - first token).", b["decode_tps"], r)  # fmt: skip
@@ -181,6 +187,23 @@ class Metrics:
             f"{PREFIX}_shadow_ratio", "Shadow / primary ratio per pair (metric=ttft|tpot|decode_tps).",
             ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        # ---- the event loop (proxy/server/loopwatch.py): a saturated proxy shows itself here -----------
+        self.loop_lag = Histogram(
+            f"{PREFIX}_event_loop_lag_seconds", "How late a periodic timer on the event loop fired (every 0.1 s): how long the loop was busy elsewhere.",
+            buckets=LOOP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queued = Gauge(
+            f"{PREFIX}_requests_queued", "Requests whose head the server has parsed and whose handler has not started yet (waiting for the event loop).",
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.handler_wait = Histogram(
+            f"{PREFIX}_request_queue_seconds", "Request head parsed -> the proxy's handler started: time a request waited for the event loop.",
+            buckets=LOOP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.gc_pause = Histogram(
+            f"{PREFIX}_gc_pause_seconds", "Garbage-collector pauses of the proxy process, by generation (0|1|2).",
+            ("generation",), buckets=LOOP_BUCKETS, registry=r,
+        )  # fmt: skip
         # ---- serve --workers N: written by the supervisor when a worker dies (0 in one process) ------------
         self.worker_lost = Counter(f"{PREFIX}_worker_lost_requests", WORKER_LOST_HELP, ("engine", "role"), registry=r)
         self.worker_restarts = Counter(f"{PREFIX}_worker_restarts", WORKER_RESTARTS_HELP, registry=r)
@@ -208,6 +231,8 @@ class Metrics:
                         self.requests.labels(e, m, "primary", stream, "chat", outcome)
                 for reason in FINISH_REASONS:
                     self.finish.labels(e, m, "primary", reason)
+        for generation in ("0", "1", "2"):
+            self.gc_pause.labels(generation)
         for p, s in pairs:
             self.pairs.labels(p, s)
             self.contended.labels(p, s)
@@ -245,6 +270,8 @@ def observe(m: Metrics, r: Result) -> None:
         child(m, m.e2e, *lab).observe(t.e2e_s)
     if t.overhead_s is not None:
         child(m, m.overhead, *lab).observe(t.overhead_s)
+    if t.proxy_delay_s is not None:
+        child(m, m.proxy_delay, *lab).observe(t.proxy_delay_s)
     if t.headers_s is not None:
         child(m, m.headers, *lab).observe(t.headers_s)
     if r.outcome == "ok":

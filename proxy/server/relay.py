@@ -34,14 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import orjson
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
     TRANSPORT_ERRORS,
-    ProxyError,
     UpstreamBroken,
     UpstreamError,
     error_body,
@@ -50,7 +46,7 @@ from proxy.errors import (
 )
 from proxy.normalize import Normalized
 from proxy.server.llamatimings import timings_block
-from proxy.server.output import DISCARD, BufferOutput, Output, SendOutput, socket_output
+from proxy.server.output import DISCARD, BufferOutput, Output
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
 from proxy.sse import Event, EventTooLarge, SSEFramer, encode_data
@@ -166,6 +162,7 @@ class Attempt:
             # free the connection and its pool slot here, whoever the caller is
             await self.response.aclose()
             raise
+        self.timer.t_first_read_ns = self._first_t
         first = self._first[0]
         if not first.is_comment and not first.is_done:
             try:
@@ -310,8 +307,11 @@ class Attempt:
             try:
                 data = self._process(self._first, self._first_t)
                 self._first = []
-                if data and output.write(data):
-                    await output.flush()
+                if data:
+                    if output.write(data):
+                        await output.flush()
+                    if not isinstance(output, BufferOutput):  # HTTP/1.0: the first byte goes with the last
+                        self.timer.first_byte()
                 await self.response.pump(self._on_chunk, output)
                 await output.flush()
                 if self.outcome is None and not self.saw_done and self.finish_reason is None:
@@ -432,82 +432,3 @@ class Attempt:
         except Exception:  # a metrics/comparison bug must never break the traffic
             log.exception("recording the result of %s failed", self.request_id)
         return result
-
-
-class RelayResponse:
-    """ASGI response for an SSE relay. A client hang-up is noticed by the caller's watcher
-    (``Gateway.respond``), which cancels this response; the relay's ``finally`` closes the upstream.
-
-    The chunks go straight to the client's socket when ``send`` is uvicorn's own (``output.socket_output``), else
-    through ``send``. ``on_end`` runs just before the response's last message (the watcher stops there: uvicorn
-    reports a finished response as a disconnect).
-
-    HTTP/1.0 has no chunked encoding and uvicorn's httptools protocol cannot end a body by closing the
-    connection, so an HTTP/1.0 client gets the stream whole, with a Content-Length, once it has ended.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, attempt: Attempt, headers: dict[str, str]) -> None:
-        self.attempt = attempt
-        self.on_end: Callable[[], None] = _nothing
-        self.headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
-        ]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            if scope.get("http_version") == "1.0":
-                buffer = BufferOutput()
-                await self.attempt.relay(buffer)
-                whole = b"".join(buffer.chunks)
-                headers = [*self.headers, (b"content-length", str(len(whole)).encode())]
-                self.on_end()
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                await send({"type": "http.response.body", "body": whole, "more_body": False})
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            output: Output | None = socket_output(send)
-            if output is None:
-                output = SendOutput(send)
-            _say_path(output)
-            await self.attempt.relay(output)
-            self.on_end()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            pass  # the client went away mid-send; the relay's finally records it
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.attempt.close()
-
-
-def _nothing() -> None:
-    return None
-
-
-_said: set[type] = set()
-
-
-def _say_path(output: Output) -> None:
-    """Log once per process which way streamed chunks go (an operator can tell the fast path from the fallback)."""
-    kind = type(output)
-    if kind not in _said:
-        _said.add(kind)
-        if isinstance(output, SendOutput):
-            how = "through the server's ASGI send (not uvicorn's httptools protocol, or a middleware wraps send)"
-        else:
-            how = "straight to the client's socket (uvicorn's httptools protocol)"
-        log.info("stream chunks go %s", how)
-
-
-def error_response(
-    exc: ProxyError, request_id: str, engine: str | None = None, headers: dict[str, str] | None = None
-) -> Response:
-    """The proxy's own error (OpenAI-style envelope marked ``"enginemeter": true``) as a JSON response."""
-    headers = {"x-enginemeter-request-id": request_id, **(headers or {})}
-    if engine:
-        headers["x-enginemeter-engine"] = engine
-    return Response(exc.to_bytes(), status_code=exc.status, headers=headers, media_type="application/json")
