@@ -124,23 +124,23 @@ class EngineTimings:
     def from_json(cls, t: Any) -> EngineTimings | None:
         if not isinstance(t, dict):
             return None
-
-        def num(key: str) -> float | None:
-            v = t.get(key)
-            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-        def integer(key: str) -> int | None:
-            v = num(key)
-            return int(v) if v is not None else None
-
         return cls(
-            prompt_ms=num("prompt_ms"),
-            prompt_n=integer("prompt_n"),
-            cache_n=integer("cache_n"),
-            predicted_n=integer("predicted_n"),
-            predicted_ms=num("predicted_ms"),
-            predicted_per_second=num("predicted_per_second"),
+            prompt_ms=_num(t.get("prompt_ms")),
+            prompt_n=_int(t.get("prompt_n")),
+            cache_n=_int(t.get("cache_n")),
+            predicted_n=_int(t.get("predicted_n")),
+            predicted_ms=_num(t.get("predicted_ms")),
+            predicted_per_second=_num(t.get("predicted_per_second")),
         )
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _int(v: Any) -> int | None:
+    f = _num(v)
+    return int(f) if f is not None else None
 
 
 def usage_from_json(u: Any) -> Usage | None:

@@ -152,7 +152,7 @@ def test_a_stream_leaves_no_reference_cycles_for_the_collector(proxy_factory: Pr
     assert ours == [], sorted({type(o).__qualname__ for o in ours})
 
 
-def test_serve_freezes_its_start_up_objects() -> None:
+def test_serve_freezes_its_start_up_objects_and_shortens_the_gil_switch_interval() -> None:
     with (
         run_in_thread() as url,
         ProcessServer(
@@ -160,7 +160,9 @@ def test_serve_freezes_its_start_up_objects() -> None:
         ) as server,
     ):
         line = wait_until(
-            lambda: re.search(r"gc: (\d+) start-up objects frozen", server.output()),
+            lambda: re.search(
+                r"gc: (\d+) start-up objects frozen \(gc.freeze\); GIL switch interval 0.5 ms", server.output()
+            ),
             timeout=10,
             message="the gc line in the log",
         )

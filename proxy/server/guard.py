@@ -39,7 +39,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.server.loopwatch import LoopWatch, settle_gc
+from proxy.server.loopwatch import LoopWatch, settle_process
 
 log = logging.getLogger("enginemeter")
 
@@ -242,7 +242,8 @@ def server_config(
 
 class Server(uvicorn.Server):
     """The server of ``enginemeter serve`` (one process or each worker): once it serves (the app's start-up done,
-    the socket listening) it settles the garbage collector (``loopwatch.settle_gc``) and calls ``on_started``."""
+    the socket listening) it settles the process (``loopwatch.settle_process``: ``gc.freeze()``, the GIL's switch
+    interval) and calls ``on_started``."""
 
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
         super().__init__(config)
@@ -251,6 +252,6 @@ class Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
-            settle_gc()
+            settle_process()
             if self._on_started is not None:
                 self._on_started()

@@ -1,5 +1,5 @@
 """The event loop's own health, so that a saturated proxy shows itself (docs/metrics.md#the-event-loop), and the
-garbage collector set up for a long-running server (``settle_gc``).
+garbage collector and the GIL set up for a long-running server (``settle_process``).
 
 Every stream the proxy relays waits whenever its one event loop is busy with something else: a request start, a
 garbage collection, a large body, a neighbour's process on the same core. Those waits reach no request's timer
@@ -15,10 +15,15 @@ garbage collection, a large body, a neighbour's process on the same core. Those 
   ``enginemeter_gc_pause_seconds``. The hook only appends to a list: a collection can start inside any
   allocation, even one made under prometheus-client's (non-reentrant) lock.
 
-``settle_gc()`` (``enginemeter serve``, once the server has started): ``gc.freeze()`` moves every object made at
-start-up (modules, settings, the app, ~70,000 objects) into the permanent generation, so that a full collection
-scans only what was made since (it took 17-23 ms on the 2-core VM before, docs/performance.md). The collection
-thresholds stay CPython's (700, 10, 10): raising them made pauses rarer but longer (measured there too).
+``settle_process()`` (``enginemeter serve``, once the server has started) sets the process up for a long run:
+
+- ``gc.freeze()`` moves every object made at start-up (modules, settings, the app, ~70,000 objects) into the
+  permanent generation, so that a full collection scans only what was made since (it took 17-23 ms on the
+  2-core VM before, docs/performance.md). The thresholds stay CPython's (700, 10, 10): raising them made pauses
+  rarer but longer (measured there too).
+- the GIL's switch interval goes from 5 ms to ``SWITCH_INTERVAL_S``: the work the proxy keeps off the loop in
+  threads (the ``/metrics`` exposition, the request log's writer) still takes the GIL, and the loop got it back
+  only every 5 ms (a scrape of 1 MB of series held the loop 5.7 ms at a time; 1.2 ms at 0.5 ms: ``perf/gil.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,17 +49,20 @@ PROBE_INTERVAL_S = 0.1
 T_RECEIVED = "enginemeter.t_received_ns"
 #: the scope key ``started`` stamps with the handler's start
 T_HANDLER = "enginemeter.t_handler_ns"
+#: the GIL's switch interval under ``enginemeter serve`` (CPython's default: 5 ms)
+SWITCH_INTERVAL_S = 0.0005
 #: GC pauses kept between two probes at most (a flood of collections must not grow the list without bound)
 MAX_PENDING_PAUSES = 10_000
 
 
-def settle_gc() -> int:
-    """Freeze what start-up made (module docstring); returns the number of objects frozen. Call once the server
-    serves (after the app's start-up), in the process that runs it."""
+def settle_process() -> int:
+    """Freeze what start-up made, shorten the GIL's switch interval (module docstring); returns the number of
+    objects frozen. Call once the server serves (after the app's start-up), in the process that runs it."""
     gc.collect()  # what start-up left as garbage goes now, not into the permanent generation
     gc.freeze()
     frozen = gc.get_freeze_count()
-    log.info("gc: %d start-up objects frozen (gc.freeze)", frozen)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    log.info("gc: %d start-up objects frozen (gc.freeze); GIL switch interval %g ms", frozen, SWITCH_INTERVAL_S * 1e3)
     return frozen
 
 

@@ -6,7 +6,7 @@ receive -> authenticate -> read body (bounded in size and time) -> parse a JSON 
 
 - **The generation path's intake**, not a copy of it: ``Gateway.authenticate``, ``Gateway.read_body`` (413 over
   ``max_body_bytes``, 408 when the body is not whole within ``body_timeout_s``), ``Gateway.parse`` (orjson: NaN,
-  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400; large bodies in a thread) and
+  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400) and
   its hang-up ``Watch``: from the end of the body on, a client that leaves cancels the request at once in any
   phase (waiting for the engine's headers, its body, a stream), which closes the upstream connection; counted
   ``client_disconnect``. A body is parsed when it is JSON by its content type, or by its first byte (``{`` or

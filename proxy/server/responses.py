@@ -29,7 +29,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from proxy.errors import ProxyError
 from proxy.server.loopwatch import T_HANDLER, T_RECEIVED
-from proxy.server.output import BufferOutput, Output, SendOutput, socket_output
+from proxy.server.output import BufferOutput, Output, SendOutput, start
 from proxy.server.relay import Attempt
 from proxy.timing import StreamTimer
 
@@ -122,19 +122,18 @@ class RelayResponse:
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": whole, "more_body": False})
                 return
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            output: Output | None = socket_output(send)
-            if output is None:
-                output = SendOutput(send)
+            output = await start(send, {"type": "http.response.start", "status": 200, "headers": self.headers})
             _say_path(output)
             await self.attempt.relay(output)
+            await output.flush()  # a head still held (nothing was written) goes before the end
             self.on_end()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass  # the client went away mid-send; the relay's finally records it
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.attempt.close()
+            if not self.attempt.finished:  # the relay closes it in its finally: this is for what never started
+                with anyio.CancelScope(shield=True):
+                    await self.attempt.close()
 
 
 def _nothing() -> None:

@@ -1,4 +1,7 @@
-"""GC pauses of a process, for the bench: ``PYTHONPATH=perf/gcprobe ENGINEMETER_GCPROBE=FILE python ...``.
+"""Process probes for the bench: ``PYTHONPATH=perf/probe ENGINEMETER_GCPROBE=FILE python ...`` (GC pauses) and
+``ENGINEMETER_CPROFILE=FILE`` (a cProfile of the main thread between SIGUSR1 and SIGUSR2).
+
+GC pauses:
 
 Loaded as ``sitecustomize`` (only when this directory is on ``PYTHONPATH``): a ``gc.callbacks`` hook times every
 collection with ``perf_counter_ns`` (from ``ENGINEMETER_GCPROBE_SKIP_S`` after start, default 5 s: start-up's
@@ -86,3 +89,23 @@ if _path:
             json.dump(out, f, indent=1)
 
     atexit.register(_dump)
+
+
+_prof_path = os.environ.get("ENGINEMETER_CPROFILE")
+
+if _prof_path:
+    # cProfile profiles the thread that enables it; a signal handler runs in the main thread (the event loop's)
+    import cProfile
+    import signal
+
+    _prof = cProfile.Profile(time.thread_time)  # CPU time: a wall clock counts the time the process was preempted
+
+    def _start(signum: int, frame: object) -> None:
+        _prof.enable()
+
+    def _stop(signum: int, frame: object) -> None:
+        _prof.disable()
+        _prof.dump_stats(f"{_prof_path}.{os.getpid()}")
+
+    signal.signal(signal.SIGUSR1, _start)
+    signal.signal(signal.SIGUSR2, _stop)
