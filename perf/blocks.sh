@@ -10,10 +10,13 @@
 #   llama-1    one stream against a real llama-server (llama-32: 32 of them, -np 32)
 #   burst-32   32 streams started at once
 #   start-cpu  16 streams of one token: the CPU of a request start
-#   w2-256     256 steady streams, the proxy with 1 and 2 workers (serve --workers): throughput on both cores
+#   w2-256     256 steady streams, the proxy with 1 and 2 workers (serve --workers): throughput on both cores (BASE:
+#              one worker)
 #   gc         fake-32's load with the GC probe in the proxies (perf/probe): pauses per generation
 #   profile-32 py-spy of the proxy under fake-32's load (perf/pyspy.py; pip install py-spy)
-#   gil        perf/gil.py: what a /metrics scrape in its thread costs the loop, by switch interval
+#   loopcost   perf/loopcost.py: what the loop pays for work in threads (a /metrics scrape, by switch interval),
+#              for C calls that hold the GIL, and for a full garbage collection of the start-up heap
+#   chunkpath  perf/chunkpath.py on this tree and on BASE: the per-chunk path and a request's metrics, hot
 # BASE: a directory holding the earlier tree, or a commit (archived to a temporary directory here).
 # Writes OUT_DIR/commands.txt (the tree, the machine, each block's command and the load average before it) and
 # per block BLOCK.txt (the bench's output) and BLOCK.json (every figure). ROUNDS scales the rounds of the long
@@ -33,7 +36,7 @@ fi
 py=${PYTHON:-$root/.venv/bin/python}
 rounds=${ROUNDS:-6}
 blocks=("$@")
-[ ${#blocks[@]} -gt 0 ] || blocks=(fake-32 fake-1 burst-32 start-cpu w2-256 gc profile-32 gil)
+[ ${#blocks[@]} -gt 0 ] || blocks=(fake-32 fake-1 burst-32 start-cpu w2-256 gc profile-32 loopcost chunkpath)
 mkdir -p "$out"
 {
   echo "tree: $(git -C "$root" rev-parse HEAD) $(git -C "$root" log -1 --format=%s | cut -c1-100); base: $base_note"
@@ -54,12 +57,13 @@ for b in "${blocks[@]}"; do
                       --proxy-env "PYTHONPATH=$root/perf/probe" --proxy-env "ENGINEMETER_GCPROBE=$out/gc") ;;
     profile-32) runner=(perf/pyspy.py --out "$out/profile-32" --streams 32 --tokens 64 --cadence-ms 10 --rounds 8 --)
                 args=() ;;
-    gil)        runner=(perf/gil.py); args=() ;;
+    loopcost)   runner=(perf/loopcost.py); args=() ;;
+    chunkpath)  runner=(sh -c "'$py' perf/chunkpath.py && '$py' perf/chunkpath.py --tree '$base'"); args=() ;;
     *) echo "unknown block $b" >&2; exit 2 ;;
   esac
   case $b in
-    profile-32|gil) cmd=("$py" "${runner[@]}" "${args[@]}") ;;
-    w2-256)         cmd=("$py" "${runner[@]}" "${args[@]}" --json "$out/$b.json") ;;  # no base: workers are new
+    profile-32|loopcost) cmd=("$py" "${runner[@]}" "${args[@]}") ;;
+    chunkpath)      cmd=("${runner[@]}") ;;
     *)              cmd=("$py" "${runner[@]}" "${args[@]}" --baseline-tree "$base" --json "$out/$b.json") ;;
   esac
   echo "== $b ($(cut -d' ' -f1-3 /proc/loadavg) load before, $(date -u +%T)): ${cmd[*]}" >>"$out/commands.txt"

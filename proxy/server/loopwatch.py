@@ -1,4 +1,4 @@
-"""The event loop's own health, so that a saturated proxy shows itself (docs/metrics.md#the-event-loop), and the
+"""The event loop's own health, so that a saturated proxy shows itself (docs/metrics.md, "The event loop"), and the
 garbage collector and the GIL set up for a long-running server (``settle_process``).
 
 Every stream the proxy relays waits whenever its one event loop is busy with something else: a request start, a
@@ -23,7 +23,7 @@ garbage collection, a large body, a neighbour's process on the same core. Those 
   rarer but longer (measured there too).
 - the GIL's switch interval goes from 5 ms to ``SWITCH_INTERVAL_S``: the work the proxy keeps off the loop in
   threads (the ``/metrics`` exposition, the request log's writer) still takes the GIL, and the loop got it back
-  only every 5 ms (a scrape of 1 MB of series held the loop 5.7 ms at a time; 1.2 ms at 0.5 ms: ``perf/gil.py``).
+  only every 5 ms (a scrape of 1 MB of series held the loop 5.7 ms at a time; 1.2 ms at 0.5 ms: ``perf/loopcost.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 from starlette.types import Scope
 
-from proxy.server.metrics import Metrics
+from proxy.server.metrics import Metrics, observe_one
 
 log = logging.getLogger("enginemeter")
 
@@ -97,7 +97,7 @@ class LoopWatch:
             return 0
         now = scope[T_HANDLER] = time.perf_counter_ns()
         self._queued.dec()
-        self._wait.observe((now - t_received) / 1e9)
+        observe_one(self._wait, (now - t_received) / 1e9)
         return now
 
     # ---- the probe
@@ -108,11 +108,11 @@ class LoopWatch:
             return
         now = loop.time()
         late = now - self._due
-        self._lag.observe(late if late > 0.0 else 0.0)
+        observe_one(self._lag, late if late > 0.0 else 0.0)
         if self._pauses:
             pauses, self._pauses = self._pauses, []
             for generation, ns in pauses:
-                self._gc[generation].observe(ns / 1e9)
+                observe_one(self._gc[generation], ns / 1e9)
         self._due = now + self.interval
         self._handle = loop.call_at(self._due, self._probe)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What work in another thread costs the event loop, by the GIL's switch interval (docs/performance.md, "GIL").
+"""What the event loop pays for work it does not see: threads, C calls that hold the GIL, a full garbage
+collection (docs/performance.md, third pass).
 
 The proxy runs a few things in threads so that they stay off the event loop: the ``/metrics`` exposition
 (prometheus-client's ``generate_latest``, pure Python), the request-log writer, the GPU sampler. A thread still
@@ -10,9 +11,12 @@ document) keeps it for the whole call. This measures both on one process, no ser
 - a timer on the loop every 0.5 ms records how late it fires while a thread renders the exposition of the
   proxy's own ``Metrics`` after traffic (``perf/series.py``: E engines x M aliases, every combination observed),
   once per switch interval;
-- the same timer while ``orjson.loads`` parses a large document inline and in a thread.
+- the same timer while ``orjson.loads`` parses a large document inline and in a thread;
+- a full collection (``gc.collect()``) of the heap ``enginemeter serve`` has after start-up (the app built by
+  ``build_app``, every stage imported), before and after ``gc.freeze()``;
+- what the fake engine's ``/slots`` cost the proxy's engine-state poll with the 100,000 slots the bench gave it.
 
-    .venv/bin/python perf/gil.py [--engines 2 --aliases 1 --scrapes 5]
+    .venv/bin/python perf/loopcost.py [--engines 2 --aliases 1 --scrapes 5]
 """
 
 from __future__ import annotations
@@ -106,6 +110,61 @@ def main() -> None:
     for in_thread in (False, True):
         lags = asyncio.run(lags_during(lambda: orjson.loads(doc), 1, in_thread=in_thread))
         print(row(f"orjson.loads of the document {'in a thread' if in_thread else 'on the loop'}", lags))
+    full_collection()
+    slots_answer()
+
+
+def full_collection() -> None:
+    """A full collection of the start-up heap of ``enginemeter serve``, as it is and frozen (``settle_process``)."""
+    import gc
+
+    from proxy.server import build_app
+    from proxy.settings import EngineSettings, RouteSettings, Settings
+
+    settings = Settings(
+        engines=(EngineSettings(name="e", url="http://127.0.0.1:9"),),
+        routes=(RouteSettings(models=("*",), primary="e"),),
+    )
+    app = build_app(settings)
+    gc.collect()
+    print()
+    for frozen in (False, True):
+        if frozen:
+            gc.freeze()
+        tracked = len(gc.get_objects())
+        pauses = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gc.collect()
+            pauses.append((time.perf_counter() - t0) * 1e3)
+        print(
+            f"a full collection after start-up, {'frozen' if frozen else 'as it is'}: {tracked} objects tracked,"
+            f" {gc.get_freeze_count()} frozen: {min(pauses):.2f}-{max(pauses):.2f} ms"
+        )
+    gc.unfreeze()
+    del app
+
+
+def slots_answer() -> None:
+    """What the proxy's engine-state poll parsed every 10 s in the bench before: the fake engine's /slots with the
+    100,000 slots perf/overhead.py gave it (now: twice the streams, at least 64)."""
+    import httpx
+
+    from fakes.fault_engine import FaultEngineConfig, run_in_thread
+
+    print()
+    for n in (100_000, 64):
+        with run_in_thread(FaultEngineConfig(total_slots=n)) as url:
+            body = httpx.get(url + "/slots").content
+            t0 = time.perf_counter()
+            slots = orjson.loads(body)
+            t1 = time.perf_counter()
+            busy = sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing") is True)
+            t2 = time.perf_counter()
+        print(
+            f"the fake engine's /slots with {n} slots: {len(body)} bytes, parsed in {(t1 - t0) * 1e3:.2f} ms,"
+            f" counted ({busy} busy) in {(t2 - t1) * 1e3:.2f} ms: on the proxy's loop every engine-state poll"
+        )
 
 
 if __name__ == "__main__":
