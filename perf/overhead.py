@@ -741,11 +741,14 @@ def print_targets(p: dict[str, Any], nginx: dict[str, Any] | None) -> None:
             f"added gap p99 <= {TARGET_GAP_P99_MS} ms every round (worst {gap:+.2f}): "
             + verdict(gap <= TARGET_GAP_P99_MS),
         )
-    if nginx is not None:
+    if nginx is not None and nginx["cpu_s_per_1k_chunks"] > 0:  # a round too short for one clock tick: no ratio
         ratio = p["cpu_s_per_1k_chunks"] / nginx["cpu_s_per_1k_chunks"]
         parts.append(
             f"CPU per chunk <= {TARGET_CPU_VS_NGINX:g}x nginx ({ratio:.2f}x): {verdict(ratio <= TARGET_CPU_VS_NGINX)}"
         )
+    if nginx is not None:
+        tp, tn = p["throughput_ratio"], nginx["throughput_ratio"]
+        parts.append(f"throughput >= nginx's ({tp:.3f} vs {tn:.3f}): {verdict(tp >= tn)}")
     print(f"targets ({p['target']}): " + "; ".join(parts))
 
 
