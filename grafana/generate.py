@@ -285,6 +285,8 @@ def engine_comparison() -> Json:
               [target(q(x, "enginemeter_request_duration_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.95, 0.99)], "s"),
         panel("Proxy overhead p50 / p99", "Proxy received → request sent upstream: what enginemeter itself adds before the engine sees the request.",
               [target(q(x, "enginemeter_proxy_overhead_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.99)], "s"),
+        panel("Proxy delay p50 / p99", "Everything enginemeter added to the client's time to first byte: received → sent upstream (waiting for the event loop included), plus for streams the engine's first event → the client's first byte. Each response also says its own share in its Server-Timing header.",
+              [target(q(x, "enginemeter_proxy_delay_seconds"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.99)], "s"),
         panel("Prefill speed p50 / p10", "(prompt − cached prompt tokens) / upstream TTFT: uncached prompt tokens the engine prefilled per second before its first token. A lower bound (queueing is in the denominator); p10 is the slow tail. On long prompts the figure that most separates llama.cpp from SGLang and vLLM.",
               [target(q(x, "enginemeter_prefill_tokens_per_second"), f"p{int(x * 100)} {ER}") for x in (0.5, 0.1)], TOKS, w=24),
     ]  # fmt: skip
@@ -326,6 +328,18 @@ def engine_comparison() -> Json:
               [target(f"sum by (engine, result) (rate(enginemeter_mirror_requests_total{{{ENG}}}[{RI}]))", "{{engine}} · {{result}}")], "reqps"),
         panel("Compared pairs / s", "Primary/shadow pairs the comparison stage saw.",
               [target(f"sum by (primary, shadow) (rate(enginemeter_compared_pairs_total[{RI}]))", "{{primary}} vs {{shadow}}")], "reqps"),
+    ]  # fmt: skip
+    loop = [
+        panel("Event-loop lag p50 / p99", "How late the proxy's 0.1 s timer fired, per replica (its workers merged): how long its event loop was busy elsewhere, and so how long every stream's next chunk waited. An idle loop shows 0–1 ms (libuv's timer grain); EnginemeterEventLoopSaturated fires above 50 ms (p99 over 5 minutes).",
+              [target(q(x, "enginemeter_event_loop_lag_seconds", "instance", sel=""), f"p{int(x * 100)} {{{{instance}}}}") for x in (0.5, 0.99)],
+              "s", min_=0, thresholds=[(None, "green"), (0.05, "red")]),
+        panel("Requests waiting for the loop", "Requests whose head the server has parsed and whose handler has not started (or pipelined behind the request before them), and how long requests waited before their handler ran (p99). Both stay near 0 on a proxy with CPU to spare.",
+              [target("sum by (instance) (enginemeter_requests_queued)", "queued {{instance}}"),
+               target(q(0.99, "enginemeter_request_queue_seconds", "instance", sel=""), "wait p99 {{instance}}")], "short", min_=0),
+        panel("GC pauses p99 by generation", "Garbage-collector pauses of the proxy processes (enginemeter serve freezes its start-up objects, so a full collection scans only what was made since).",
+              [target(q(0.99, "enginemeter_gc_pause_seconds", "instance, generation", sel=""), "gen {{generation}} {{instance}}")], "s", min_=0),
+        panel("GC collections / s", "Collections per second and generation.",
+              [target(f"sum by (instance, generation) (rate(enginemeter_gc_pause_seconds_count[{RI}]))", "gen {{generation}} {{instance}}")], "short", min_=0),
     ]  # fmt: skip
     engine = [
         panel("Engine queue depth", "Requests waiting inside each engine, from its own /metrics: llama.cpp requests_deferred (no free slot), SGLang num_queue_reqs, vLLM num_requests_waiting. A queue that stays above 0 means more slots, a bigger KV pool or more replicas.",
@@ -417,6 +431,8 @@ def engine_comparison() -> Json:
         [
             row("Latency"),
             *lat,
+            row("Proxy event loop"),
+            *loop,
             row("Throughput and outcomes"),
             *thr,
             row("Primary vs shadow"),
@@ -454,6 +470,11 @@ def overview() -> Json:
               [target('count(ALERTS{alertstate="firing", alertname=~"Enginemeter.*"}) or vector(0)', "firing")],
               "short", kind="stat", w=4, h=5, thresholds=[(None, "green"), (1, "red")]),
     ]  # fmt: skip
+    series_loop = [
+        panel("Proxy event-loop lag p99 by replica", "Recorded p99 of how late each replica's 0.1 s timer fired over 5 minutes: a saturated proxy shows here first (EnginemeterEventLoopSaturated above 50 ms). An idle loop shows 0–1 ms.",
+              [target("max by (instance) (instance:enginemeter_event_loop_lag_seconds:p99_5m)", "{{instance}}")], "s", w=8, min_=0,
+              thresholds=[(None, "green"), (0.05, "red")]),
+    ]  # fmt: skip
     series = [
         panel("TTFT p95 by engine", "Recorded p95 time to first token over 5 minutes, per engine and role.",
               [target("max by (engine, role) (engine_model_role:enginemeter_time_to_first_token_seconds:p95_5m)", ER)], "s", w=8),
@@ -485,7 +506,7 @@ def overview() -> Json:
         "enginemeter · Overview",
         "Wall screen: load, errors, latency and primary/shadow agreement across all replicas and engines.",
         [datasource_var()],
-        [row("Now"), *stats, row("Trends"), *series],
+        [row("Now"), *stats, row("Trends"), *series, *series_loop],
     )
 
 

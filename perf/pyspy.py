@@ -1,6 +1,6 @@
 """Profile the proxy under the overhead bench's load: where its CPU goes, per layer.
 
-    .venv/bin/python perf/profile.py --out /tmp/prof [--streams 32 --tokens 64 --cadence-ms 10] [-- overhead args]
+    .venv/bin/python perf/pyspy.py --out /tmp/prof [--streams 32 --tokens 64 --cadence-ms 10] [-- overhead args]
 
 Runs ``perf/overhead.py`` (fake engine, no nginx) and, once the proxy process is up and serving, samples it with
 py-spy (``--rate``, ``--seconds``, ``--nonblocking`` so the proxy is never paused). Writes the collapsed stacks
@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "perf"))
+from overhead import descendants  # noqa: E402
 
 #: (layer, predicate on one frame "function (file:line)"), first match from the innermost frame wins
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -76,6 +78,19 @@ def summarize(stacks: Path, top: int = 25) -> str:
     return "\n".join(out)
 
 
+def _proxy_of(bench_pid: int) -> int | None:
+    """The proxy process this bench started (never another one on a shared machine): its child whose command
+    line is ``proxy.cli serve``."""
+    for pid in descendants(bench_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"proxy.cli" in argv and b"serve" in argv:
+            return pid
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -103,8 +118,7 @@ def main() -> None:
     pid = None
     deadline = time.monotonic() + 60
     while pid is None and time.monotonic() < deadline and bench.poll() is None:
-        found = subprocess.run(["pgrep", "-f", "proxy.cli serve"], capture_output=True, text=True).stdout.split()
-        pid = int(found[0]) if found else None
+        pid = _proxy_of(bench.pid)
         time.sleep(0.2)
     if pid is None:
         sys.exit("the proxy did not start (see bench.txt)")

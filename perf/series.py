@@ -32,7 +32,7 @@ from proxy.types import Role
 
 TIMING = StreamTiming(
     ttft_s=0.1, upstream_ttft_s=0.09, headers_s=0.01, overhead_s=0.0002, tpot_s=0.01, decode_tps=100.0,
-    e2e_s=1.0, queue_s=0.01, gaps_s=(0.01, 0.02),
+    e2e_s=1.0, queue_s=0.01, gaps_s=(0.01, 0.02), handler_wait_s=0.0001, proxy_delay_s=0.0003,
 )  # fmt: skip
 ENGINE_TIMINGS = EngineTimings(
     prompt_ms=50.0, prompt_n=10, cache_n=2, predicted_n=64, predicted_ms=640.0, predicted_per_second=100.0

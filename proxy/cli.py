@@ -18,11 +18,9 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
-
-import uvicorn
 
 from proxy import __version__
 from proxy.configfile import load, parse_file
@@ -295,11 +293,11 @@ def _run(
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
-    from proxy.server.guard import server_config
+    from proxy.server.guard import Server, server_config
 
     # connection limits, graceful-shutdown timeout, one log format: the same in every --workers worker
     config = server_config(app, log_level=log_level, shutdown_timeout_s=shutdown_timeout_s)
-    server = _Server(config, on_started=lambda: _banner(settings, embedded))
+    server = Server(config, on_started=lambda: _banner(settings, embedded))
     # after its graceful shutdown uvicorn raises the signal again, under the handler that was there before it:
     # for SIGTERM that was the default one, and the process died of it (status -15) instead of exiting 0
     previous = signal.signal(signal.SIGTERM, _terminated)
@@ -320,19 +318,6 @@ class _Terminated(Exception):
 
 def _terminated(signum: int, frame: object) -> None:
     raise _Terminated
-
-
-class _Server(uvicorn.Server):
-    """uvicorn.Server that calls ``on_started`` once it serves on the socket (after the app's startup)."""
-
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_started = on_started
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and not self.should_exit:
-            self._on_started()
 
 
 def _stop(engines: Sequence[object]) -> None:

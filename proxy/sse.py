@@ -73,6 +73,16 @@ class SSEFramer:
         return b"".join(self._parts) if self._parts else self._buf
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if (
+            not self._buf
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n", 6) == len(chunk) - 2
+            and chunk[-1] == 10  # b"\n"
+            and b"\r" not in chunk
+        ):
+            # the read is one whole single-line event, the shape of nearly every read from every engine we front
+            # (one event a write): the read itself is the event's raw bytes, no split, no copy of it
+            return [Event(chunk, chunk[6:-2], False)]
         if self._buf:
             # an unfinished event: collect reads until one could end it (a line break), then join once
             self._parts.append(chunk)
@@ -107,7 +117,11 @@ class SSEFramer:
                 events.append(_parse(buf[start : end + width]))
                 start = end + width
         self._buf = buf[start:] if start < len(buf) else b""
-        self._parts = [self._buf] if self._buf else []
+        parts = self._parts
+        if parts:
+            parts.clear()
+        if self._buf:
+            parts.append(self._buf)
         self._size = len(self._buf)
         if self._size > self.max_event_bytes:
             raise EventTooLarge(f"an SSE event exceeds {self.max_event_bytes} bytes")

@@ -2,19 +2,29 @@
 
 Timestamps (all ``perf_counter_ns``, 0 = did not happen):
 
-- ``t_received_ns``   the proxy's handler started on the client request (before reading the body)
+- ``t_received_ns``   the server parsed the client request's head (``enginemeter serve``'s protocol stamps it:
+                      ``proxy.server.loopwatch``); else the proxy's handler started (before reading the body)
+- ``t_handler_ns``    the proxy's handler started: after ``t_received_ns`` by the time the request waited for the
+                      event loop (0: not stamped apart, the handler's start is ``t_received_ns``)
 - ``t_sent_ns``       the normalized request is handed to the upstream connection
 - ``t_headers_ns``    upstream response headers arrived (llama.cpp: slot start; SGLang: first token; vLLM: at once)
 - ``t_first_token_ns`` first event whose delta has non-empty ``content``, ``reasoning_content``/``reasoning``
                       or ``tool_calls`` (completions: non-empty ``text``) — never the role-only event
 - ``t_last_token_ns`` the last such event (not the finish or usage event)
+- ``t_first_read_ns`` the read that held the stream's first event (streams)
+- ``t_first_byte_ns`` the first bytes of the response body were written to the client (streams)
 - ``t_done_ns``       the stream (or non-stream body) ended, whatever the outcome
 
 Derived (seconds unless named otherwise):
 
 - ``ttft_s`` = first − received: TTFT as the client feels it
 - ``upstream_ttft_s`` = first − sent: the engine's TTFT as seen from the proxy
-- ``overhead_s`` = sent − received: what the proxy added before the engine saw the request
+- ``overhead_s`` = sent − received: what the proxy added before the engine saw the request (event-loop queueing
+  included)
+- ``handler_wait_s`` = handler − received: the part of it the request waited for the event loop
+- ``proxy_delay_s`` = overhead + (first byte − first read) for streams: everything the proxy added to the
+  client's time to first byte (before the engine saw the request, and between the engine's first event and the
+  client's first byte); non-stream: ``overhead_s``
 - ``inter_chunk_gaps_ns``: gaps between consecutive token events — per *chunk*, a chunk may carry several tokens
 - ``tpot_s`` = (last − first) / (completion_tokens − 1)
 - ``decode_tps`` = (completion_tokens − 1) / (last − first), the same definition as llama.cpp's
@@ -40,16 +50,22 @@ class StreamTimer:
         "gaps_ns",
         "n_token_events",
         "t_done_ns",
+        "t_first_byte_ns",
+        "t_first_read_ns",
         "t_first_token_ns",
+        "t_handler_ns",
         "t_headers_ns",
         "t_last_token_ns",
         "t_received_ns",
         "t_sent_ns",
     )
 
-    def __init__(self, t_received_ns: int | None = None) -> None:
+    def __init__(self, t_received_ns: int | None = None, t_handler_ns: int = 0) -> None:
         self.t_received_ns = time.perf_counter_ns() if t_received_ns is None else t_received_ns
+        self.t_handler_ns = t_handler_ns
         self.t_sent_ns = 0
+        self.t_first_read_ns = 0
+        self.t_first_byte_ns = 0
         self.t_headers_ns = 0
         self.t_first_token_ns = 0
         self.t_last_token_ns = 0
@@ -72,9 +88,18 @@ class StreamTimer:
         self.t_last_token_ns = t_ns
         self.n_token_events += 1
 
+    def first_byte(self) -> None:
+        """The response's first body bytes went to the client (once per request: the relay's first write)."""
+        if self.t_first_byte_ns == 0:
+            self.t_first_byte_ns = time.perf_counter_ns()
+
     def done(self) -> None:
         if self.t_done_ns == 0:
             self.t_done_ns = time.perf_counter_ns()
+
+    def retry(self) -> StreamTimer:
+        """A fresh clock for the next engine of a fallback, received (and handled) when this one was."""
+        return StreamTimer(self.t_received_ns, self.t_handler_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,23 +124,23 @@ class EngineTimings:
     def from_json(cls, t: Any) -> EngineTimings | None:
         if not isinstance(t, dict):
             return None
-
-        def num(key: str) -> float | None:
-            v = t.get(key)
-            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-        def integer(key: str) -> int | None:
-            v = num(key)
-            return int(v) if v is not None else None
-
         return cls(
-            prompt_ms=num("prompt_ms"),
-            prompt_n=integer("prompt_n"),
-            cache_n=integer("cache_n"),
-            predicted_n=integer("predicted_n"),
-            predicted_ms=num("predicted_ms"),
-            predicted_per_second=num("predicted_per_second"),
+            prompt_ms=_num(t.get("prompt_ms")),
+            prompt_n=_int(t.get("prompt_n")),
+            cache_n=_int(t.get("cache_n")),
+            predicted_n=_int(t.get("predicted_n")),
+            predicted_ms=_num(t.get("predicted_ms")),
+            predicted_per_second=_num(t.get("predicted_per_second")),
         )
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _int(v: Any) -> int | None:
+    f = _num(v)
+    return int(f) if f is not None else None
 
 
 def usage_from_json(u: Any) -> Usage | None:
@@ -144,6 +169,8 @@ class StreamTiming:
     e2e_s: float | None
     queue_s: float | None
     gaps_s: tuple[float, ...] = field(default=())
+    handler_wait_s: float | None = None
+    proxy_delay_s: float | None = None
 
     @classmethod
     def derive(cls, t: StreamTimer, usage: Usage | None, engine: EngineTimings | None) -> StreamTiming:
@@ -161,14 +188,21 @@ class StreamTiming:
         queue = None
         if up_ttft is not None and engine is not None and engine.prompt_ms is not None:
             queue = max(0.0, up_ttft - engine.prompt_ms / 1000)
+        overhead = span(t.t_received_ns, t.t_sent_ns)
+        delay = overhead
+        relay = span(t.t_first_read_ns, t.t_first_byte_ns)
+        if delay is not None and relay is not None:
+            delay += relay
         return cls(
             ttft_s=ttft,
             upstream_ttft_s=up_ttft,
             headers_s=span(t.t_sent_ns, t.t_headers_ns),
-            overhead_s=span(t.t_received_ns, t.t_sent_ns),
+            overhead_s=overhead,
             tpot_s=tpot,
             decode_tps=decode_tps,
             e2e_s=span(t.t_received_ns, t.t_done_ns),
             queue_s=queue,
             gaps_s=tuple(g / NS for g in t.gaps_ns),
+            handler_wait_s=span(t.t_received_ns, t.t_handler_ns),
+            proxy_delay_s=delay,
         )

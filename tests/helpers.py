@@ -276,8 +276,9 @@ def start_proxy(
     registry = CollectorRegistry()
     app = build_app(settings, registry=registry, nvml=nvml)
     gateway: Gateway = app.state.gateway
-    # the production connection limits (proxy.server.guard), as ``enginemeter serve`` runs it
-    options = server_options() if http is None else {"http": http}
+    # the production connection limits (proxy.server.guard), as ``enginemeter serve`` runs it, telling the app's
+    # loop watch of each request head
+    options = server_options(loop_watch=gateway.loop_watch) if http is None else {"http": http}
     url = stack.enter_context(run_uvicorn_app(app, **options))
     client = stack.enter_context(httpx.Client(base_url=url, timeout=30))
     p = ProxyUnderTest(url=url, registry=registry, gateway=gateway, client=client)

@@ -408,7 +408,8 @@ def test_engine_never_reached_has_up_zero_and_nothing_else(proxy_with_state: Cal
 
 def test_build_app_wires_every_stage_and_create_app_none() -> None:
     from proxy.server import build_app
-    from proxy.server.app import Gateway, create_app
+    from proxy.server.app import Gateway
+    from proxy.server.asgi import create_app
 
     s = settings({"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}, shadows=("b",))
     full: Gateway = build_app(s).state.gateway

@@ -12,7 +12,6 @@ import os
 import resource
 import socket
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,6 @@ import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.configfile import load, quick
-from proxy.server import app as app_module
 from proxy.server import build_app
 from proxy.server.guard import raise_fd_limit, server_options
 from proxy.settings import (
@@ -134,25 +132,15 @@ def test_a_valid_surrogate_pair_passes(start: Start) -> None:
     assert got["messages"][0]["content"] == "\U0001f600"
 
 
-def test_a_large_body_is_parsed_off_the_event_loop(start: Start, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_large_body_is_parsed_and_answered(start: Start) -> None:
+    """A 3.5 MB prompt is parsed on the event loop (~5 ms): a worker thread would not spare the loop, since orjson
+    holds the GIL for the whole parse (docs/performance.md); what it costs shows in the loop-lag metric."""
     _, p = start()
-    threads: list[int] = []
-    loop_threads: list[int] = []
-    real = app_module.parse_body
-
-    def recording(raw: bytes) -> dict[str, Any]:
-        threads.append(threading.get_ident())
-        return real(raw)
-
-    monkeypatch.setattr(app_module, "parse_body", recording)
     big = {"model": ALIAS, "messages": [{"role": "user", "content": "word " * 700_000}]}  # 3.5 MB
-    small = {"model": ALIAS, "messages": MSGS}
-    for body in (small, big):
-        r = p.client.post("/v1/chat/completions", json=body)
-        assert r.status_code in (200, 400), r.text  # 400: the fake engine's context is too small, that is all
-        loop_threads.append(threads[-1])
-    small_thread, big_thread = loop_threads
-    assert small_thread != big_thread, "the 3.5 MB body was parsed on the event loop's thread"
+    r = p.client.post("/v1/chat/completions", json=big)
+    assert r.status_code in (200, 400), r.text  # 400: the fake engine's context is too small, that is all
+    if r.status_code == 400:
+        assert r.json()["error"].get("enginemeter") is not True  # the engine's answer, not the proxy refusing it
 
 
 # ------------------------------------------------------------------------------------------ responses

@@ -9,7 +9,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from proxy.configfile import load
-from proxy.server.metrics import DEFAULT_BUCKETS, Metrics, configured_pairs, finish_label, observe
+from proxy.server.metrics import DEFAULT_BUCKETS, Metrics, configured_pairs, finish_label, observe, observe_many
 from proxy.server.result import Result
 from proxy.settings import BUCKET_KEYS, SettingsError
 from proxy.timing import EngineTimings, StreamTiming, Usage
@@ -157,7 +157,7 @@ def test_configured_pairs_start_at_zero(tmp_path: Path) -> None:
 
 
 def test_series_per_engine_and_alias_are_as_documented() -> None:
-    """docs/metrics.md#series: 2 + 4E + 18E(E+M) at start; up to 1,417 per (engine, model label) pair with
+    """docs/metrics.md#series: 88 + 4E + 18E(E+M) at start; up to 1,481 per (engine, model label) pair with
     traffic. Counted by perf/series.py on the proxy's own Metrics."""
     import importlib.util
 
@@ -169,7 +169,37 @@ def test_series_per_engine_and_alias_are_as_documented() -> None:
     for e, m in [(1, 1), (1, 2), (2, 1), (2, 3)]:
         pairs = e * (e + m)
         primed, full, _ = series.count(e, m)
-        assert primed == 2 + 4 * e + 18 * pairs, (e, m, primed)
-        assert full == primed + 1399 * pairs, (e, m, full)
+        assert primed == 88 + 4 * e + 18 * pairs, (e, m, primed)
+        assert full == primed + 1463 * pairs, (e, m, full)
     doc = (path.parent.parent / "docs" / "metrics.md").read_text()
-    assert "**2 + 4·E + 18·E·(E + M)**" in doc and "**1,417 series per pair**" in doc and "1,399 more" in doc
+    assert "**88 + 4·E + 18·E·(E + M)**" in doc and "**1,481 series per pair**" in doc and "1,463 more" in doc
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["one-process", "multiprocess"])
+def test_observing_many_values_at_once_is_observing_each(
+    multiprocess: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``observe_many`` (a stream's gaps at its end) writes what one ``observe`` per value writes, on the installed
+    prometheus-client, in one process and in ``serve --workers``' multiprocess mode (its mmap'd values)."""
+    from prometheus_client import Histogram, values
+
+    if multiprocess:
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+        monkeypatch.setattr(values, "ValueClass", values.get_value_class())  # type: ignore[no-untyped-call]
+    gaps = [0.0004, 0.0005, 0.001, 0.0099, 0.01, 0.0101, 0.04, 7.0, 11.0, 0.0]  # on, under and over bounds
+    buckets = DEFAULT_BUCKETS["inter_chunk"]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    each = Histogram("g_one", "gaps", ["engine"], buckets=buckets, registry=one).labels("e")
+    at_once = Histogram("g_many", "gaps", ["engine"], buckets=buckets, registry=many).labels("e")
+    if multiprocess:  # the values live in memory-mapped files, as in every --workers worker
+        assert "Mmaped" in type(at_once._sum).__name__
+    for g in gaps:
+        each.observe(g)
+    observe_many(at_once, gaps)
+
+    def samples(r: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name.split("_", 2)[-1], s.labels, s.value) for m in r.collect() for s in m.samples]
+
+    assert samples(one) == samples(many)
+    assert many.get_sample_value("g_many_count", {"engine": "e"}) == len(gaps)
+    assert many.get_sample_value("g_many_bucket", {"engine": "e", "le": "0.01"}) == 6

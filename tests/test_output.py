@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.server import relay
+from proxy.server import responses
 from proxy.server.guard import server_options
-from proxy.server.output import Output, SendOutput, SocketOutput, socket_output
+from proxy.server.output import Output, SendOutput, SocketOutput, socket_output, start
 from proxy.settings import EngineSettings, RouteSettings, Settings
 from tests.helpers import ProxyFactory, run_uvicorn_app
 
@@ -123,7 +123,7 @@ def test_the_proxy_says_which_way_its_stream_chunks_go(
 ) -> None:
     """``enginemeter serve``'s server takes the direct path (a silent fallback to the slower ASGI path would show
     here); any other server the ASGI one. Logged once per process and path."""
-    monkeypatch.setattr(relay, "_said", set())
+    monkeypatch.setattr(responses, "_said", set())
     with run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as engine:
         p = proxy_factory(
             Settings(
@@ -139,3 +139,53 @@ def test_the_proxy_says_which_way_its_stream_chunks_go(
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stream chunks go")]
     assert len(said) == 1 and path in said[0], said
+
+
+class _CountingTransport:
+    """The client's transport, recording each write (what went out in one syscall)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.real.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("first", [b"data: one\n\n", None], ids=["first-chunk", "no-chunk"])
+def test_the_head_goes_out_with_the_first_chunk_in_one_write(first: bytes | None) -> None:
+    """``start`` holds the head uvicorn formatted and writes it with the first chunk (one syscall and one segment
+    fewer per stream); with no chunk, ``flush`` sends it alone before the end. The response stays valid and the
+    connection reusable."""
+    writes: list[list[bytes]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        counting = _CountingTransport(send.__self__.transport)
+        send.__self__.transport = counting
+        writes.append(counting.writes)
+        out = await start(send, {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]})
+        assert type(out) is SocketOutput
+        if first is not None:
+            out.write(first)
+            out.write(b"data: two\n\n")
+        await out.flush()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    with run_uvicorn_app(app, lifespan="off", **server_options()) as url, httpx.Client(base_url=url) as client:
+        for _ in range(2):
+            r = client.get("/")
+            assert r.status_code == 200 and r.headers["x-a"] == "1"
+            assert r.content == (first + b"data: two\n\n" if first else b"")
+    for w in writes:
+        assert w[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        if first is not None:
+            assert w[0].endswith(b"\r\n\r\n%x\r\n%b\r\n" % (len(first), first)), w[0]  # head + chunk, one write
+            assert len(w) == 3  # head and first chunk, the second chunk, the end
+        else:
+            assert w[0].endswith(b"\r\n\r\n") and len(w) == 2  # the head alone, then the end

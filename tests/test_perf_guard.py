@@ -5,7 +5,8 @@ CPU per chunk is the sharp figure (CPU seconds barely move with the machine's ot
 with the load of a shared machine (+1.2 ms quiet, +58 ms at load average 7 on the 2-core VM), so its limit is
 the larger of 3x the committed figure, ``TTFT_FLOOR_MS`` and 3x the direct target's own p50-to-p99 spread in the
 same run (the machine's noise, measured where the proxy is not involved). Throughput fails only below
-``MIN_THROUGHPUT`` (the proxy cannot keep up at all). Refresh the committed figures with
+``MIN_THROUGHPUT`` (the proxy cannot keep up at all); a stream not delivered whole (every token event and its
+``[DONE]``) always fails. Refresh the committed figures with
 ``python perf/overhead.py <guard.json's argv> --json /tmp/g.json`` on a quiet machine.
 """
 
@@ -50,6 +51,9 @@ def test_the_proxy_costs_no_more_than_three_times_the_committed_figures(tmp_path
         f" (limit {MIN_THROUGHPUT})",
     ]
     print("\n".join(lines))
+    lines.append(f"streams delivered whole {proxy['delivered']:.1%}, never stalled {proxy['never_stalled']:.1%}")
+    print("\n".join(lines[-1:]))
     assert cpu <= FACTOR, lines[0]
     assert proxy["added_ttft_p50_ms"] <= ttft_limit, lines[1]
     assert proxy["throughput_ratio"] >= MIN_THROUGHPUT, lines[3]
+    assert proxy["delivered"] == 1.0, lines[4]  # every token of every stream, and its [DONE]

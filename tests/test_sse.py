@@ -50,3 +50,28 @@ def test_event_field_is_not_a_comment() -> None:
 
 def test_encode_data() -> None:
     assert encode_data(b"{}") == b"data: {}\n\n"
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        b'data: {"a":1}\n\n',  # the fast path: one single-line event, the read itself
+        b"data: \n\n",
+        b"data: a\rb\n\n",  # a bare CR ends a line (SSE): two lines, not one
+        b"data: a\n\n\n",  # an empty event after it
+        b"data: a\ndata: b\n\n",  # two data lines
+        b"data: a\n\ndata: b\n\n",  # two events in one read
+        b"data:a\n\n",  # no space after the colon
+        b"data: a\n",  # not whole yet
+    ],
+)
+def test_a_read_gives_the_events_a_byte_by_byte_feed_gives(read: bytes) -> None:
+    """The one-event fast path and the general framing agree (each byte fed alone takes the general one)."""
+    whole = SSEFramer()
+    slow = SSEFramer()
+    by_bytes = [e for i in range(len(read)) for e in slow.feed(read[i : i + 1])]
+    got = whole.feed(read)
+    assert got == by_bytes
+    assert whole.pending == slow.pending
+    if got and got[0].raw == read:
+        assert got[0].raw is read  # forwarded as the very bytes that came

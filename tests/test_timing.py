@@ -56,3 +56,23 @@ def test_usage_parsing_handles_engine_variants() -> None:
     assert et is not None
     assert et.cache_n == 14
     assert et.predicted_per_second == 530.0
+
+
+def test_the_proxys_own_share_counts_queueing_and_the_relay_of_the_first_event() -> None:
+    ms = 1_000_000
+    t = StreamTimer(t_received_ns=NS, t_handler_ns=NS + 1 * ms)  # waited 1 ms for the event loop
+    t.t_sent_ns = NS + 3 * ms
+    t.t_first_read_ns = NS + 50 * ms
+    t.token(NS + 50 * ms)
+    t.first_byte()  # now: far later than the read in this test's clock
+    t.t_first_byte_ns = NS + 50 * ms + 400_000  # 0.4 ms from the engine's first event to the client's first byte
+    timing = StreamTiming.derive(t, None, None)
+    assert timing.handler_wait_s == pytest.approx(0.001)
+    assert timing.overhead_s == pytest.approx(0.003)
+    assert timing.proxy_delay_s == pytest.approx(0.0034)
+    whole = StreamTimer(t_received_ns=NS)  # non-stream: no first byte of a stream, the delay is the overhead
+    whole.t_sent_ns = NS + 2 * ms
+    assert StreamTiming.derive(whole, None, None).proxy_delay_s == pytest.approx(0.002)
+    assert StreamTiming.derive(whole, None, None).handler_wait_s is None
+    retry = t.retry()
+    assert (retry.t_received_ns, retry.t_handler_ns, retry.t_sent_ns) == (NS, NS + 1 * ms, 0)

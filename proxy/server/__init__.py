@@ -1,6 +1,6 @@
 """Composition root: every stage of the proxy server built in one place, each a typed field of the ``Gateway``.
 
-``enginemeter serve`` and the tests use ``build_app``. ``proxy.server.app.create_app`` is the bare gateway
+``enginemeter serve`` and the tests use ``build_app``. ``proxy.server.asgi.create_app`` is the bare gateway
 (relay, routing, metrics) without the mirror and the collectors.
 """
 
@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
-from proxy.server.app import Gateway, asgi_app, make_engines
+from proxy.server.app import Gateway, make_engines
+from proxy.server.asgi import asgi_app
 from proxy.server.attempt import Attempts
 from proxy.server.context import RequestContextMiddleware, forward_trace_headers
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor, Opener
 from proxy.server.llamatimings import AddTimings
+from proxy.server.loopwatch import LoopWatch
 from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.nvml import PynvmlReader
@@ -113,6 +115,7 @@ def build_app(
         gpu=gpu,
         engine_state=engine_state,
         diagnosis=diagnosis,
+        loop_watch=LoopWatch(metrics),
         on_shutdown=shutdown,
         health_sections=(
             functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.server.mirror import Mirror
-from proxy.server.relay import error_response
+from proxy.server.responses import error_response
 
 MAX_ADMIN_BODY = 64 * 1024
 

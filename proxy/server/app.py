@@ -1,14 +1,16 @@
-"""The ASGI app: routes and lifespan. A generation request reads top to bottom like its life:
+"""The gateway: one generation request, top to bottom like its life:
 
-receive -> authenticate -> read body (bounded in size and time) -> parse (orjson; large bodies in a thread)
+receive -> authenticate -> read body (bounded in size and time) -> parse (orjson)
         -> route -> [mirror copy] -> normalize -> open upstream (fallback while nothing was sent)
         -> relay stream / body -> one Result each
 
 From the end of the body on, a watcher waits on ``receive()``: a client that hangs up in any phase cancels the
 attempt, which closes the upstream connection (``Gateway.respond``). The generation routes are raw ASGI apps for
-that reason: they own ``receive`` for the whole request. They are also served before Starlette's middleware and
-router (``ProxyApp``): ``send`` reaches them as the server's own, so the relay can write chunks straight to the
-client's socket (``proxy.server.output``).
+that reason: they own ``receive`` for the whole request. Their routes, the lifespan and the fast path past
+Starlette are ``proxy.server.asgi``'s.
+
+The request's clock starts when the server parsed its head (``proxy.server.loopwatch``), and every answer carries
+the proxy's share of the time as ``Server-Timing`` (``proxy.server.responses``).
 
 The stages are the ``Gateway``'s typed fields; ``proxy.server.build_app`` (the composition root) builds them.
 None of them imports this module: each gets the narrow things it needs (engines, metrics, ``Attempts``).
@@ -19,47 +21,37 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
+from prometheus_client import CollectorRegistry
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from proxy import __version__
 from proxy.errors import (
     BadRequest,
-    NotFound,
     PayloadTooLarge,
     ProxyError,
     RequestTimeout,
     Unauthorized,
     UpstreamError,
-    redact_url,
 )
-from proxy.server.admin import admin_routes
 from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.gpu import GpuMonitor
-from proxy.server.guard import raise_fd_limit
-from proxy.server.metrics import Metrics, configured_pairs
+from proxy.server.loopwatch import LoopWatch
+from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
-from proxy.server.paths import route_path, upstream_path
-from proxy.server.relay import RelayResponse, error_response
+from proxy.server.responses import RelayResponse, error_response, scope_timer, server_timing
 from proxy.server.result import new_request_id
 from proxy.server.routing import Decision, Router
-from proxy.server.upstream import Engine, make_client, probe_all
+from proxy.server.upstream import Engine, make_client
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Outcome
@@ -68,8 +60,6 @@ log = logging.getLogger("enginemeter")
 
 #: a request body must arrive within this long once its headers are in (a slow-body client is cut off: 408)
 BODY_TIMEOUT_S = 30.0
-#: bodies this large are parsed in a worker thread (a 3.4 MB body takes the event loop ~10 ms otherwise)
-PARSE_IN_THREAD_BYTES = 256 * 1024
 #: orjson serializes at most this many levels of nesting
 MAX_DEPTH = 254
 #: the longest client x-request-id echoed and sent on
@@ -120,12 +110,13 @@ class Gateway:
     engine_state: EngineStatePoller | None = None
     #: the live diagnosis of local llama.cpp engines (``proxy.server.diagnosis``)
     diagnosis: LiveDiagnosis | None = None
+    #: the event loop's lag, queue and GC pauses (``proxy.server.loopwatch``); None: not watched
+    loop_watch: LoopWatch | None = None
     #: /health sections of collectors that run in another process (``serve --workers``: worker 0's snapshot)
     health_sections: Callable[[], dict[str, Any]] | None = None
     #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
     on_shutdown: Sequence[Callable[[], None]] = ()
     body_timeout_s: float = BODY_TIMEOUT_S
-    parse_in_thread_bytes: int = PARSE_IN_THREAD_BYTES
 
     # ----------------------------------------------------------------------------- the request
 
@@ -170,10 +161,10 @@ class Gateway:
         return b"".join(chunks)
 
     async def parse(self, raw: bytes) -> dict[str, Any]:
-        """The body as a JSON object (``parse_body``); in a worker thread when it is large, so that parsing a
-        multi-megabyte prompt never delays other streams' chunks (their gaps are what the proxy measures)."""
-        if len(raw) >= self.parse_in_thread_bytes:
-            return await anyio.to_thread.run_sync(parse_body, raw)
+        """The body as a JSON object (``parse_body``), on the event loop. Not in a worker thread: orjson holds the
+        GIL for the whole parse, so a thread stalled the loop just as long (measured: 110 ms either way for an
+        11 MB document) and added a hop. A 3.5 MB prompt takes ~5 ms; ``max_body_bytes`` bounds it, and the
+        stall shows in ``enginemeter_event_loop_lag_seconds``."""
         return parse_body(raw)
 
     @staticmethod
@@ -199,7 +190,7 @@ class Gateway:
 
     async def generate(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         """One generation request, start to end (a raw ASGI handler: it owns ``receive``)."""
-        timer = StreamTimer()
+        timer = scope_timer(scope)
         request = Request(scope)
         # the proxy's own id pairs primary and shadow; a client's x-request-id is echoed and sent on to the
         # engine, never trusted to be unique
@@ -220,7 +211,7 @@ class Gateway:
             return
         except ProxyError as exc:
             self.rejected(endpoint, body, "rejected")
-            await error_response(exc, request_id, headers=echo)(scope, receive, send)
+            await error_response(exc, request_id, headers=echo, timer=timer)(scope, receive, send)
             return
         mirrored = False
         if self.mirror is not None and decision.shadows:
@@ -245,6 +236,7 @@ class Gateway:
         so the engine stops working for nobody (counted ``client_disconnect``)."""
         watch = Watch(receive)
         response: Response | RelayResponse | None = None
+        answered = False
         try:
             response = await self.serve(
                 request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
@@ -254,6 +246,7 @@ class Gateway:
             else:
                 watch.disarm()  # a whole body: one write, nothing left to cancel
             await response(scope, receive, send)
+            answered = True
         except asyncio.CancelledError:
             if watch.fired:  # the client hung up: the attempt has ended with its Result; nothing to answer
                 watch.task.uncancel()
@@ -264,9 +257,9 @@ class Gateway:
             watch.disarm()
             if response is None:
                 err = ProxyError("internal error in the proxy (logged)")
-                await error_response(err, request_id)(scope, receive, send)
+                await error_response(err, request_id, timer=timer)(scope, receive, send)
         finally:
-            watch.stop()
+            watch.stop(answered)
 
     async def serve(
         self,
@@ -283,7 +276,7 @@ class Gateway:
         echo = {"x-request-id": client_id} if client_id else {}
         for i, name in enumerate(decision.engines):
             if i > 0:
-                timer = StreamTimer(timer.t_received_ns)
+                timer = timer.retry()
             attempt = self.attempts.new(
                 request_id=request_id,
                 endpoint=endpoint,
@@ -314,9 +307,10 @@ class Gateway:
                 continue
             if out.engine_error and out.status >= 500 and i + 1 < len(decision.engines):
                 continue
+            headers["server-timing"] = server_timing(timer)
             return Response(out.body, status_code=out.status, headers=headers, media_type="application/json")
         assert last_exc is not None
-        return error_response(last_exc, request_id, engine=decision.engines[-1], headers=echo)
+        return error_response(last_exc, request_id, engine=decision.engines[-1], headers=echo, timer=timer)
 
     def rejected(self, endpoint: Endpoint, body: dict[str, Any] | None, outcome: Outcome) -> None:
         """A request that never reached an engine still ends in exactly one outcome (engine="none")."""
@@ -354,156 +348,11 @@ class Watch:
     def disarm(self) -> None:
         self.armed = False
 
-    def stop(self) -> None:
+    def stop(self, answered: bool = False) -> None:
+        """Disarm; end the waiter unless the response was ``answered`` in full: then the server's ``receive()``
+        answers ``http.disconnect`` (ASGI: once the response is sent) and the waiter ends by itself. Cancelling it
+        instead left a CancelledError, its traceback and the request's frames in a reference cycle every request
+        (~40 objects, freed only by the garbage collector: docs/performance.md)."""
         self.armed = False
-        self._waiter.cancel()
-
-
-class ProxyApp(Starlette):
-    """Starlette, with the generation routes (``fast``: exact path -> raw ASGI app, POST only) served before its
-    middleware stack and router. Everything else, and those paths with another method, goes through Starlette as
-    usual (the same routes are registered there too)."""
-
-    fast: dict[str, ASGIApp]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            # one normalised path for routing and forwarding; the proxy's own routes only at their canonical path
-            path, why = route_path(scope["path"])
-            if path is None:
-                err = NotFound(f"Not Found: {scope['method']} {scope['path']} ({why})")
-                await error_response(err, "")(scope, receive, send)
-                return
-            if path != scope["path"]:
-                scope = {**scope, "path": path, "raw_path": upstream_path(path).encode()}
-        if scope["type"] == "http" and scope["method"] == "POST":
-            app = self.fast.get(scope["path"])
-            if app is not None:
-                scope["app"] = self
-                await app(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
-
-
-def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
-    """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
-    registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, settings.metrics)
-    engines = make_engines(settings)
-    attempts = Attempts(settings, engines, metrics)
-    return asgi_app(Gateway(settings, registry, metrics, Router(settings), engines, attempts))
-
-
-def asgi_app(gw: Gateway) -> ProxyApp:
-    """Routes and lifespan around ``gw``."""
-
-    async def chat(scope: Scope, receive: Receive, send: Send) -> None:
-        await gw.generate(scope, receive, send, "chat")
-
-    async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-        await gw.generate(scope, receive, send, "completions")
-
-    async def models(request: Request) -> Response:
-        try:
-            gw.authenticate(request)
-        except ProxyError as exc:
-            return error_response(exc, "")
-        names = list(gw.attempts.aliases) or sorted({e.model for e in gw.engines.values() if e.model})
-        now = int(time.time())
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": n, "object": "model", "created": now, "owned_by": "enginemeter"} for n in names],
-            }
-        )
-
-    async def health(request: Request) -> Response:
-        checks = await asyncio.gather(*(e.check() for e in gw.engines.values()))
-        status: dict[str, Any] = {
-            "status": "ok" if all(c["up"] for c in checks) else "degraded",
-            "version": __version__,
-            "engines": checks,
-        }
-        if gw.mirror is not None:
-            status["mirror"] = gw.mirror.state()
-        if gw.gpu is not None:
-            status.update(gw.gpu.health())
-        if gw.engine_state is not None:
-            status.update(gw.engine_state.health())
-        if gw.diagnosis is not None:
-            status.update(gw.diagnosis.health())
-        if gw.health_sections is not None:
-            status.update(gw.health_sections())
-        return JSONResponse(status)
-
-    async def metrics(request: Request) -> Response:
-        # exposition is CPU work: run it off the event loop so a scrape never stalls a stream
-        data = await anyio.to_thread.run_sync(generate_latest, gw.registry)
-        return Response(data, media_type=CONTENT_TYPE_LATEST)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        try:
-            soft, _ = raise_fd_limit()
-            log.info("open-file limit: %d", soft)
-            await probe_all(list(gw.engines.values()))
-            gw.metrics.prime(
-                gw.engines,
-                [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)],
-                configured_pairs(gw.settings.routes),
-            )
-            for e in gw.engines.values():
-                log.info(
-                    "engine %s: %s kind=%s model=%s up=%s", e.name, redact_url(e.settings.url), e.kind, e.model, e.up
-                )
-            async with AsyncExitStack() as stages:
-                # entered in this order, left in the reverse: the mirror's copies end before the collectors stop
-                if gw.mirror is not None:
-                    await stages.enter_async_context(gw.mirror.lifespan())
-                if gw.gpu is not None:
-                    await stages.enter_async_context(gw.gpu.running())
-                if gw.engine_state is not None:
-                    await stages.enter_async_context(gw.engine_state.running())
-                if gw.diagnosis is not None:
-                    await stages.enter_async_context(gw.diagnosis.running())
-                yield
-            await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
-        finally:
-            for stop in gw.on_shutdown:
-                stop()
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        err = ProxyError(f"{exc.detail}: {request.method} {request.url.path}")
-        err.status = exc.status_code
-        err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(err, "")
-
-    app = ProxyApp(
-        routes=[
-            # raw ASGI endpoints (not request/response functions): they own ``receive`` for the request's life
-            Route("/v1/chat/completions", _Asgi(chat), methods=["POST"]),
-            Route("/v1/completions", _Asgi(completions), methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            *admin_routes(gw.settings.admin_key, gw.mirror),
-        ],
-        lifespan=lifespan,
-        exception_handlers={HTTPException: http_error},
-    )
-    app.state.gateway = gw
-    # a path outside the routes is the proxy's 404, never a redirect to another spelling (/tokenize/ -> /tokenize)
-    app.router.redirect_slashes = False
-    app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
-    return app
-
-
-class _Asgi:
-    """Wraps an ASGI function so Starlette's ``Route`` treats it as an app, not a request/response handler."""
-
-    def __init__(self, fn: Callable[[Scope, Receive, Send], Any]) -> None:
-        self.fn = fn
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.fn(scope, receive, send)
+        if not answered:
+            self._waiter.cancel()

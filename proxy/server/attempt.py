@@ -130,7 +130,7 @@ class Attempts:
 
     def record(self, result: Result) -> None:
         """Every attempt's one Result: the attempt leaves the in-flight gauge, metrics, then observers."""
-        self.metrics.in_flight.labels(result.engine, result.role).dec()
+        child(self.metrics, self.metrics.in_flight, result.engine, result.role).dec()
         observe(self.metrics, result)
         for observer in self.observers:
             try:
@@ -181,5 +181,5 @@ class Attempts:
             except Exception:
                 log.exception("attempt hook failed")
         # in flight from here until its one Result (record), whichever path ends it
-        self.metrics.in_flight.labels(engine.name, role).inc()
+        child(self.metrics, self.metrics.in_flight, engine.name, role).inc()
         return attempt

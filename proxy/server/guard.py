@@ -16,6 +16,9 @@
 
 The request *body* deadline is the app's (``Gateway.read_body``): it knows which routes read a body.
 
+The protocol also tells the app's ``LoopWatch`` (``proxy.server.loopwatch``) when a request head is whole, so the
+time a request then waits for the event loop is measured (``enginemeter_requests_queued``, its ``t_received_ns``).
+
 ``server_config()`` is the one uvicorn configuration ``enginemeter serve`` runs, in its own process and in every
 ``--workers`` worker alike: these limits, one log format, and the graceful-shutdown timeout
 (``SHUTDOWN_TIMEOUT_S``, ``--shutdown-timeout``): after SIGTERM/SIGINT the proxy stops accepting, waits that long
@@ -28,11 +31,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy.server.loopwatch import LoopWatch, settle_process
 
 log = logging.getLogger("enginemeter")
 
@@ -69,6 +76,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     header_timeout_s: float = HEADER_TIMEOUT_S
     max_head_bytes: int = MAX_HEAD_BYTES
+    #: told of every request head (``guarded_protocol(loop_watch=...)``: the app's)
+    loop_watch: LoopWatch | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -153,6 +162,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._parsed_head = 0
         self._disarm_head_timer()
+        if self.loop_watch is not None:
+            self.loop_watch.accepted(self.scope)  # type: ignore[arg-type]  # a TypedDict is a MutableMapping at run time
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -185,17 +196,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def guarded_protocol(*, header_timeout_s: float = HEADER_TIMEOUT_S, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
-    """The protocol class with other limits (tests use short ones)."""
+def guarded_protocol(
+    *,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    max_head_bytes: int = MAX_HEAD_BYTES,
+    loop_watch: LoopWatch | None = None,
+) -> type:
+    """The protocol class with other limits (tests use short ones), telling ``loop_watch`` of each request."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
-        {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes},
+        {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes, "loop_watch": loop_watch},
     )
 
 
 def server_options(**limits: Any) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the guarded protocol and keep-alive timeout."""
+    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the guarded protocol and keep-alive timeout
+    (``limits``: ``guarded_protocol``'s)."""
     return {
         "http": guarded_protocol(**limits) if limits else GuardedHttpToolsProtocol,
         "timeout_keep_alive": KEEPALIVE_TIMEOUT_S,
@@ -206,7 +223,12 @@ def server_config(
     app: Any, *, log_level: str = "info", shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, **limits: Any
 ) -> uvicorn.Config:
     """The uvicorn configuration of ``enginemeter serve``, one process or each of ``--workers N``: the connection
-    limits above, the graceful-shutdown timeout, uvicorn's loggers into the root handler (one log format)."""
+    limits above, the graceful-shutdown timeout, uvicorn's loggers into the root handler (one log format); the
+    protocol tells the app's ``LoopWatch`` of each request (``app.state.gateway.loop_watch``, if it has one)."""
+    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    watch = getattr(gateway, "loop_watch", None)
+    if watch is not None:
+        limits.setdefault("loop_watch", watch)
     return uvicorn.Config(
         app,
         log_config=None,
@@ -216,3 +238,20 @@ def server_config(
         timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]
         **server_options(**limits),
     )
+
+
+class Server(uvicorn.Server):
+    """The server of ``enginemeter serve`` (one process or each worker): once it serves (the app's start-up done,
+    the socket listening) it settles the process (``loopwatch.settle_process``: ``gc.freeze()``, the GIL's switch
+    interval) and calls ``on_started``."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            settle_process()
+            if self._on_started is not None:
+                self._on_started()

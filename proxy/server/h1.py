@@ -32,12 +32,10 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-import aiohttp
-import httptools
-
+from proxy.server.h1conn import Conn, EngineUnreachable
 from proxy.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -47,202 +45,6 @@ log = logging.getLogger("enginemeter.upstream")
 
 #: as ``upstream.KEEPALIVE_EXPIRY_S`` (not imported: upstream imports this module)
 KEEPALIVE_EXPIRY_S = 4.0
-#: stop reading from the engine while this much is buffered and not yet taken by the relay
-HIGH_WATER = 1 << 20
-
-
-class EngineUnreachable(aiohttp.ClientConnectorError):
-    """The connection could not be made (refused, no route): ``connect_error``."""
-
-    def __init__(self, host: str, port: int, os_error: OSError) -> None:
-        OSError.__init__(self, os_error.errno, os_error.strerror)
-        self._host, self._port, self._os_error = host, port, os_error
-
-    def __str__(self) -> str:
-        return f"Cannot connect to host {self._host}:{self._port} [{self._os_error.strerror or self._os_error}]"
-
-
-class _Conn(asyncio.Protocol):
-    """One connection: the parser's callbacks fill ``chunks``; the reader waits on ``_waiter``."""
-
-    __slots__ = (
-        "_paused",
-        "_waiter",
-        "buffered",
-        "chunks",
-        "done",
-        "error",
-        "flush_wanted",
-        "framed",
-        "headers_done",
-        "idle_since",
-        "keep_alive",
-        "last_rx",
-        "on_idle_close",
-        "parser",
-        "sink",
-        "status",
-        "transport",
-    )
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.chunks: list[bytes] = []
-        self.buffered = 0
-        self.status = 0
-        self.headers_done = False
-        self.keep_alive = False
-        self.framed = False
-        self.done = False
-        self.error: BaseException | None = None
-        self.idle_since = 0.0
-        #: set while the connection waits in the pool: the engine closing it then teaches the pool (H1Streams)
-        self.on_idle_close: Callable[[], None] | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._paused = False
-        #: set while ``pump`` runs: takes each body read in the parser's callback; True asks for a flush
-        self.sink: Callable[[bytes], bool] | None = None
-        self.flush_wanted = False
-        #: ``time.monotonic()`` of the last read (the read timeout counts silence, not one timer per read)
-        self.last_rx = 0.0
-
-    # ---- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's TCPTransport is no asyncio.Transport subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.last_rx = time.monotonic()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(aiohttp.ClientPayloadError(f"malformed response from the engine: {exc}"))
-            if self.transport is not None:
-                self.transport.close()
-
-    def eof_received(self) -> bool:
-        return False  # close our side too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        if self.on_idle_close is not None:
-            self.on_idle_close()
-        if self.headers_done and not self.done and not self.framed and exc is None:
-            self.done = True  # no content-length, not chunked: the body ends where the connection does
-            self._wake()
-        if not self.done:
-            if not self.headers_done:
-                self._fail(aiohttp.ServerDisconnectedError())
-            else:
-                self._fail(aiohttp.ClientPayloadError(f"the engine closed the connection mid-body ({exc or 'EOF'})"))
-
-    # ---- httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
-            self.framed = True
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()  # read here: llhttp forgets it at the message's end
-        self.headers_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            try:
-                if sink(body):
-                    self.flush_wanted = True
-                    self._wake()
-            except Exception as exc:  # the relay refused what the engine sent (malformed, oversized event)
-                self.sink = None
-                self.pause()
-                self._fail(exc)
-            return
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER:
-            self.pause()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.done = True
-        self._wake()
-
-    # ---- reader side
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def wait(self, timeout: float | None) -> None:
-        """Until the parser says something (headers, body, end) or the connection fails; TimeoutError after
-        ``timeout`` seconds of silence."""
-        loop = asyncio.get_running_loop()
-        w = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout, _timeout, w) if timeout else None
-        try:
-            await w
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def pause(self) -> None:
-        if self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-            # the read timeout is the engine's silence: time spent paused for a slow client is not
-            self.last_rx = time.monotonic()
-
-    async def wait_read(self, timeout: float | None) -> None:
-        """As ``wait``, but the timeout counts silence since the last read (``last_rx``): a stream whose reads go
-        to a sink arms one timer per ``timeout`` seconds, not one per read."""
-        if not timeout:
-            await self.wait(None)
-            return
-        while True:
-            left = timeout - (time.monotonic() - self.last_rx)
-            if left <= 0:
-                raise TimeoutError("no data from the engine within the read timeout")
-            try:
-                await self.wait(left)
-                return
-            except TimeoutError:
-                continue  # something arrived meanwhile (the sink took it): wait out the rest of the new silence
-
-    def take(self) -> bytes:
-        chunks = self.chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self.chunks = []
-        self.buffered = 0
-        self.resume()
-        return data
-
-    def reusable(self) -> bool:
-        t = self.transport
-        return self.done and self.error is None and t is not None and not t.is_closing() and self.keep_alive
-
-    def reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.chunks, self.buffered, self.status = [], 0, 0
-        self.headers_done = self.done = self.keep_alive = self.framed = self.flush_wanted = False
-        self.error = None
-        self.sink = None
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
 
 def authorization(e: EngineSettings) -> str | None:
@@ -274,11 +76,6 @@ def _peer_closed(t: asyncio.Transport) -> bool:
         return True
 
 
-def _timeout(w: asyncio.Future[None]) -> None:
-    if not w.done():
-        w.set_exception(TimeoutError("no data from the engine within the read timeout"))
-
-
 class H1Streams:
     """Generation requests to one engine (a ``StreamClient``)."""
 
@@ -296,7 +93,7 @@ class H1Streams:
         self._connect_s, self._pool_s, self._read_s = t.connect, t.pool, t.read
         self._limit = max_connections
         self._sem: asyncio.Semaphore | None = None
-        self._idle: list[_Conn] = []
+        self._idle: list[Conn] = []
         self._heads: dict[str, bytes] = {}
         #: the engine closed a pooled connection by itself (llama-server does after every streamed response,
         #: though its headers say keep-alive): from then on no connection is pooled, since reusing one would race
@@ -317,12 +114,12 @@ class H1Streams:
         assert self._sem is not None
         self._sem.release()
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self) -> Conn:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_s):
                 _, conn = await loop.create_connection(
-                    _Conn,
+                    Conn,
                     self._host,
                     self._port,
                     ssl=ssl.create_default_context() if self._https else None,
@@ -338,7 +135,7 @@ class H1Streams:
             log.info("engine %s closes idle connections after a response: not keeping them", self._host_port)
         self._closes = True
 
-    def _pop_idle(self) -> _Conn | None:
+    def _pop_idle(self) -> Conn | None:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
@@ -350,7 +147,7 @@ class H1Streams:
             conn.close()
         return None
 
-    def _put_idle(self, conn: _Conn) -> None:
+    def _put_idle(self, conn: Conn) -> None:
         conn.reset()
         conn.on_idle_close = self._learn_closes
         conn.idle_since = time.monotonic()
@@ -365,7 +162,7 @@ class H1Streams:
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         request = b"".join((head, extra.encode("latin-1"), b"content-length: %d\r\n\r\n" % len(content), content))
         await self._acquire()
-        conn: _Conn | None = None
+        conn: Conn | None = None
         try:
             conn = self._pop_idle()
             if conn is None:
@@ -398,7 +195,7 @@ class _H1Response:
 
     __slots__ = ("_closed", "_conn", "_pool", "status_code")
 
-    def __init__(self, pool: H1Streams, conn: _Conn) -> None:
+    def __init__(self, pool: H1Streams, conn: Conn) -> None:
         self._pool = pool
         self._conn = conn
         self._closed = False

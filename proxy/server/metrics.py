@@ -8,7 +8,9 @@ Observations happen once per request, at its end, except the in-flight gauge; a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,11 @@ GAP_BUCKETS = (
 #: 50 µs .. 1 s: what the proxy itself adds
 OVERHEAD_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+#: 0.5 ms .. 10 s: how late the event loop runs (libuv timers are millisecond-grained: an idle loop shows 0-1 ms),
+#: how long a request waits for it, how long a garbage collection holds it
+LOOP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 #: OpenTelemetry gen_ai.client.token.usage boundaries
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -122,7 +129,8 @@ class Metrics:
         self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", b["ttft"], r)  # fmt: skip
         self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", b["ttft"], r)  # fmt: skip
         self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", b["ttft"], r)
-        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request).", b["overhead"], r)  # fmt: skip
+        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request, event-loop queueing included).", b["overhead"], r)  # fmt: skip
+        self.proxy_delay = _h("proxy_delay_seconds", "Everything the proxy added to the client's time to first byte: received -> sent upstream, plus (streams) the engine's first event -> the client's first byte.", b["overhead"], r)  # fmt: skip
         self.gap = _h("inter_chunk_seconds", "Gap between consecutive token-carrying chunks (a chunk may carry several tokens).", b["inter_chunk"], r)  # fmt: skip
         self.tpot = _h("time_per_output_token_seconds", "(last token - first token) / (completion_tokens - 1).", b["inter_chunk"], r)  # fmt: skip
         self.decode_tps = _h("decode_tokens_per_second", "(completion_tokens - 1) / (last token - first token).", b["decode_tps"], r)  # fmt: skip
@@ -181,6 +189,23 @@ class Metrics:
             f"{PREFIX}_shadow_ratio", "Shadow / primary ratio per pair (metric=ttft|tpot|decode_tps).",
             ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        # ---- the event loop (proxy/server/loopwatch.py): a saturated proxy shows itself here -----------
+        self.loop_lag = Histogram(
+            f"{PREFIX}_event_loop_lag_seconds", "How late a periodic timer on the event loop fired (every 0.1 s): how long the loop was busy elsewhere.",
+            buckets=LOOP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queued = Gauge(
+            f"{PREFIX}_requests_queued", "Requests whose head the server has parsed and whose handler has not started yet (waiting for the event loop).",
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.handler_wait = Histogram(
+            f"{PREFIX}_request_queue_seconds", "Request head parsed -> the proxy's handler started: time a request waited for the event loop.",
+            buckets=LOOP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.gc_pause = Histogram(
+            f"{PREFIX}_gc_pause_seconds", "Garbage-collector pauses of the proxy process, by generation (0|1|2).",
+            ("generation",), buckets=LOOP_BUCKETS, registry=r,
+        )  # fmt: skip
         # ---- serve --workers N: written by the supervisor when a worker dies (0 in one process) ------------
         self.worker_lost = Counter(f"{PREFIX}_worker_lost_requests", WORKER_LOST_HELP, ("engine", "role"), registry=r)
         self.worker_restarts = Counter(f"{PREFIX}_worker_restarts", WORKER_RESTARTS_HELP, registry=r)
@@ -208,6 +233,8 @@ class Metrics:
                         self.requests.labels(e, m, "primary", stream, "chat", outcome)
                 for reason in FINISH_REASONS:
                     self.finish.labels(e, m, "primary", reason)
+        for generation in ("0", "1", "2"):
+            self.gc_pause.labels(generation)
         for p, s in pairs:
             self.pairs.labels(p, s)
             self.contended.labels(p, s)
@@ -227,13 +254,39 @@ def child(m: Metrics, metric: Any, *labels: str) -> Any:
     return child
 
 
+def observe_many(h: Histogram, values: Sequence[float]) -> None:
+    """``h.observe(v)`` for every ``v``, in one pass: the bucket counts first (a bisect each), then one increment
+    per bucket hit and one for the sum. A stream's gaps are one observation per chunk: one by one, each scanned
+    the bounds under the value's lock, ~2 us a gap at the request's end (docs/performance.md).
+
+    Reads prometheus-client's ``Histogram`` internals (``_upper_bounds``, per-bucket ``_buckets``, ``_sum``), the
+    same in single- and multiprocess mode; ``tests/test_metrics.py`` holds it to ``observe`` on the installed
+    version. A labelled child only (a parent has no buckets)."""
+    bounds: list[float] = h._upper_bounds
+    counts = [0] * len(bounds)
+    for v in values:
+        counts[bisect_left(bounds, v)] += 1  # the first bound >= v: observe's `amount <= bound`
+    h._sum.inc(math.fsum(values))
+    buckets = h._buckets
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+
+
+def observe_one(h: Histogram, v: float) -> None:
+    """``h.observe(v)`` without its per-call checks and its linear scan of the bounds (a bisect instead): one
+    finished request makes ~15 observations (``observe_many``'s internals and test)."""
+    h._sum.inc(v)
+    h._buckets[bisect_left(h._upper_bounds, v)].inc(1)
+
+
 def observe(m: Metrics, r: Result) -> None:
     """Record one finished attempt. Called once per attempt, never per chunk."""
     stream = "true" if r.stream else "false"
     child(m, m.requests, r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
     if r.endpoint not in ENDPOINTS:  # pass-through: counted and timed end to end, no token figures
         if r.timing.e2e_s is not None:
-            child(m, m.passthrough, r.engine, r.model, r.endpoint).observe(r.timing.e2e_s)
+            observe_one(child(m, m.passthrough, r.engine, r.model, r.endpoint), r.timing.e2e_s)
         return
     lab = (r.engine, r.model, r.role, stream)
     if r.usage_stripped:
@@ -242,36 +295,36 @@ def observe(m: Metrics, r: Result) -> None:
         child(m, m.rewrites, r.engine, "reserialized").inc(r.reserialized)
     t = r.timing
     if t.e2e_s is not None:
-        child(m, m.e2e, *lab).observe(t.e2e_s)
+        observe_one(child(m, m.e2e, *lab), t.e2e_s)
     if t.overhead_s is not None:
-        child(m, m.overhead, *lab).observe(t.overhead_s)
+        observe_one(child(m, m.overhead, *lab), t.overhead_s)
+    if t.proxy_delay_s is not None:
+        observe_one(child(m, m.proxy_delay, *lab), t.proxy_delay_s)
     if t.headers_s is not None:
-        child(m, m.headers, *lab).observe(t.headers_s)
+        observe_one(child(m, m.headers, *lab), t.headers_s)
     if r.outcome == "ok":
         child(m, m.finish, r.engine, r.model, r.role, finish_label(r.finish_reason)).inc()
         # latency figures only from successful requests, so error bodies never pose as fast TTFTs
         if t.ttft_s is not None:
-            child(m, m.ttft, *lab).observe(t.ttft_s)
+            observe_one(child(m, m.ttft, *lab), t.ttft_s)
         if t.upstream_ttft_s is not None:
-            child(m, m.upstream_ttft, *lab).observe(t.upstream_ttft_s)
+            observe_one(child(m, m.upstream_ttft, *lab), t.upstream_ttft_s)
         if t.tpot_s is not None:
-            child(m, m.tpot, *lab).observe(t.tpot_s)
+            observe_one(child(m, m.tpot, *lab), t.tpot_s)
         if t.decode_tps is not None:
-            child(m, m.decode_tps, *lab).observe(t.decode_tps)
+            observe_one(child(m, m.decode_tps, *lab), t.decode_tps)
         if t.gaps_s:
-            h = child(m, m.gap, *lab)
-            for g in t.gaps_s:
-                h.observe(g)
+            observe_many(child(m, m.gap, *lab), t.gaps_s)
         if t.queue_s is not None:
-            child(m, m.engine_queue, *lab).observe(t.queue_s)
+            observe_one(child(m, m.engine_queue, *lab), t.queue_s)
     u = r.usage
     if u is not None:
         if u.prompt_tokens is not None:
             child(m, m.prompt_tokens, *lab).inc(u.prompt_tokens)
-            child(m, m.prompt_tokens_h, *lab).observe(u.prompt_tokens)
+            observe_one(child(m, m.prompt_tokens_h, *lab), u.prompt_tokens)
         if u.completion_tokens is not None:
             child(m, m.completion_tokens, *lab).inc(u.completion_tokens)
-            child(m, m.completion_tokens_h, *lab).observe(u.completion_tokens)
+            observe_one(child(m, m.completion_tokens_h, *lab), u.completion_tokens)
     cached = u.cached_tokens if u else None
     et = r.engine_timings
     if cached is None and et is not None:
@@ -284,9 +337,9 @@ def observe(m: Metrics, r: Result) -> None:
         # prefill rate (queueing and the first decode step are in the denominator)
         uncached = u.prompt_tokens - min(cached or 0, u.prompt_tokens)
         if uncached > 0:
-            child(m, m.prefill_tps, *lab).observe(uncached / up_ttft)
+            observe_one(child(m, m.prefill_tps, *lab), uncached / up_ttft)
     if et is not None and r.outcome == "ok":
         if et.prompt_ms is not None:
-            child(m, m.engine_prompt, *lab).observe(et.prompt_ms / 1000)
+            observe_one(child(m, m.engine_prompt, *lab), et.prompt_ms / 1000)
         if et.predicted_per_second is not None and (et.predicted_n or 0) > 1:
-            child(m, m.engine_decode_tps, *lab).observe(et.predicted_per_second)
+            observe_one(child(m, m.engine_decode_tps, *lab), et.predicted_per_second)

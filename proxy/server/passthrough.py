@@ -6,7 +6,7 @@ receive -> authenticate -> read body (bounded in size and time) -> parse a JSON 
 
 - **The generation path's intake**, not a copy of it: ``Gateway.authenticate``, ``Gateway.read_body`` (413 over
   ``max_body_bytes``, 408 when the body is not whole within ``body_timeout_s``), ``Gateway.parse`` (orjson: NaN,
-  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400; large bodies in a thread) and
+  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400) and
   its hang-up ``Watch``: from the end of the body on, a client that leaves cancels the request at once in any
   phase (waiting for the engine's headers, its body, a stream), which closes the upstream connection; counted
   ``client_disconnect``. A body is parsed when it is JSON by its content type, or by its first byte (``{`` or
@@ -54,7 +54,7 @@ from proxy.errors import TRANSPORT_ERRORS, BadRequest, NotFound, ProxyError, fro
 from proxy.server.app import ClientGone, Gateway, Watch
 from proxy.server.context import current
 from proxy.server.paths import OWN_PATHS, upstream_path
-from proxy.server.relay import error_response
+from proxy.server.responses import error_response, scope_timer, server_timing
 from proxy.server.result import Result
 from proxy.server.upstream import Engine
 from proxy.timing import StreamTimer, StreamTiming
@@ -144,7 +144,7 @@ class Passthrough:
         return self.engines[route.primary]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timer = StreamTimer()
+        timer = scope_timer(scope)
         request = Request(scope)
         headers = dict(scope["headers"])  # lower-case names; a repeated header keeps its last value
         # the proxy owns request ids (as for generation requests); the client's x-request-id is forwarded and logged
@@ -313,6 +313,7 @@ class _Call:
         out_headers += [
             (b"x-enginemeter-engine", self.engine.name.encode()),
             (b"x-enginemeter-request-id", self.request_id.encode()),
+            (b"server-timing", server_timing(self.timer).encode()),  # engine: to its response's headers
         ]
         length = response.headers.get("content-length")
         rewrite = (

@@ -35,14 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import orjson
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from proxy.errors import (
     TRANSPORT_ERRORS,
-    ProxyError,
     UpstreamBroken,
     UpstreamError,
     error_body,
@@ -51,10 +47,10 @@ from proxy.errors import (
 )
 from proxy.normalize import Normalized
 from proxy.server.llamatimings import timings_block
-from proxy.server.output import DISCARD, BufferOutput, Output, SendOutput, socket_output
+from proxy.server.output import DISCARD, BufferOutput, Output
 from proxy.server.result import Result
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
-from proxy.sse import Event, EventTooLarge, SSEFramer, encode_data
+from proxy.sse import DONE, Event, EventTooLarge, SSEFramer, encode_data
 from proxy.stream import error_message, finish_reason_of, has_token, loads, text_of
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage, usage_from_json
 from proxy.types import Endpoint, Outcome, Role
@@ -103,12 +99,14 @@ class Attempt:
     _framer: SSEFramer = field(default_factory=SSEFramer)
     _first: list[Event] = field(default_factory=list)
     _first_t: int = 0
+    #: the engine's model name as last seen, and its ``"model":...`` bytes and the alias's (None: no rewrite)
     _model_src: Any = None
     _model_from: bytes | None = None
     _model_to: bytes | None = None
     _error_body: bytes | None = None
     _out: Output = DISCARD
     _finished: bool = False
+    _closed_upstream: bool = False
     reserialized: int = 0
     usage_stripped: int = 0
     #: the client's own x-request-id, sent on to the engine (pairing uses ``request_id``, the proxy's)
@@ -167,6 +165,7 @@ class Attempt:
             # free the connection and its pool slot here, whoever the caller is
             await self.response.aclose()
             raise
+        self.timer.t_first_read_ns = self._first_t
         first = self._first[0]
         if not first.is_comment and not first.is_done:
             try:
@@ -220,76 +219,82 @@ class Attempt:
 
     def _rewrite_model(self, raw: bytes, doc: dict[str, Any], sse: bool = True) -> bytes:
         model = doc.get("model")
-        alias = self.client_model
-        if alias is None or model is None or model == alias:
+        if model is None:
             return raw
-        if self._model_from is None or model != self._model_src:
+        if model != self._model_src:  # the first event, or an engine that changes its name mid-stream
+            alias = self.client_model
             self._model_src = model
-            self._model_from = b'"model":' + json.dumps(model, ensure_ascii=False).encode()
-            self._model_to = b'"model":' + json.dumps(alias, ensure_ascii=False).encode()
+            if alias is None or model == alias:
+                self._model_from = self._model_to = None  # nothing to rewrite
+            else:
+                self._model_from = b'"model":' + json.dumps(model, ensure_ascii=False).encode()
+                self._model_to = b'"model":' + json.dumps(alias, ensure_ascii=False).encode()
+        if self._model_from is None:
+            return raw
         assert self._model_to is not None
-        if self._model_from in raw:
-            return raw.replace(self._model_from, self._model_to, 1)
+        out = raw.replace(self._model_from, self._model_to, 1)
+        if out is not raw:  # bytes.replace gives back the very object when there is nothing to replace
+            return out
         # unusual formatting (spaces after the colon): re-serialize this one event (or body), counted
-        doc["model"] = alias
+        doc["model"] = self.client_model
         self.reserialized += 1
         data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
         return encode_data(data) if sse else data
 
     def _process(self, events: list[Event], t_ns: int) -> bytes:
-        """The per-read hot path: timestamp tokens, rewrite, filter. Returns the bytes to forward."""
-        out: list[bytes] = []
-        for ev in events:
-            if ev.is_comment or not ev.data:
-                out.append(ev.raw)  # comments and events without a data field (event:/id:/retry:) pass as they are
-                continue
-            if ev.is_done:
-                self.saw_done = True
-                out.append(ev.raw)
-                continue
+        """The per-read hot path: timestamp tokens, rewrite, filter. Returns the bytes to forward (b"": none)."""
+        if len(events) == 1:  # nearly every read: one event, no list to join
+            return self._event(events[0], t_ns)
+        return b"".join([self._event(ev, t_ns) for ev in events])
+
+    def _event(self, ev: Event, t_ns: int) -> bytes:
+        """One event read at ``t_ns``: the bytes to forward for it (b"": dropped)."""
+        raw, data, is_comment = ev
+        if is_comment or not data:
+            return raw  # comments and events without a data field (event:/id:/retry:) pass as they are
+        if data == DONE:
+            self.saw_done = True
+            return raw
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
             try:
-                doc = loads(ev.data)
+                doc = loads(data)  # what orjson refuses and json takes (NaN, lone surrogates) parses the same
             except (ValueError, RecursionError) as exc:  # RecursionError: json's fallback on deep nesting
-                raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed event: {ev.data[:200]!r}") from exc
-            if not isinstance(doc, dict):
-                raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object event")
-            if "error" in doc:
-                self.outcome = "engine_error"
-                self.error = error_message(doc) or "engine error"
-                out.append(ev.raw)
-                continue
-            choices = doc.get("choices")
-            if isinstance(choices, list) and choices:
-                if has_token(choices):
-                    self.timer.token(t_ns)
-                    if self.collect_text:
-                        self._text.append(text_of(choices))
-                self.finish_reason = finish_reason_of(choices) or self.finish_reason
-            if "usage" in doc and doc["usage"] is not None:
-                self.usage = usage_from_json(doc["usage"]) or self.usage
-                if "timings" in doc:
-                    self.engine_timings = EngineTimings.from_json(doc["timings"])
-                elif self.add_timings and not choices and self.norm.client_wants_usage:
-                    # once per stream: the final usage-only event (never vLLM's per-chunk continuous usage)
-                    out.append(self._with_timings(doc))
-                    continue
-                if not self.norm.client_wants_usage:
-                    self.usage_stripped += 1
-                    if not choices:
-                        continue  # the usage-only event: the client did not ask for it
-                    # usage on a content event (llama.cpp /v1/completions): drop the key, re-serialize
-                    doc.pop("usage")
-                    if self.client_model is not None and "model" in doc:
-                        doc["model"] = self.client_model
-                    self.reserialized += 1
-                    out.append(encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()))
-                    continue
-            elif "timings" in doc:
+                raise UpstreamBroken(f"engine {self.engine.name!r} sent a malformed event: {data[:200]!r}") from exc
+        if not isinstance(doc, dict):
+            raise UpstreamBroken(f"engine {self.engine.name!r} sent a non-object event")
+        if "error" in doc:
+            self.outcome = "engine_error"
+            self.error = error_message(doc) or "engine error"
+            return raw
+        choices = doc.get("choices")
+        if isinstance(choices, list) and choices:
+            if has_token(choices):
+                self.timer.token(t_ns)
+                if self.collect_text:
+                    self._text.append(text_of(choices))
+            self.finish_reason = finish_reason_of(choices) or self.finish_reason
+        if "usage" in doc and doc["usage"] is not None:
+            self.usage = usage_from_json(doc["usage"]) or self.usage
+            if "timings" in doc:
                 self.engine_timings = EngineTimings.from_json(doc["timings"])
-            out.append(self._rewrite_model(ev.raw, doc))
-        if not out:
-            return b""
-        return out[0] if len(out) == 1 else b"".join(out)
+            elif self.add_timings and not choices and self.norm.client_wants_usage:
+                # once per stream: the final usage-only event (never vLLM's per-chunk continuous usage)
+                return self._with_timings(doc)
+            if not self.norm.client_wants_usage:
+                self.usage_stripped += 1
+                if not choices:
+                    return b""  # the usage-only event: the client did not ask for it
+                # usage on a content event (llama.cpp /v1/completions): drop the key, re-serialize
+                doc.pop("usage")
+                if self.client_model is not None and "model" in doc:
+                    doc["model"] = self.client_model
+                self.reserialized += 1
+                return encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode())
+        elif "timings" in doc:
+            self.engine_timings = EngineTimings.from_json(doc["timings"])
+        return self._rewrite_model(raw, doc)
 
     # ------------------------------------------------------------------------------------ relaying
 
@@ -311,8 +316,13 @@ class Attempt:
             try:
                 data = self._process(self._first, self._first_t)
                 self._first = []
-                if data and output.write(data):
-                    await output.flush()
+                if data:
+                    if output.write(data):
+                        await output.flush()
+                    if not isinstance(output, BufferOutput):  # HTTP/1.0: the first byte goes with the last
+                        self.timer.first_byte()
+                else:
+                    await output.flush()  # nothing to send yet: a head held for the first chunk goes alone
                 await self.response.pump(self._on_chunk, output)
                 await output.flush()
                 if self.outcome is None and not self.saw_done and self.finish_reason is None:
@@ -348,6 +358,7 @@ class Attempt:
         try:
             if self.response is not None:
                 await self.response.aclose()
+                self._closed_upstream = True
         finally:
             self.finish(outcome if self.outcome is None else None, error if self.outcome is None else None)
 
@@ -394,6 +405,11 @@ class Attempt:
         raw = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
         return encode_data(raw) if data else raw
 
+    @property
+    def finished(self) -> bool:
+        """The attempt's one Result is out (``finish``), its upstream closed (``close``) or never opened."""
+        return self._finished and (self.response is None or self._closed_upstream)
+
     def finish(self, outcome: Outcome | None = None, error: str | None = None) -> Result | None:
         """Emit the one Result of this attempt. Idempotent."""
         if self._finished:
@@ -434,82 +450,3 @@ class Attempt:
         except Exception:  # a metrics/comparison bug must never break the traffic
             log.exception("recording the result of %s failed", self.request_id)
         return result
-
-
-class RelayResponse:
-    """ASGI response for an SSE relay. A client hang-up is noticed by the caller's watcher
-    (``Gateway.respond``), which cancels this response; the relay's ``finally`` closes the upstream.
-
-    The chunks go straight to the client's socket when ``send`` is uvicorn's own (``output.socket_output``), else
-    through ``send``. ``on_end`` runs just before the response's last message (the watcher stops there: uvicorn
-    reports a finished response as a disconnect).
-
-    HTTP/1.0 has no chunked encoding and uvicorn's httptools protocol cannot end a body by closing the
-    connection, so an HTTP/1.0 client gets the stream whole, with a Content-Length, once it has ended.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, attempt: Attempt, headers: dict[str, str]) -> None:
-        self.attempt = attempt
-        self.on_end: Callable[[], None] = _nothing
-        self.headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
-        ]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            if scope.get("http_version") == "1.0":
-                buffer = BufferOutput()
-                await self.attempt.relay(buffer)
-                whole = b"".join(buffer.chunks)
-                headers = [*self.headers, (b"content-length", str(len(whole)).encode())]
-                self.on_end()
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                await send({"type": "http.response.body", "body": whole, "more_body": False})
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            output: Output | None = socket_output(send)
-            if output is None:
-                output = SendOutput(send)
-            _say_path(output)
-            await self.attempt.relay(output)
-            self.on_end()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            pass  # the client went away mid-send; the relay's finally records it
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.attempt.close()
-
-
-def _nothing() -> None:
-    return None
-
-
-_said: set[type] = set()
-
-
-def _say_path(output: Output) -> None:
-    """Log once per process which way streamed chunks go (an operator can tell the fast path from the fallback)."""
-    kind = type(output)
-    if kind not in _said:
-        _said.add(kind)
-        if isinstance(output, SendOutput):
-            how = "through the server's ASGI send (not uvicorn's httptools protocol, or a middleware wraps send)"
-        else:
-            how = "straight to the client's socket (uvicorn's httptools protocol)"
-        log.info("stream chunks go %s", how)
-
-
-def error_response(
-    exc: ProxyError, request_id: str, engine: str | None = None, headers: dict[str, str] | None = None
-) -> Response:
-    """The proxy's own error (OpenAI-style envelope marked ``"enginemeter": true``) as a JSON response."""
-    headers = {"x-enginemeter-request-id": request_id, **(headers or {})}
-    if engine:
-        headers["x-enginemeter-engine"] = engine
-    return Response(exc.to_bytes(), status_code=exc.status, headers=headers, media_type="application/json")

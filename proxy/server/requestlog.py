@@ -15,7 +15,8 @@ Record (``v`` bumps when a field changes meaning or disappears; fields may be ad
      "route":0,
      "engine":"llama", "kind":"llamacpp", "role":"primary", "stream":true, "outcome":"ok", "status":200,
      "ttft_s":0.081, "upstream_ttft_s":0.080, "tpot_s":0.0041, "decode_tps":243.9, "e2e_s":0.61,
-     "overhead_s":0.0002, "prompt_tokens":31, "completion_tokens":128, "cached_tokens":0,
+     "overhead_s":0.0002, "queue_wait_s":0.00001, "proxy_delay_s":0.0003, "prompt_tokens":31,
+     "completion_tokens":128, "cached_tokens":0,
      "finish_reason":"length", "error":null}
 """
 
@@ -63,6 +64,8 @@ def to_record(r: Result, *, route: int | None, ts: float | None = None) -> dict[
         "decode_tps": t.decode_tps,
         "e2e_s": t.e2e_s,
         "overhead_s": t.overhead_s,
+        "queue_wait_s": t.handler_wait_s,
+        "proxy_delay_s": t.proxy_delay_s,
         "prompt_tokens": u.prompt_tokens if u is not None else None,
         "completion_tokens": u.completion_tokens if u is not None else None,
         "cached_tokens": cached,

@@ -269,10 +269,8 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, ready: Any) -> None:
     """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT."""
-    import uvicorn
-
     from proxy.server import build_app
-    from proxy.server.guard import server_config
+    from proxy.server.guard import Server, server_config
 
     logging.basicConfig(
         level=getattr(logging, spec.log_level.upper(), logging.INFO),
@@ -284,9 +282,14 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
     app = build_app(spec.settings, worker=role)
     wrapped = role.wrap(app, app.state.gateway.mirror, on_started=ready.set)
     # the single-process serve's configuration: connection limits, shutdown timeout (proxy/server/guard.py)
-    config = server_config(wrapped, log_level=spec.log_level, shutdown_timeout_s=spec.shutdown_timeout_s)
+    config = server_config(
+        wrapped,
+        log_level=spec.log_level,
+        shutdown_timeout_s=spec.shutdown_timeout_s,
+        loop_watch=app.state.gateway.loop_watch,
+    )
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
 
 
 # ================================================================================================ supervisor

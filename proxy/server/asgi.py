@@ -1,0 +1,203 @@
+"""The gateway's ASGI surface: its routes, the generation routes served before Starlette (``ProxyApp``), and the
+lifespan that starts and stops every stage. The request's own life is ``proxy.server.app.Gateway``'s.
+
+``ProxyApp`` is the outermost app: each HTTP request first leaves the event loop's queue there
+(``LoopWatch.started``: ``enginemeter_requests_queued``, the handler's start stamped for ``Server-Timing``), then
+the generation routes (exact path, POST) go straight to their raw ASGI handlers, so that ``send`` reaches them as
+the server's own and the relay can write chunks to the client's socket (``proxy.server.output``); everything else
+goes through Starlette (its middleware, ``ServerTimingMiddleware``, the router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from proxy import __version__
+from proxy.errors import NotFound, ProxyError, redact_url
+from proxy.server.admin import admin_routes
+from proxy.server.app import Gateway, make_engines
+from proxy.server.attempt import Attempts
+from proxy.server.guard import raise_fd_limit
+from proxy.server.loopwatch import LoopWatch
+from proxy.server.metrics import Metrics, configured_pairs
+from proxy.server.paths import route_path, upstream_path
+from proxy.server.responses import ServerTimingMiddleware, error_response, scope_timer
+from proxy.server.routing import Router
+from proxy.server.upstream import probe_all
+from proxy.settings import Settings
+
+log = logging.getLogger("enginemeter")
+
+
+class ProxyApp(Starlette):
+    """Starlette, with the generation routes (``fast``: exact path -> raw ASGI app, POST only) served before its
+    middleware stack and router. Everything else, and those paths with another method, goes through Starlette as
+    usual (the same routes are registered there too)."""
+
+    fast: dict[str, ASGIApp]
+    loop_watch: LoopWatch | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if self.loop_watch is not None:
+                self.loop_watch.started(scope)
+            # one normalised path for routing and forwarding; the proxy's own routes only at their canonical path
+            path, why = route_path(scope["path"])
+            if path is None:
+                err = NotFound(f"Not Found: {scope['method']} {scope['path']} ({why})")
+                await error_response(err, "", timer=scope_timer(scope))(scope, receive, send)
+                return
+            if path != scope["path"]:
+                scope = {**scope, "path": path, "raw_path": upstream_path(path).encode()}
+        if scope["type"] == "http" and scope["method"] == "POST":
+            app = self.fast.get(scope["path"])
+            if app is not None:
+                scope["app"] = self
+                await app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
+    """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry, settings.metrics)
+    engines = make_engines(settings)
+    attempts = Attempts(settings, engines, metrics)
+    gw = Gateway(settings, registry, metrics, Router(settings), engines, attempts, loop_watch=LoopWatch(metrics))
+    return asgi_app(gw)
+
+
+def asgi_app(gw: Gateway) -> ProxyApp:
+    """Routes and lifespan around ``gw``."""
+
+    async def chat(scope: Scope, receive: Receive, send: Send) -> None:
+        await gw.generate(scope, receive, send, "chat")
+
+    async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+        await gw.generate(scope, receive, send, "completions")
+
+    async def models(request: Request) -> Response:
+        try:
+            gw.authenticate(request)
+        except ProxyError as exc:
+            return error_response(exc, "")
+        names = list(gw.attempts.aliases) or sorted({e.model for e in gw.engines.values() if e.model})
+        now = int(time.time())
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": n, "object": "model", "created": now, "owned_by": "enginemeter"} for n in names],
+            }
+        )
+
+    async def health(request: Request) -> Response:
+        checks = await asyncio.gather(*(e.check() for e in gw.engines.values()))
+        status: dict[str, Any] = {
+            "status": "ok" if all(c["up"] for c in checks) else "degraded",
+            "version": __version__,
+            "engines": checks,
+        }
+        if gw.mirror is not None:
+            status["mirror"] = gw.mirror.state()
+        if gw.gpu is not None:
+            status.update(gw.gpu.health())
+        if gw.engine_state is not None:
+            status.update(gw.engine_state.health())
+        if gw.diagnosis is not None:
+            status.update(gw.diagnosis.health())
+        if gw.health_sections is not None:
+            status.update(gw.health_sections())
+        return JSONResponse(status)
+
+    async def metrics(request: Request) -> Response:
+        # exposition is CPU work: run it off the event loop so a scrape never stalls a stream
+        data = await anyio.to_thread.run_sync(generate_latest, gw.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            soft, _ = raise_fd_limit()
+            log.info("open-file limit: %d", soft)
+            await probe_all(list(gw.engines.values()))
+            gw.metrics.prime(
+                gw.engines,
+                [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)],
+                configured_pairs(gw.settings.routes),
+            )
+            for e in gw.engines.values():
+                log.info(
+                    "engine %s: %s kind=%s model=%s up=%s", e.name, redact_url(e.settings.url), e.kind, e.model, e.up
+                )
+            async with AsyncExitStack() as stages:
+                # entered in this order, left in the reverse: the mirror's copies end before the collectors stop
+                if gw.loop_watch is not None:
+                    await stages.enter_async_context(gw.loop_watch.running())
+                if gw.mirror is not None:
+                    await stages.enter_async_context(gw.mirror.lifespan())
+                if gw.gpu is not None:
+                    await stages.enter_async_context(gw.gpu.running())
+                if gw.engine_state is not None:
+                    await stages.enter_async_context(gw.engine_state.running())
+                if gw.diagnosis is not None:
+                    await stages.enter_async_context(gw.diagnosis.running())
+                yield
+            await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
+        finally:
+            for stop in gw.on_shutdown:
+                stop()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err = ProxyError(f"{exc.detail}: {request.method} {request.url.path}")
+        err.status = exc.status_code
+        err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(err, "")
+
+    app = ProxyApp(
+        routes=[
+            # raw ASGI endpoints (not request/response functions): they own ``receive`` for the request's life
+            Route("/v1/chat/completions", _Asgi(chat), methods=["POST"]),
+            Route("/v1/completions", _Asgi(completions), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            *admin_routes(gw.settings.admin_key, gw.mirror),
+        ],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(ServerTimingMiddleware)],
+    )
+    app.state.gateway = gw
+    app.loop_watch = gw.loop_watch
+    # a path outside the routes is the proxy's 404, never a redirect to another spelling (/tokenize/ -> /tokenize)
+    app.router.redirect_slashes = False
+    app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
+    return app
+
+
+class _Asgi:
+    """Wraps an ASGI function so Starlette's ``Route`` treats it as an app, not a request/response handler."""
+
+    def __init__(self, fn: Callable[[Scope, Receive, Send], Any]) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.fn(scope, receive, send)
