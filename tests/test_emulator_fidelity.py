@@ -311,7 +311,7 @@ def test_running_gauge_is_published_periodically_not_per_request() -> None:
     real = json.loads((REAL / "disconnect.json").read_text())
     assert (real["gauge"], real["before"], real["during"]) == ("sglang:num_running_reqs", 0.0, 0.0)
     with run_engine(FaultEngineConfig(model="fault", knobs=Knobs(tokens=200))) as backend:
-        config = EmulatorConfig(backend=backend, enable_metrics=True, idle_metrics_s=0.3)
+        config = EmulatorConfig(backend=backend, enable_metrics=True, idle_metrics_s=30)
         with run_emulator(config) as url, httpx.Client(timeout=10) as c:
             body = chat(True, HAIKU, 200)
             with c.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"x-fault": "stall_after=5"}) as r:
@@ -324,7 +324,8 @@ def test_running_gauge_is_published_periodically_not_per_request() -> None:
                 for _ in range(2 * 45):
                     next(lines)
                 assert gauge(url, "sglang:num_running_reqs") == 1  # published at the 40th decode step
-            # the client left; the idle scheduler republishes within idle_metrics_s
+            # the client left: the idle scheduler sees its gauge is stale (1, none running) and republishes at once,
+            # not after its 30 s idle window (0.5.17 metrics_reporter._maybe_log_idle_metrics, gauge_stale)
             wait_until(lambda: httpx.get(f"{url}/_emulator/state").json()["inflight"] == 0)
             wait_until(lambda: gauge(url, "sglang:num_running_reqs") == 0, timeout=5)
 

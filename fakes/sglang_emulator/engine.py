@@ -224,8 +224,12 @@ class SGLangEmulator:
         self.published = _Published(running, max(0, self.inflight - running), self.live_tokens, throughput)
 
     def published_now(self) -> _Published:
-        """The published gauges; an idle scheduler republishes at most every ``idle_metrics_s``."""
-        if self.inflight == 0 and time.monotonic() - self.published.at >= self.config.idle_metrics_s:
+        """The published gauges; an idle scheduler republishes at most every ``idle_metrics_s``, and at once when
+        the running gauge still shows requests that have ended (SGLang 0.5.17
+        ``metrics_reporter._maybe_log_idle_metrics``: ``gauge_stale`` skips the 30 s window)."""
+        if self.inflight == 0 and (
+            self.published.running != 0 or time.monotonic() - self.published.at >= self.config.idle_metrics_s
+        ):
             self.publish()
         return self.published
 
