@@ -11,7 +11,8 @@ on). The checks (DIR/check.txt, one PASS/FAIL row each; DIR/summary.json):
   health         enginemeter's /health ``ok`` and every engine ``up`` (before and after the traffic)
   requests       every request through the proxy answered 200 with its usage
   decode         per request, the proxy's decode tok/s (its request log) vs llama.cpp's own
-                 ``timings.predicted_per_second`` for that request, within --decode-tolerance (2 %)
+                 ``timings.predicted_per_second`` for that request: the median deviation within
+                 --decode-tolerance (2 %), the worst shown beside it
   memory         (with --pid) GPU memory used/total and each engine's memory vs nvidia-smi within 1 %, and each
                  engine found by its port with its own pid (scripts/gpu/memcheck.py); without nvidia-smi: skipped,
                  or with --fake-nvml a recorded reading replayed through the proxy's NVML seam (the CPU smoke)
@@ -26,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -159,10 +161,12 @@ def decode_rows(checks: Checks, client: list[dict[str, Any]], records: list[dict
         checks.add("decode", f"no request of {primary} with the engine's own timings and a decode rate in the proxy's "
                    "request log (llama.cpp sends timings; other kinds do not)", None)  # fmt: skip
         return rows
+    median = statistics.median(abs(x["ratio"] - 1) for x in rows)
     worst = max(rows, key=lambda x: abs(x["ratio"] - 1))
-    ok = abs(worst["ratio"] - 1) <= tol
-    checks.add("decode", f"{len(rows)} requests, proxy/engine decode tok/s worst {worst['ratio']:.4f} "
-               f"({worst['proxy_decode_tps']:.2f} vs {worst['engine_decode_tps']:.2f}; bound ±{tol:.0%})", ok)  # fmt: skip
+    # judged on the median: one request whose first chunks a loaded client read late should not decide it
+    checks.add("decode", f"{len(rows)} requests, proxy vs engine decode tok/s: median deviation {median:.2%}, worst "
+               f"{worst['ratio']:.4f} ({worst['proxy_decode_tps']:.2f} vs {worst['engine_decode_tps']:.2f} tok/s); "
+               f"bound ±{tol:.0%} on the median", median <= tol)  # fmt: skip
     return rows
 
 

@@ -7,11 +7,13 @@
 #                   --accept-quantization-difference (the runs made one engine at a time, joined as separate runs)
 # DIR/tune-report/  enginemeter report --results tune (the tune run's table, rule and verdicts)
 # DIR/output.txt    every command as run (paths relative to DIR) with its output and exit status
-# EM_ROOT: the enginemeter tree to run (default: this repo); PYTHON (default its .venv).
+# EM_ROOT: the enginemeter tree to run (default: this repo); PYTHON (default its .venv, else this repo's).
 set -uo pipefail
 dir=$(cd "$1" && pwd)
-root=${EM_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+root=${EM_ROOT:-$here}
 py=${PYTHON:-$root/.venv/bin/python}
+[ -x "$py" ] || py=$here/.venv/bin/python
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rel() { sed "s#$work/\([a-z-]*\)\.jsonl#raw/\1/results.jsonl#g; s#$dir/##g"; }

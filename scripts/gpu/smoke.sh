@@ -33,5 +33,5 @@ WAIT_S=${SMOKE_WAIT_S:-3000} bash scripts/gpu/device.sh wait
 echo "smoke: plan took $(( SECONDS - t0 )) s; timeline:"
 column -t -s $'\t' "$W/timeline.tsv"
 rm -rf "$dest"
-PYTHON=$PYTHON bash scripts/gpu/collect.sh "$OUT" "$dest"
+EM_ROOT=${SRC_TREE:-$root} PYTHON=$PYTHON bash scripts/gpu/collect.sh "$OUT" "$dest"
 ls -R "$dest" | head -60
