@@ -1,37 +1,44 @@
 #!/usr/bin/env bash
-# Issue 11, HERE after the device calls: put what came back where it belongs.
-#   scripts/gpu/collect.sh capture DIR   DIR holds capture.tar.gz (+ capture-logs.tar.gz) from device.sh capture
-#   scripts/gpu/collect.sh bench DIR     DIR holds bench.tar.gz (+ bench-logs.tar.gz) from device.sh bench
-# Raw outputs -> docs/gpu-results/three-engines/{capture,live,bench,logs}/; captured shapes ->
-# tests/fixtures/engines/<engine>-<version>/; the bench report and charts are rebuilt here from results.jsonl.
+# HERE, after the device calls: put what the last call brought back (results.tar.gz, logs.tar.gz, timeline.tsv,
+# status.txt of scripts/gpu/device.sh) into a dated directory of docs/gpu-results/ and rebuild its reports with
+# this tree's code.
+#
+#   scripts/gpu/collect.sh FILES_DIR [DEST]     DEST default docs/gpu-results/h200-<date of the run>-27b
+#
+# DEST/raw/    every run as it came back: NAME/results.jsonl.gz, NAME/command.txt, NAME/report-as-run.md,
+#              NAME/verdict-as-run.json, NAME/engines/*.log; tune/tune.json; diag/ (diagnose.txt/.json, live/,
+#              session.json); plan.txt (the commands, the card)
+# DEST/logs/   the plan's logs (trimmed on the machine) and timeline.tsv, status.txt
+# DEST/make.sh rebuilds DEST/report/ (the runs joined: enginemeter report --results ... --accept-quantization-
+#              difference) and DEST/tune-report/ from raw/ (scripts/gpu/report.sh) -- run now, its output in
+#              DEST/output.txt
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-R=docs/gpu-results/three-engines
-F=tests/fixtures/engines
-what=$1
-src=$2
-mkdir -p "$R" "$F"
-case $what in
-capture)
-  tar -xzf "$src/capture.tar.gz" -C "$R"
-  mkdir -p "$R/logs"
-  [ -f "$src/capture-logs.tar.gz" ] && tar -xzf "$src/capture-logs.tar.gz" -C "$R/logs"
-  for e in llamacpp:llama.cpp-11434.0.0 sglang:sglang-0.5.17 vllm:vllm-0.26.0; do
-    name=${e%%:*} dir=$F/${e#*:}
-    [ -d "$R/capture/$name" ] || continue
-    mkdir -p "$dir"
-    cp "$R/capture/$name"/* "$dir/"
-  done
-  ;;
-bench)
-  tar -xzf "$src/bench.tar.gz" -C "$R"
-  mkdir -p "$R/logs"
-  [ -f "$src/bench-logs.tar.gz" ] && tar -xzf "$src/bench-logs.tar.gz" -C "$R/logs"
-  PY=python3
-  [ -x .venv/bin/python ] && PY=.venv/bin/python
-  MPLBACKEND=Agg "$PY" -m proxy.cli report --results "$R/bench/results.jsonl" --out "$R/bench" \
-    --quantization llamacpp=FP16 --quantization llamacpp_aa=FP16 --quantization sglang=FP16 --quantization vllm=FP16 \
-    --baseline llamacpp | tee "$R/bench/verdict.txt"
-  ;;
-esac
-du -sh "$R" "$F"
+root=$PWD
+src=$(cd "$1" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+tar -xzf "$src/results.tar.gz" -C "$work"
+[ -f "$src/logs.tar.gz" ] && tar -xzf "$src/logs.tar.gz" -C "$work"
+day=$(sed -n 's/^date_utc: \([0-9-]*\).*/\1/p' "$work/results/plan.txt" 2>/dev/null | head -n 1)
+dest=${2:-docs/gpu-results/h200-${day:-$(date -u +%F)}-27b}
+mkdir -p "$dest/raw" "$dest/logs"
+cp -r "$work/results/." "$dest/raw/"
+for r in "$dest"/raw/*/; do  # the device's own reports are kept as what it said; make.sh rebuilds them
+  [ -f "$r/results.jsonl" ] || continue
+  gzip -9f "$r/results.jsonl"
+  [ -f "$r/report.md" ] && mv "$r/report.md" "$r/report-as-run.md"
+  [ -f "$r/verdict.json" ] && mv "$r/verdict.json" "$r/verdict-as-run.json"
+  rm -f "$r"/report.html "$r"/*.svg
+done
+rm -rf "$dest/raw/joined"  # rebuilt by make.sh from the runs themselves
+[ -d "$work/logs" ] && cp -r "$work/logs/." "$dest/logs/"
+for f in timeline.tsv status.txt; do [ -f "$src/$f" ] && cp "$src/$f" "$dest/logs/"; done
+cat > "$dest/make.sh" <<'EOF'
+#!/usr/bin/env bash
+# Rebuilds this run's reports (report/, tune-report/, output.txt) with the code of this tree from raw/.
+exec "$(dirname "$0")/../../../scripts/gpu/report.sh" "$(dirname "$0")"
+EOF
+chmod +x "$dest/make.sh"
+du -sh "$dest"
+bash scripts/gpu/report.sh "$dest" || echo "collect: the reports exited $? (output: $dest/output.txt)" >&2

@@ -1,48 +1,71 @@
 #!/usr/bin/env bash
-# Issue 11: the one entry point of every device call (the call's command stays far under 2000 characters).
+# The one entry point of every device call (the call's command stays far under 2000 characters). Everything
+# the run needs lives in $W (/tmp/w), which outlives the calls while they follow each other within 30 s; the
+# repo tree a call lays anew is only read at `stage` (copied to $W/src) and never run from afterwards.
 #
-#   scripts/gpu/device.sh stage     copy the carried parts (.carry/cN/) to /tmp/w, unpack every component
-#                                   whose parts are all there, start scripts/gpu/orchestrate.sh once (setsid)
-#   scripts/gpu/device.sh capture   wait for the three engines, then scripts/gpu/capture.py (raw shapes) and
-#                                   scripts/gpu/live.py (enginemeter live: llama.cpp primary, SGLang then vLLM
-#                                   shadow, all mirrored)
-#   scripts/gpu/device.sh bench     enginemeter bench: llamacpp, llamacpp_aa (same URL: the A/A noise floor),
-#                                   sglang, vllm taking turns
-#   scripts/gpu/device.sh status    what is up
-# Everything that must come back is packed into $OUT (at most 8 files).
-# The machine keeps /tmp/w only while calls follow each other within 30 s.
+#   scripts/gpu/device.sh stage   copy the carried parts (.carry/cN/) to $W/parts, unpack every component whose
+#                                 parts are all there, copy the tree to $W/src (first call), start the plan
+#                                 (scripts/gpu/orchestrate.sh: setsid, cwd $W) once
+#   scripts/gpu/device.sh wait    until the plan is done or WAIT_S (default 560) passed, a progress line every
+#                                 30 s; then pack what is there
+#   scripts/gpu/device.sh status  what is up, packed
+#   scripts/gpu/device.sh stop    the plan ends after its running step (state/stop)
+# Every phase packs into $OUT (at most 8 files, 2 folders deep, 16 MiB each; scripts/gpu/collect.sh unpacks):
+#   results.tar.gz  $W/results: every run's results.jsonl, report, verdict.json, engine logs (trimmed)
+#   logs.tar.gz     $W/logs: the plan's log, one log per step, cpu-gpu.tsv (trimmed)
+#   timeline.tsv    one line per step: lane, start/end (plan seconds), exit status, note (cut, retry, cause)
+#   status.txt      nvidia-smi, the state files, the plan log's tail
+# Knobs (environment of the first stage call, inherited by the plan): W, DEADLINE_S and every variable of
+# scripts/gpu/plan27b.sh; CARRY_ROOT (default .carry), SRC_TREE (default this repo).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
-W=/tmp/w
-S=$W/state
-L=$W/logs
+W=${W:-/tmp/w}
+S=$W/state L=$W/logs
 OUT=${OUT:-/tmp/out}
-mkdir -p "$W/parts" "$S" "$L" "$OUT"
+CARRY_ROOT=${CARRY_ROOT:-$root/.carry}
+SRC_TREE=${SRC_TREE:-$root}
+export W
+mkdir -p "$W/parts" "$S" "$L" "$W/results" "$OUT"
 log() { printf '[device %(%H:%M:%S)T] %s\n' -1 "$*"; }
 phase=${1:-status}
 export PYTHONUNBUFFERED=1
 
+running() { [ -f "$S/orch.pid" ] && kill -0 "$(cat "$S/orch.pid")" 2>/dev/null; }
 status() {
-  log "state: $(ls "$S" | tr '\n' ' ')"
-  nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader 2>/dev/null
-  for e in sglang vllm llama; do
-    [ -f "$S/$e.pid" ] && { kill -0 "$(cat "$S/$e.pid")" 2>/dev/null && log "$e pid $(cat "$S/$e.pid") alive" || log "$e DEAD"; }
+  log "plan: $(running && echo running || { [ -f "$S/done" ] && echo done || echo 'not running'; })" \
+    "; state: $(cd "$S" && ls | tr '\n' ' ')"
+  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader
+  [ -f "$W/timeline.tsv" ] && { column -t -s $'\t' "$W/timeline.tsv" 2>/dev/null || cat "$W/timeline.tsv"; } | cut -c1-220
+  tail -n 15 "$L/orch.log" 2>/dev/null
+}
+# a copy of DIR with every file over 1 MiB cut to its first and last 300 lines (results.jsonl kept whole)
+trimmed() {  # trimmed DIR DEST
+  rm -rf "$2"; mkdir -p "$2"
+  (cd "$1" && find . -type f) | while read -r f; do
+    mkdir -p "$2/$(dirname "$f")"
+    if [ "$(stat -c %s "$1/$f")" -gt 1048576 ] && [[ $f != *.jsonl && $f != *.gz && $f != *.json ]]; then
+      { head -n 300 "$1/$f"; echo "... [$(wc -l < "$1/$f") lines, cut to the first and last 300 by device.sh] ..."
+        tail -n 300 "$1/$f"; } > "$2/$f"
+    else cp "$1/$f" "$2/$f"; fi
   done
-  tail -n 25 "$L/orch.log" 2>/dev/null
 }
-
-pack() {  # pack NAME: the logs and results so far
-  tar -czf "$OUT/$1-logs.tar.gz" -C "$W" logs state 2>/dev/null || true
+pack() {
+  local t=$W/pack
+  trimmed "$W/results" "$t/results"
+  trimmed "$L" "$t/logs"
+  tar -czf "$OUT/results.tar.gz" -C "$t" results
+  tar -czf "$OUT/logs.tar.gz" -C "$t" logs
+  cp "$W/timeline.tsv" "$OUT/timeline.tsv" 2>/dev/null
+  status > "$OUT/status.txt" 2>&1
+  rm -rf "$t"
+  log "packed: $(cd "$OUT" && du -h -- * | tr '\n' ' ')"
 }
-
-unpack() {  # unpack NAME: all of NAME's parts present -> /tmp/w/NAME
-  local name=$1 m=$W/parts/$1.manifest
+unpack() {  # unpack NAME: all of NAME's parts present -> $W/NAME
+  local name=$1 m=$W/parts/$1.manifest p t0=$SECONDS
   [ -f "$S/$name.extracted" ] && return 0
   [ -f "$m" ] || return 0
-  local p
   while read -r p; do [ -f "$W/parts/$p" ] || return 0; done < "$m"
-  local t0=$SECONDS
   mkdir -p "$W/$name"
   local files=()
   while read -r p; do files+=("$W/parts/$p"); done < "$m"
@@ -56,7 +79,7 @@ unpack() {  # unpack NAME: all of NAME's parts present -> /tmp/w/NAME
 case $phase in
 stage)
   n=0
-  for d in .carry/c[0-9]*/; do
+  for d in "$CARRY_ROOT"/c[0-9]*/; do
     [ -d "$d" ] || continue
     for f in "$d"*; do
       [ -f "$W/parts/$(basename "$f")" ] || { cp "$f" "$W/parts/" && n=$((n + 1)); }
@@ -64,47 +87,44 @@ stage)
   done
   log "copied $n parts ($(du -sh "$W/parts" | cut -f1) waiting)"
   for c in llama em model sg vl; do unpack "$c"; done
-  if [ -z "${NO_ORCH:-}" ] && { [ ! -f "$S/orch.pid" ] || ! kill -0 "$(cat "$S/orch.pid")" 2>/dev/null; }; then
-    cp scripts/gpu/orchestrate.sh "$W/orchestrate.sh"  # run from a copy: the next call re-syncs the tree
-    ROOT=$root setsid nohup bash "$W/orchestrate.sh" > "$L/orch.log" 2>&1 < /dev/null &
-    echo $! > "$S/orch.pid"
-    log "orchestrator started (pid $!)"
+  if [ ! -d "$W/src" ]; then  # the tree the plan runs from: this call's, copied once
+    mkdir -p "$W/src.tmp"
+    tar -C "$SRC_TREE" --exclude=./.git --exclude=./.carry --exclude=./.venv --exclude=./.device -cf - . \
+      | tar -C "$W/src.tmp" -xf - && mv "$W/src.tmp" "$W/src" && log "tree copied to $W/src ($(du -sh "$W/src" | cut -f1))"
   fi
-  sleep "${STAGE_SLEEP:-2}"
+  if [ -z "${NO_ORCH:-}" ] && ! running && [ ! -f "$S/done" ]; then
+    (cd "$W" && setsid nohup bash "$W/src/scripts/gpu/orchestrate.sh" >> "$L/orch.log" 2>&1 < /dev/null & echo $! > "$S/orch.pid")
+    log "plan started (pid $(cat "$S/orch.pid"), cwd $W)"
+  fi
+  sleep "${STAGE_SLEEP:-3}"
   status
+  pack
   ;;
-capture)
-  deadline=$(( SECONDS + ${WAIT_S:-330} ))
-  while [ ! -f "$S/all.started" ] && [ ! -f "$S/llama.dead" ] && (( SECONDS < deadline )); do sleep 2; done
-  # and each live engine answering /health 200 (SGLang: only after its warm-up generation)
-  for pu in llama:8081 sglang:30000 vllm:8000; do
-    e=${pu%%:*} u=${pu#*:} code=none
-    while (( SECONDS < deadline )); do
-      { [ -f "$S/$e.pid" ] && kill -0 "$(cat "$S/$e.pid")" 2>/dev/null; } || { code=dead; break; }
-      code=$(python3 -c "import sys,urllib.request as u
-try: print(u.urlopen(sys.argv[1], timeout=5).status)
-except Exception as e: print(getattr(e, 'code', 'down'))" "http://127.0.0.1:$u/health")
-      [ "$code" = 200 ] && break
-      sleep 2
-    done
-    log "$e (port $u) /health $code"
+wait)
+  end=$(( SECONDS + ${WAIT_S:-560} ))
+  next=$(( SECONDS + 30 ))
+  while (( SECONDS < end )) && [ ! -f "$S/done" ] && running; do
+    sleep 2
+    if (( SECONDS >= next )); then
+      next=$(( SECONDS + 30 ))
+      log "$(tail -n 1 "$L/orch.log" 2>/dev/null | cut -c1-200)"
+    fi
   done
+  running || [ -f "$S/done" ] || log "the plan is not running (see logs/orch.log)"
   status
-  PYTHONPATH=/tmp/em-site:$root python3 scripts/gpu/capture.py --out "$W/capture" 2>&1 | tee "$L/capture.log"
-  PYTHONPATH=/tmp/em-site:$root python3 scripts/gpu/live.py --out "$W/live" 2>&1 | tee "$L/live.log"
-  status
-  tar -czf "$OUT/capture.tar.gz" -C "$W" capture live 2>/dev/null
-  pack capture
-  ;;
-bench)
-  status
-  PYTHONPATH=/tmp/em-site:$root timeout -s INT "${BENCH_S:-340}" python3 scripts/gpu/bench.py --out "$W/bench" ${BENCH_ARGS:-} 2>&1 | tee "$L/bench.log"
-  status
-  tar -czf "$OUT/bench.tar.gz" -C "$W" bench 2>/dev/null
-  pack bench
+  pack
   ;;
 status)
   status
-  pack status
+  pack
+  ;;
+stop)
+  touch "$S/stop"
+  status
+  pack
+  ;;
+*)
+  echo "usage: $0 stage|wait|status|stop" >&2
+  exit 2
   ;;
 esac

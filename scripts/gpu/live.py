@@ -1,11 +1,23 @@
-"""Issue 11, live: enginemeter (this checkout's source) in front of the real engines, llama.cpp primary, every
-request mirrored (sample_rate 1, comparison log on) -- first to SGLang, then to vLLM.
+"""enginemeter live in front of real engines: the proxy (this tree's ``enginemeter serve``) with its collectors and
+request log on, greedy streams through it, and the checks that the proxy's own figures are right. Fails loudly:
+exit 1 and the cause printed when an engine is down, ``/health`` says degraded, a request fails, or a check
+fails -- never "0 errors" beside a degraded proxy (issue 26).
 
-    python3 scripts/gpu/live.py --out DIR [--requests 24 --concurrency 4 --max-tokens 64]
+    python3 scripts/gpu/live.py --out DIR --engine NAME=URL [--engine NAME=URL ...] [--pid NAME=PID ...]
+        [--shadow NAME] [--requests 6 --concurrency 2 --max-tokens 256] [--fake-nvml]
 
-Per shadow, under DIR/<shadow>/: enginemeter.yaml, proxy.log, health.json (enginemeter's /health before and
-after the traffic), metrics.txt (enginemeter's /metrics after), compare.jsonl (the comparison log),
-client.json (what the client saw per request). DIR/summary.json has the headline figures.
+The first engine is the primary; ``--shadow NAME`` mirrors every request to NAME (sample_rate 1, comparison log
+on). The checks (DIR/check.txt, one PASS/FAIL row each; DIR/summary.json):
+  health         enginemeter's /health ``ok`` and every engine ``up`` (before and after the traffic)
+  requests       every request through the proxy answered 200 with its usage
+  decode         per request, the proxy's decode tok/s (its request log) vs llama.cpp's own
+                 ``timings.predicted_per_second`` for that request: the median deviation within
+                 --decode-tolerance (2 %), the worst shown beside it
+  memory         (with --pid) GPU memory used/total and each engine's memory vs nvidia-smi within 1 %, and each
+                 engine found by its port with its own pid (scripts/gpu/memcheck.py); without nvidia-smi: skipped,
+                 or with --fake-nvml a recorded reading replayed through the proxy's NVML seam (the CPU smoke)
+Files: enginemeter.yaml, proxy.log, health-before.json, health-after.json, metrics.txt, requests.jsonl (the
+proxy's request log), client.json (what the client saw), compare.jsonl (with --shadow).
 """
 
 from __future__ import annotations
@@ -13,6 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -22,12 +37,12 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINES = {
-    "llamacpp": ("http://127.0.0.1:8081", "llamacpp"),
-    "sglang": ("http://127.0.0.1:30000", "sglang"),
-    "vllm": ("http://127.0.0.1:8000", "vllm"),
-}
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import memcheck  # noqa: E402
+
 PROMPTS = [
     "Explain, step by step, how a transformer language model turns a prompt into its next token.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -41,177 +56,238 @@ def log(msg: str) -> None:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def config(port: int, shadow: str, log_path: Path) -> str:
+def config(port: int, engines: dict[str, str], shadow: str | None, out: Path) -> str:
+    names = list(engines)
     lines = [f"listen: 127.0.0.1:{port}", "engines:"]
-    for name, (url, kind) in ENGINES.items():
-        if name in ("llamacpp", shadow):
-            kind = os.environ.get(f"LIVE_KIND_{name}", kind)  # dry runs: a CPU llama-server stands in
-            lines += [f"  - name: {name}", f"    url: {url}", f"    kind: {kind}"]
-    lines += [
-        "routes:",
-        '  - models: ["*"]',
-        "    primary: llamacpp",
-        f"    shadows: [{shadow}]",
-        f"    pinnable: [{shadow}]",
-        "    sample_rate: 1.0",
-        "mirror:",
-        "  enabled: true",
-        f"  log_path: {log_path}",
-        "  record_text: true",
-        "collectors: {gpu: true, gpu_interval: 1.0, engine_interval: 2.0}",
-    ]
+    for name, url in engines.items():
+        lines += [f"  - name: {name}", f"    url: {url}"]
+    lines += ["routes:", '  - models: ["*"]', f"    primary: {names[0]}"]
+    if shadow:
+        lines += [f"    shadows: [{shadow}]", "    sample_rate: 1.0"]
+    lines += [f"    pinnable: [{', '.join(names[1:])}]"] if names[1:] else []
+    lines += ["mirror:", f"  enabled: {'true' if shadow else 'false'}", f"  log_path: {out / 'compare.jsonl'}",
+              f"request_log: {{path: {out / 'requests.jsonl'}}}",
+              "collectors: {gpu: true, gpu_interval: 0.5, engine_interval: 2.0}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
+def get_json(url: str) -> tuple[int, Any]:
+    r = httpx.get(url, timeout=30, trust_env=False)
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, r.text
+
+
+def health_problems(doc: Any) -> list[str]:
+    """What makes /health not healthy: its status and each engine that is not up, with the engine's error."""
+    if not isinstance(doc, dict):
+        return [f"/health is not JSON: {str(doc)[:200]}"]
+    out = [] if doc.get("status") == "ok" else [f"/health status {doc.get('status')!r}"]
+    for e in doc.get("engines", []):
+        if not e.get("up"):
+            out.append(f"engine {e.get('name')} ({e.get('kind')}, {e.get('url')}) down: {e.get('error', 'no error')}")
+    return out
+
+
 def one(url: str, i: int, max_tokens: int) -> dict[str, Any]:
-    stream = i % 3 != 2
-    body: dict[str, Any] = {
-        "model": "m7b",
-        "messages": [{"role": "user", "content": f"[{i}] {PROMPTS[i % len(PROMPTS)]}"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": stream,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+    """One greedy stream with usage; the engine's own ``timings`` where it sends them (llama.cpp)."""
+    rid = f"live-{i}"
+    body = {"model": "live", "messages": [{"role": "user", "content": f"[{i}] {PROMPTS[i % len(PROMPTS)]}"}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    res: dict[str, Any] = {"i": i, "request_id": rid}
     t0 = time.perf_counter()
-    first = None
-    usage = None
-    status = None
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300, trust_env=False) as r:
-            status = r.status_code
-            if stream:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        doc = json.loads(line[6:])
-                        if first is None and doc.get("choices") and doc["choices"][0].get("delta", {}).get("content"):
-                            first = time.perf_counter() - t0
-                        if doc.get("usage"):
-                            usage = doc["usage"]
-            else:
-                usage = json.loads(r.read()).get("usage")
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"x-request-id": rid},
+                          timeout=600, trust_env=False) as r:  # fmt: skip
+            res["status"] = r.status_code
+            if r.status_code != 200:
+                res["error"] = r.read().decode("utf-8", "replace")[:500]
+                return res
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                doc = json.loads(line[6:])
+                if doc.get("usage"):
+                    res["usage"] = doc["usage"]
+                if doc.get("timings"):
+                    res["timings"] = doc["timings"]
+                if doc.get("error"):
+                    res["error"] = json.dumps(doc["error"])[:500]
     except httpx.HTTPError as exc:
-        return {"i": i, "stream": stream, "error": repr(exc)}
-    return {
-        "i": i,
-        "stream": stream,
-        "status": status,
-        "ttft_s": first,
-        "e2e_s": time.perf_counter() - t0,
-        "usage": usage,
+        res["error"] = repr(exc)
+    res["e2e_s"] = round(time.perf_counter() - t0, 3)
+    return res
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, bool | None]] = []  # (check, detail, passed; None: skipped)
+
+    def add(self, check: str, detail: str, ok: bool | None) -> None:
+        self.rows.append((check, detail, ok))
+        log(f"{'PASS' if ok else 'SKIP' if ok is None else 'FAIL'} {check}: {detail}")
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(ok is not False for _, _, ok in self.rows)
+
+    def render(self) -> str:
+        w = max(len(c) for c, _, _ in self.rows)
+        out = [f"{c.ljust(w)}  {'PASS' if ok else 'SKIP' if ok is None else 'FAIL'}  {d}" for c, d, ok in self.rows]
+        return "\n".join([*out, "", f"OVERALL: {'PASS' if self.passed else 'FAIL'}"])
+
+
+def decode_rows(checks: Checks, client: list[dict[str, Any]], records: list[dict[str, Any]], primary: str,
+                tol: float, min_tokens: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Per request: the proxy's decode tok/s (request log) vs the engine's ``timings.predicted_per_second``."""
+    by_id = {
+        r.get("client_request_id"): r for r in records if r.get("engine") == primary and r.get("role") == "primary"
     }
+    rows = []
+    for c in client:
+        rec, eng = by_id.get(c["request_id"]), (c.get("timings") or {}).get("predicted_per_second")
+        if rec is None or not eng or not rec.get("decode_tps") or (rec.get("completion_tokens") or 0) < min_tokens:
+            continue
+        rows.append({"request_id": c["request_id"], "proxy_decode_tps": rec["decode_tps"], "engine_decode_tps": eng,
+                     "ratio": rec["decode_tps"] / eng, "completion_tokens": rec.get("completion_tokens")})  # fmt: skip
+    if not rows:
+        checks.add("decode", f"no request of {primary} with the engine's own timings and a decode rate in the proxy's "
+                   "request log (llama.cpp sends timings; other kinds do not)", None)  # fmt: skip
+        return rows
+    median = statistics.median(abs(x["ratio"] - 1) for x in rows)
+    worst = max(rows, key=lambda x: abs(x["ratio"] - 1))
+    # judged on the median: one request whose first chunks a loaded client read late should not decide it
+    checks.add("decode", f"{len(rows)} requests, proxy vs engine decode tok/s: median deviation {median:.2%}, worst "
+               f"{worst['ratio']:.4f} ({worst['proxy_decode_tps']:.2f} vs {worst['engine_decode_tps']:.2f} tok/s); "
+               f"bound ±{tol:.0%} on the median", median <= tol)  # fmt: skip
+    return rows
 
 
-def run_shadow(shadow: str, out: Path, n: int, conc: int, max_tokens: int) -> dict[str, Any]:
-    d = out / shadow
-    d.mkdir(parents=True, exist_ok=True)
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--engine", action="append", required=True, metavar="NAME=URL")
+    ap.add_argument("--pid", action="append", default=[], metavar="NAME=PID", help="the engine's process (memory)")
+    ap.add_argument("--shadow", help="mirror every request to this engine")
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--tolerance", type=float, default=0.01, help="memory vs nvidia-smi (default 1 %%)")
+    ap.add_argument("--decode-tolerance", type=float, default=0.02, help="proxy vs engine decode (default 2 %%)")
+    ap.add_argument("--fake-nvml", action="store_true", help="no GPU here: replay a recorded reading (CPU smoke)")
+    a = ap.parse_args()
+    out = a.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    engines = dict(e.split("=", 1) for e in a.engine)
+    pids = {n: int(p) for n, p in (x.split("=", 1) for x in a.pid)}
+    primary = next(iter(engines))
+    checks = Checks()
+    summary: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "engines": engines}
+
     port = free_port()
-    cmp_log = d / "compare.jsonl"
-    cfg = d / "enginemeter.yaml"
-    cfg.write_text(config(port, shadow, cmp_log))
+    cfg = out / "enginemeter.yaml"
+    cfg.write_text(config(port, engines, a.shadow, out))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(d / "proxy.log", "wb") as proxy_log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "info"],
-            cwd=ROOT,
-            stdout=proxy_log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "info"]
+    gpu = shutil.which("nvidia-smi") is not None and not a.fake_nvml
+    if a.fake_nvml and pids:
+        fake = str(out / "fake-nvml.json")
+        memcheck.write_fake(fake, pids)
+        env["PATH"] = memcheck.fake_smi_dir(str(out / "bin"), fake) + os.pathsep + env["PATH"]
+        os.environ["PATH"] = env["PATH"]  # our own nvidia-smi calls (memcheck.compare) read the same file
+        serve = [sys.executable, str(HERE / "memcheck.py"), "fake-serve", "--config", str(cfg), "--fake", fake]
+        gpu = True
     url = f"http://127.0.0.1:{port}"
-    res: dict[str, Any] = {"shadow": shadow, "url": url}
+    with open(out / "proxy.log", "wb") as proxy_log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(serve, cwd=ROOT, stdout=proxy_log, stderr=subprocess.STDOUT, env=env)
     try:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 60:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the proxy exited {proc.returncode}: {(out / 'proxy.log').read_text()[-1500:]}")
             try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code in (200, 503):
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"proxy exited {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the proxy did not answer /health within 60 s")
             time.sleep(0.3)
-        time.sleep(5)  # two engine polls
-        h0 = httpx.get(f"{url}/health", timeout=10, trust_env=False)
-        res["health_before"] = {
-            "status": h0.status_code,
-            "body": h0.json() if h0.headers.get("content-type", "").startswith("application/json") else h0.text,
-        }
-        log(f"{shadow}: enginemeter /health {h0.status_code}")
-        t1 = time.perf_counter()
-        with ThreadPoolExecutor(conc) as pool:
-            client = list(pool.map(lambda i: one(url, i, max_tokens), range(n)))
-        res["client_wall_s"] = time.perf_counter() - t1
-        # a pinned request to the shadow, and one disconnect through the proxy
-        pinned = httpx.post(
-            f"{url}/v1/chat/completions",
-            json={
-                "model": "m7b",
-                "messages": [{"role": "user", "content": "pinned"}],
-                "max_tokens": 8,
-                "temperature": 0,
-            },
-            headers={"x-enginemeter-engine": shadow},
-            timeout=120,
-            trust_env=False,
-        )
-        res["pinned"] = {"status": pinned.status_code, "body": pinned.text[:1500]}
-        # drain the mirror
-        t2 = time.monotonic()
-        while time.monotonic() - t2 < 60:
-            lines = cmp_log.read_text().count("\n") if cmp_log.exists() else 0
-            if lines >= n:
+        # every engine up, or the cause (the proxy probes at start and polls every 2 s)
+        deadline = time.monotonic() + 20
+        while True:
+            _, h0 = get_json(f"{url}/health")
+            problems = health_problems(h0)
+            if not problems or time.monotonic() > deadline:
                 break
-            time.sleep(0.5)
-        time.sleep(3)
-        h1 = httpx.get(f"{url}/health", timeout=10, trust_env=False)
-        res["health_after"] = {
-            "status": h1.status_code,
-            "body": h1.json() if h1.headers.get("content-type", "").startswith("application/json") else h1.text,
-        }
-        m = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-        (d / "metrics.txt").write_text(m)
-        (d / "health.json").write_text(
-            json.dumps({"before": res["health_before"], "after": res["health_after"]}, indent=1)
-        )
-        (d / "client.json").write_text(json.dumps(client, indent=1))
-        res["client_errors"] = sum(1 for c in client if c.get("error") or c.get("status") != 200)
-        res["compare_lines"] = cmp_log.read_text().count("\n") if cmp_log.exists() else 0
-        res["metric_names"] = sorted({ln.split(" ")[2] for ln in m.splitlines() if ln.startswith("# TYPE")})
-        log(f"{shadow}: {n} requests, {res['client_errors']} errors, {res['compare_lines']} comparison lines")
-    except Exception as exc:
-        res["error"] = repr(exc)
-        log(f"{shadow}: FAILED {exc!r}")
+            time.sleep(1)
+        (out / "health-before.json").write_text(json.dumps(h0, indent=1) + "\n")
+        checks.add("health before", "; ".join(problems) or "ok, every engine up", not problems)
+        if problems:
+            raise RuntimeError("; ".join(problems))
+
+        t1 = time.perf_counter()
+        with ThreadPoolExecutor(a.concurrency) as pool:
+            client = list(pool.map(lambda i: one(url, i, a.max_tokens), range(a.requests)))
+        summary["client_wall_s"] = round(time.perf_counter() - t1, 2)
+        (out / "client.json").write_text(json.dumps(client, indent=1) + "\n")
+        bad = [c for c in client if c.get("status") != 200 or c.get("error") or not c.get("usage")]
+        checks.add("requests", f"{len(client) - len(bad)}/{len(client)} answered 200 with usage"
+                   + (f"; first failure: {bad[0].get('status')} {bad[0].get('error')}" if bad else ""), not bad)  # fmt: skip
+
+        # the request log is written off the event loop: wait until it holds every request
+        log_path = out / "requests.jsonl"
+        deadline = time.monotonic() + 20
+        records: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            records = [json.loads(x) for x in log_path.read_text().splitlines()] if log_path.exists() else []
+            if sum(1 for r in records if r.get("role") == "primary") >= len(client):
+                break
+            time.sleep(0.3)
+        summary["decode"] = decode_rows(checks, client, records, primary, a.decode_tolerance, min(64, a.max_tokens))
+
+        if not pids:
+            checks.add("memory", "no --pid given: not compared", None)
+        elif not gpu:
+            checks.add("memory", "no nvidia-smi on this machine: not compared (the CPU smoke uses --fake-nvml)", None)
+        else:
+            table = memcheck.compare(url, pids, tolerance=a.tolerance, out_dir=str(out))
+            (out / "memory.txt").write_text(table.render() + "\n")
+            failed = [r for r in table.rows if r[4] != "PASS"]
+            detail = f"{len(table.rows) - len(failed)}/{len(table.rows)} rows within {a.tolerance:.0%} (memory.txt)"
+            if failed:
+                detail += f"; first failure: {failed[0][0]}: proxy {failed[0][1]} vs {failed[0][2]}"
+            checks.add("memory" + (" (recorded reading)" if a.fake_nvml else ""), detail, table.passed)
+        summary["memory_rows"] = [list(r) for r in table.rows] if pids and gpu else []
+
+        _, h1 = get_json(f"{url}/health")
+        (out / "health-after.json").write_text(json.dumps(h1, indent=1) + "\n")
+        problems = health_problems(h1)
+        checks.add("health after", "; ".join(problems) or "ok, every engine up", not problems)
+        (out / "metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text)
+    except Exception as exc:  # the cause, loudly: the run's results must not read as a pass
+        checks.add("live", f"stopped: {exc}", False)
     finally:
         proc.terminate()
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return res
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--shadows", default="sglang,vllm")
-    a = ap.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
-    summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    for s in a.shadows.split(","):
-        summary[s] = run_shadow(s, a.out, a.requests, a.concurrency, a.max_tokens)
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    summary["checks"] = [{"check": c, "detail": d, "passed": ok} for c, d, ok in checks.rows]
+    summary["passed"] = checks.passed
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (out / "check.txt").write_text(checks.render() + "\n")
+    print(checks.render())
+    if not checks.passed:
+        print("live: FAILED — " + "; ".join(f"{c}: {d}" for c, d, ok in checks.rows if ok is False), file=sys.stderr)
+        return 1
     return 0
 
 

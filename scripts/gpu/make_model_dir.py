@@ -1,18 +1,20 @@
-"""Issue 11: the one model of the three-engine comparison, built HERE (needs transformers + sentencepiece).
+"""The one model every engine of a GPU run loads, built HERE (needs transformers + sentencepiece).
 
-    /tmp/tfenv/bin/python scripts/gpu/make_model_dir.py MISTRAL_COMMON.whl OUT_DIR
+    /tmp/tfenv/bin/python scripts/gpu/make_model_dir.py MISTRAL_COMMON.whl OUT_DIR [--shape 27b|7b]
 
-Writes an HF directory (``config.json`` of a Mistral-7B-class Llama shape: hidden 4096, 32 layers, 32 heads,
-8 KV heads, ff 14336, vocab 32000; the real Mistral-7B v1 SentencePiece tokenizer from the PyPI
-``mistral_common`` wheel, converted by transformers; ONE chat template) for SGLang and vLLM
-(``--load-format dummy``). scripts/gpu/vocab_gguf.sh makes the vocab-only GGUF for llama.cpp from the same
-directory with llama.cpp's own ``convert_hf_to_gguf.py``, and scripts/gpu/write_gguf.py the 7B GGUF there.
+Writes an HF directory: ``config.json`` of a Llama shape (``SHAPES``; 27b: hidden 5120, 58 layers, 40 query
+heads of 128, 8 KV heads, ff 25600, vocab 32000, 262,144 positions -- the shape of scripts/gpu/README.md; 7b:
+Mistral-7B's, the runs of 2026-12-02/03), the real Mistral-7B v1 SentencePiece tokenizer from the PyPI
+``mistral_common`` wheel converted by transformers, and ONE ``[INST]`` chat template -- for SGLang and vLLM
+(``--load-format dummy``). scripts/gpu/fetch-wheels.sh then makes the vocab-only GGUF for llama.cpp from the same
+directory with llama.cpp's own ``convert_hf_to_gguf.py --vocab-only``; on the GPU machine ``python -m proxy.embedded
+model --vocab llama-spm --vocab-file VOCAB.gguf`` writes the random-weight GGUF of that shape with that tokenizer.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import zipfile
 from pathlib import Path
 
@@ -30,18 +32,33 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
 )
 
+# the shapes (HF config keys); parameters, bytes and the KV cache per token of 27b: scripts/gpu/README.md
+SHAPES: dict[str, dict[str, int | float]] = {
+    "27b": {
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 58,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+    },
+    "7b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+    },
+}
+
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
     "head_dim": 128,
     "vocab_size": 32000,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "hidden_act": "silu",
     "tie_word_embeddings": False,
@@ -55,7 +72,12 @@ CONFIG = {
 
 
 def main() -> int:
-    wheel, out = Path(sys.argv[1]), Path(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("wheel", type=Path, help="the mistral_common wheel (its data/tokenizer.model.v1)")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="27b")
+    a = ap.parse_args()
+    wheel, out = a.wheel, a.out
     out.mkdir(parents=True, exist_ok=True)
     src = out / "src"
     src.mkdir(exist_ok=True)
@@ -71,7 +93,7 @@ def main() -> int:
                 "add_bos_token": True,
                 "add_eos_token": False,
                 "legacy": True,
-                "model_max_length": 8192,
+                "model_max_length": int(SHAPES[a.shape]["max_position_embeddings"]),
                 "clean_up_tokenization_spaces": False,
             },
             indent=1,
@@ -91,7 +113,7 @@ def main() -> int:
     for f in src.iterdir():
         f.unlink()
     src.rmdir()
-    cfg = json.loads(json.dumps(CONFIG))
+    cfg = {**CONFIG, **SHAPES[a.shape]}
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
     # the template as a file too, for llama-server --chat-template-file if ever needed

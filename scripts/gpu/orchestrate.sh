@@ -1,116 +1,324 @@
 #!/usr/bin/env bash
-# Issue 11, on the GPU machine, started (setsid, once) by scripts/gpu/device.sh stage: brings up the three
-# engines as their parts arrive, in an order that keeps their memory accounting honest:
-#   1. CUDA llama-server build (as soon as the llama.cpp source is there; ~4.5 min on 16 cores)
-#   2. enginemeter's wheels -> /tmp/em-site; the 7B-shape GGUF from the carried vocab GGUF (~30 s, 14.5 GB)
-#   3. SGLang (as soon as its tree is there); wait until its KV pool is allocated (it sizes the pool from the
-#      memory free after its weights: nothing else may allocate meanwhile)
-#   4. vLLM (as soon as its tree is there and SGLang has its pool); wait until vLLM has its KV cache
-#   5. llama-server (built, GGUF written, the others settled)
-# State files in /tmp/w/state, logs in /tmp/w/logs. Knobs: GIB_PER_ENGINE (23 on 80 GB, 27 above: SGLang's and
-# vLLM's share of the GPU), LLAMA_CTX (98304: llama.cpp's shared KV pool, tokens), CTX (8192 per request on all three).
+# The 27B plan on the GPU machine (issue 26), started once by `device.sh stage`: setsid, cwd $W, from the tree
+# copy $W/src -- never from the repo tree, which every device call lays anew (a process still in the old tree
+# has a deleted cwd: the likely cause of the `Intel oneMKL FATAL ERROR` deaths; scripts/gpu/README.md).
+# Every figure and command line comes from scripts/gpu/plan27b.sh.
+#
+# Two lanes at once:
+#   CPU  enginemeter's wheels -> $W/em-site; llama-quantize (CPU build) and llama-server (CUDA build); the F16
+#        GGUF in RAM-backed $SHM (python -m proxy.embedded model); llama-quantize -> Q4_K_M; the F16 deleted
+#   GPU  one engine at a time, each launched by enginemeter itself:
+#        sg_bf16   enginemeter bench --launch sglang=<bf16, dummy>     (its own run, while the CPU lane works)
+#        sg_gguf   enginemeter bench --launch sglang-gguf=<the Q4_K_M>  (its own run)
+#        diag      scripts/gpu/session.py: llama-server launched; enginemeter diagnose; scripts/gpu/live.py
+#        tune      enginemeter tune --launch 'llama-server ... -np {4,16}'
+#        bench     enginemeter bench --launch llama=<the tuned -np> (+ its A/A relaunch)
+#        join      enginemeter report --results llama sglang sglang-gguf (--accept-quantization-difference)
+# A step that would not finish before DEADLINE_S is cut (README: the cut list); a launch that dies within
+# seconds is retried once with its cause logged. State: $W/state, logs: $W/logs, results: $W/results, one line
+# per step in $W/timeline.tsv. `touch $W/state/stop` ends it after the running step.
 set -uo pipefail
-cd "${ROOT:-$(dirname "$0")/../..}"
-root=$PWD
-W=/tmp/w
-S=$W/state
-L=$W/logs
-mkdir -p "$S" "$L"
-CTX=${CTX:-8192}
-LLAMA_CTX=${LLAMA_CTX:-98304}
-NP=${LLAMA_NP:-64}
-log() { printf '[orch %(%H:%M:%S)T] %s\n' -1 "$*"; }
-wait_for() { while :; do local ok=1; for f in "$@"; do [ -f "$S/$f" ] || ok=0; done; [ $ok = 1 ] && return 0; [ -f "$S/stop" ] && return 1; sleep 1; done; }
-http_ok() { python3 - "$1" <<'EOF'
-import sys, urllib.request
+W=${W:-/tmp/w}
+cd "$W" || exit 1
+SRC=$W/src
+# shellcheck source=scripts/gpu/plan27b.sh
+. "$SRC/scripts/gpu/plan27b.sh"
+S=$W/state L=$W/logs R=$W/results TL=$W/timeline.tsv
+mkdir -p "$S" "$L" "$R"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+EM_PATH=$SRC
+[ -z "${SMOKE:-}" ] && EM_PATH=$W/em-site:$SRC
+EM=(env "PYTHONPATH=$EM_PATH" "$PYTHON" -m proxy.cli)
+EMPY=(env "PYTHONPATH=$EM_PATH" "$PYTHON")
+GPU=0
+[ -z "${SMOKE:-}" ] && command -v nvidia-smi > /dev/null && GPU=1
+
+log() { printf '[orch %5ss %(%H:%M:%S)T] %s\n' "$SECONDS" -1 "$*"; }
+tl() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "${6//$'\n'/ }" >> "$TL"; }  # step lane t0 t1 rc note
+fail() { printf '%s\n' "$2" > "$S/$1.failed"; log "FAILED $1: $2"; }
+mark() { touch "$S/$1"; }
+fits() { (( SECONDS + $1 + ${2:-0} + MARGIN_S <= DEADLINE_S )); }  # fits EST [LATER]
+# wait_for FILE...: until every state file exists; 1 (cause in NOTE) when one failed, on stop or at the deadline
+wait_for() {
+  local f ok
+  while :; do
+    ok=1
+    for f in "$@"; do
+      [ -f "$S/$f.failed" ] && { NOTE="needs $f, which failed: $(head -c 300 "$S/$f.failed")"; return 1; }
+      [ -f "$S/$f" ] || ok=0
+    done
+    [ $ok = 1 ] && return 0
+    [ -f "$S/stop" ] && { NOTE="stopped (state/stop)"; return 1; }
+    (( SECONDS >= DEADLINE_S )) && { NOTE="deadline reached waiting for $*"; return 1; }
+    sleep 2
+  done
+}
+# run STEP LANE CAP CMD...: the command with its output in $L/STEP.log, SIGINT at CAP (SIGKILL 30 s later)
+run() {
+  local step=$1 lane=$2 cap=$3 t0=$SECONDS rc
+  shift 3
+  log "start $step (cap ${cap} s)"
+  printf '+ %s\n' "$*" >> "$L/$step.log"
+  timeout -s INT -k 30 "$cap" "$@" >> "$L/$step.log" 2>&1
+  rc=$?
+  log "end $step rc $rc after $(( SECONDS - t0 )) s"
+  tl "$step" "$lane" "$t0" "$SECONDS" "$rc" "${NOTE:-}"
+  NOTE=""
+  return $rc
+}
+skip() { log "skip $1: $2"; tl "$1" gpu "$SECONDS" "$SECONDS" skip "$2"; }
+# after a GPU step: nothing of it may hold the GPU when the next engine starts (the bench stops its engines;
+# this only catches one a SIGKILLed bench left behind)
+reap_gpu() {
+  [ "$GPU" = 1 ] || return 0
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  [ -z "$pids" ] && return 0
+  log "GPU still held by $pids after $1: SIGTERM"
+  kill $pids 2>/dev/null; sleep 10; kill -9 $pids 2>/dev/null; tl reap gpu "$SECONDS" "$SECONDS" 0 "after $1: $pids"
+}
+# the engine's last log lines, for the timeline and the results, when a launch failed
+cause_of() {  # cause_of OUT
+  local f
+  for f in "$1"/engines/*.log; do
+    [ -f "$f" ] || continue
+    printf '%s: %s | ' "$(basename "$f" .log)" "$(grep -v '^\s*$' "$f" | tail -n 3 | cut -c1-200 | tr '\n' ' ')"
+  done
+}
+died_early() {  # died_early OUT: the bench stopped at the launch because the engine exited (not a timeout)
+  grep -q '"gate": "launch"' "$1/verdict.json" 2>/dev/null && grep -q 'exited with' "$1/verdict.json" 2>/dev/null
+}
+has_cli() {  # has_cli SUBCOMMAND FLAG: this tree's enginemeter knows it (issue 22/23 landed)
+  "${EM[@]}" "$1" --help 2>/dev/null | grep -q -- "$2"
+}
+# bench_step STEP CAP EST OUT NAME=CMD [FLAGS...]: one bench run of launched engines, retried once when a
+# launch died within seconds
+bench_step() {
+  local step=$1 cap=$2 est=$3 out=$4 target=$5 rc attempt=1
+  shift 5
+  while :; do
+    rm -rf "$out"
+    run "$step" gpu "$cap" "${EM[@]}" bench --launch "$target" $WORKLOAD $BENCH_FLAGS --out "$out" "$@"
+    rc=$?
+    reap_gpu "$step"
+    if [ "$rc" = 2 ] && [ $attempt = 1 ] && died_early "$out" && fits "$est"; then
+      local why; why=$(cause_of "$out")
+      log "$step: the engine died at launch; retrying once. cause: $why"
+      tl "$step" gpu "$SECONDS" "$SECONDS" retry "the engine died at launch: $why"
+      mv "$out" "$out-attempt1"
+      attempt=2
+      continue
+    fi
+    [ "$rc" = 2 ] && tl "$step" gpu "$SECONDS" "$SECONDS" cause "$(cause_of "$out")"
+    return "$rc"
+  done
+}
+
+# ---------------------------------------------------------------------------------------------- CPU lane
+cpu_em() {
+  if [ -n "${SMOKE:-}" ]; then mark em.ready; return; fi
+  wait_for em.extracted || { fail em.ready "$NOTE"; return; }
+  local t0=$SECONDS
+  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$W/em-site" "$W"/em/*.whl > "$L/em-pip.log" 2>&1; then
+    mark em.ready; tl em cpu "$t0" "$SECONDS" 0 "wheels -> $W/em-site"
+  else fail em.ready "pip install of the carried wheels failed: $(tail -n 3 "$L/em-pip.log")"; fi
+}
+cpu_build_quant() {
+  wait_for llama.extracted || { fail quant.built "$NOTE"; return; }
+  [ -x "$QUANTIZE" ] && { mark quant.built; tl build_quantize cpu "$SECONDS" "$SECONDS" 0 "cached $QUANTIZE"; return; }
+  # shellcheck disable=SC2086
+  if run build_quantize cpu 1200 nice -n "$NICE_BUILD" sh -c "cmake -S '$LLAMA_SRC' -B '$QUANT_BUILD' $CPU_CMAKE > /dev/null && cmake --build '$QUANT_BUILD' --target llama-quantize -j $JOBS"; then
+    mark quant.built
+  else fail quant.built "CPU build of llama-quantize failed: $(tail -n 5 "$L/build_quantize.log")"; fi
+}
+cpu_build_server() {
+  if [ -n "${SMOKE:-}" ]; then
+    log "smoke: no CUDA build; the cached CPU llama-server $LLAMA_BIN"
+    mark server.built; tl build_server cpu "$SECONDS" "$SECONDS" 0 "smoke: cached CPU build"; return
+  fi
+  wait_for llama.extracted || { fail server.built "$NOTE"; return; }
+  # shellcheck disable=SC2086
+  if run build_server cpu 1200 nice -n "$NICE_BUILD" sh -c "cmake -S '$LLAMA_SRC' -B '$W/build-cuda' $CUDA_CMAKE > /dev/null && cmake --build '$W/build-cuda' --target llama-server -j $JOBS"; then
+    mark server.built
+  else fail server.built "CUDA build of llama-server failed: $(tail -n 5 "$L/build_server.log")"; fi
+}
+# room for the F16: RAM-backed $SHM (made larger if need be), else the disk
+f16_room() {
+  local need=$1 dir avail
+  mkdir -p "$SHM"
+  avail=$(df -B1 --output=avail "$SHM" | tail -n 1)
+  if (( avail < need )) && [ "$(stat -f -c %T "$SHM")" = tmpfs ]; then
+    log "F16: $SHM has $(( avail >> 30 )) GiB free, $(( need >> 30 )) GiB needed: remounting larger"
+    mount -o remount,size=$(( (need >> 30) + 8 ))G "$(df --output=target "$SHM" | tail -n 1)" 2>> "$L/write_f16.log"
+    avail=$(df -B1 --output=avail "$SHM" | tail -n 1)
+  fi
+  if (( avail >= need )); then echo "$SHM"; return 0; fi
+  dir=$W/f16; mkdir -p "$dir"
+  avail=$(df -B1 --output=avail "$dir" | tail -n 1)
+  # the disk must also hold the Q4_K_M (~30 % of the F16) written beside it
+  if (( avail >= need + need * 3 / 10 + (2 << 30) )); then echo "$dir"; return 0; fi
+  return 1
+}
+cpu_write() {
+  wait_for em.ready model.extracted || { fail f16.done "$NOTE"; fail tiny.done "$NOTE"; return; }
+  run write_tiny cpu 300 "${EMPY[@]}" -m proxy.embedded model "$TINY" --vocab llama-spm --vocab-file "$VOCAB" \
+    && mark tiny.done || fail tiny.done "the tiny model: $(tail -n 3 "$L/write_tiny.log")"
+  # the F16's size: 2 bytes a matrix element, from the shape (the norms' F32 are noise)
+  local need dir
+  # shellcheck disable=SC2086
+  need=$("$PYTHON" - $SHAPE_ARGS <<'EOF'
+import sys
+a = dict(zip(sys.argv[1::2], map(int, sys.argv[2::2])))
+L, e, f, h, kv = (a[k] for k in ("--n-layer", "--n-embd", "--n-ff", "--n-head", "--n-head-kv"))
+print(2 * (L * (2 * e * e + 2 * e * (e // h) * kv + 3 * e * f) + 2 * 32000 * e) + (1 << 28))
+EOF
+)
+  if ! dir=$(f16_room "$need"); then
+    fail f16.done "no room for the $(( need >> 30 )) GiB F16: $SHM and $W both too small ($(df -h "$SHM" "$W" | tail -n 2 | tr '\n' ' '))"
+    return
+  fi
+  [ "$dir" = "$SHM" ] || { F16=$dir/$(basename "$F16"); log "F16 on the disk: $F16"; }
+  echo "$F16" > "$S/f16.path"
+  # shellcheck disable=SC2086
+  run write_f16 cpu 900 nice -n "$NICE_WRITE" "${EMPY[@]}" -m proxy.embedded model "$F16" --vocab llama-spm \
+    --vocab-file "$VOCAB" $SHAPE_ARGS && mark f16.done || fail f16.done "writing the F16: $(tail -n 3 "$L/write_f16.log")"
+}
+cpu_quantize() {
+  wait_for quant.built f16.done || { fail q4.done "$NOTE"; return; }
+  F16=$(cat "$S/f16.path")
+  if run quantize cpu 1500 nice -n "$NICE_QUANT" "$QUANTIZE" "$F16" "$Q4.tmp" Q4_K_M "$QUANT_THREADS"; then
+    mv "$Q4.tmp" "$Q4" && mark q4.done
+    tl q4 cpu "$SECONDS" "$SECONDS" 0 "$(du -h "$F16" | cut -f1) F16 -> $(du -h "$Q4" | cut -f1) Q4_K_M"
+  else fail q4.done "llama-quantize: $(tail -n 5 "$L/quantize.log")"; fi
+  rm -f "$F16" "$F16.json" "$Q4.tmp"
+}
+cpu_lane() {
+  cpu_em &
+  cpu_build_quant &
+  cpu_build_server &
+  cpu_write &
+  cpu_quantize &
+  if [ -n "${SMOKE:-}" ]; then
+    # the SGLang emulator's backend (SGLang itself cannot run here): a resident CPU llama-server
+    ( wait_for tiny.done || { fail sg.extracted "$NOTE"; exit; }
+      setsid $SMOKE_BACKEND > "$L/smoke-backend.log" 2>&1 < /dev/null &
+      echo $! > "$S/smoke-backend.pid"
+      for _ in $(seq 120); do
+        "$PYTHON" -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \
+          "http://127.0.0.1:$SMOKE_BACKEND_PORT/health" 2> /dev/null && { mark sg.extracted; exit; }
+        sleep 1
+      done
+      fail sg.extracted "the emulator's backend did not start: $(tail -n 3 "$L/smoke-backend.log")" ) &
+  fi
+  wait
+}
+# every 5 s: load, CPU counters, GPU memory and utilisation -- what else ran while an engine was measured
+sampler() {
+  while [ ! -f "$S/done" ]; do
+    printf '%s\t%s\t%s\t%s\n' "$SECONDS" "$(cut -d' ' -f1-3 /proc/loadavg)" "$(head -n 1 /proc/stat)" \
+      "$( [ "$GPU" = 1 ] && nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits | head -n 1)"
+    sleep 5
+  done >> "$L/cpu-gpu.tsv"
+}
+
+# ---------------------------------------------------------------------------------------------- GPU lane
+LATER=$(( EST_BENCH + EST_JOIN ))  # what must still fit after an optional step
+step_sg() {  # step_sg STEP NAME CMD_FN EST CAP OUT [BENCH FLAGS...]
+  local step=$1 name=$2 fn=$3 est=$4 cap=$5 out=$6
+  shift 6
+  NOTE=""
+  if ! wait_for sg.extracted model.extracted em.ready; then skip "$step" "$NOTE"; return; fi
+  [ "$step" = sg_gguf ] && { wait_for q4.done || { skip "$step" "$NOTE"; return; }; }
+  has_cli bench --launch || { skip "$step" "this tree's enginemeter has no bench --launch (issue 22): merge it"; return; }
+  fits "$est" "$LATER" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $est + $LATER after it + margin $MARGIN_S > $DEADLINE_S s)"; return; }
+  bench_step "$step" "$cap" "$est" "$out" "$name=$($fn)" --aa off "$@"
+}
+step_diag() {
+  NOTE=""
+  wait_for server.built q4.done tiny.done em.ready || { skip diag "$NOTE"; return; }
+  fits "$EST_DIAG" "$LATER" || { skip diag "cut: no time left for it before the bench"; return; }
+  local d=$R/diag tiny="$LLAMA_BIN -m $TINY -ngl 99 -c 2048 -np 1 -t 1 --no-webui --host 127.0.0.1 --port {port}"
+  rm -rf "$d"; mkdir -p "$d"
+  # shellcheck disable=SC2086
+  run diag gpu "$CAP_DIAG" "${EMPY[@]}" "$SRC/scripts/gpu/session.py" --out "$d" \
+    --launch "llama=$(llama_cmd "${TUNE_NP%%,*}" -lv 4)" --launch "tiny=$tiny" -- \
+    "${EM[*]} diagnose {url:llama} --log {log:llama} $DIAG_ARGS > $d/diagnose.txt" \
+    "${EM[*]} diagnose {url:llama} --log {log:llama} $DIAG_ARGS --json > $d/diagnose.json" \
+    "${EMPY[*]} $SRC/scripts/gpu/live.py --out $d/live --engine llama={url:llama} --pid llama={pid:llama} --engine tiny={url:tiny} --pid tiny={pid:tiny} $LIVE_ARGS"
+  reap_gpu diag
+}
+step_tune() {
+  NOTE=""
+  wait_for server.built q4.done em.ready || { skip tune "$NOTE"; return; }
+  has_cli tune --vary || { skip tune "this tree's enginemeter has no tune (issue 23): merge it"; return; }
+  local np=$TUNE_NP_FULL est=$EST_TUNE_FULL
+  fits "$est" "$LATER" || { np=$TUNE_NP est=$EST_TUNE; }
+  fits "$est" "$LATER" || { skip tune "cut: no time left for it before the bench"; return; }
+  rm -rf "$R/tune"
+  # shellcheck disable=SC2086
+  run tune gpu "$CAP_TUNE" "${EM[@]}" tune --launch "$(llama_cmd "{$np}")" $TUNE_WORKLOAD \
+    --memory-budget "${BUDGET_GIB}GiB" --launch-timeout 300 --no-progress --out "$R/tune"
+  reap_gpu tune
+}
+tuned_np() {  # the -np tune found best under load (its tune.json), else the default
+  "$PYTHON" - "$R/tune/tune.json" "$BENCH_NP_DEFAULT" <<'EOF'
+import json, sys
 try:
-    with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
-        sys.exit(0 if r.status == 200 else 1)
+    t = json.load(open(sys.argv[1]))
+    best = t["best"]["under_load"]
+    print(next(s["value"] for s in t["settings"] if s["name"] == best))
 except Exception:
-    sys.exit(1)
+    print(sys.argv[2])
 EOF
 }
-# wait until FILE matches REGEX, URL answers 200, PID died, or T seconds passed
-settle() {  # settle NAME PID LOG REGEX URL TIMEOUT
-  local name=$1 pid=$2 logf=$3 re=$4 url=$5 t=$6 t0=$SECONDS
-  while (( SECONDS - t0 < t )); do
-    if ! kill -0 "$pid" 2>/dev/null; then log "$name died (see $logf)"; touch "$S/$name.dead"; return 1; fi
-    if grep -qE "$re" "$logf" 2>/dev/null; then log "$name: memory settled ($(( SECONDS - t0 )) s): $(grep -E "$re" "$logf" | tail -1 | cut -c1-200)"; sleep 3; return 0; fi
-    if http_ok "$url"; then log "$name: ready before the marker ($(( SECONDS - t0 )) s)"; return 0; fi
-    sleep 1
-  done
-  log "$name: no marker in $t s, going on"
+step_bench() {
+  NOTE=""
+  wait_for server.built q4.done em.ready || { skip bench "$NOTE"; return; }
+  has_cli bench --launch || { skip bench "this tree's enginemeter has no bench --launch (issue 22): merge it"; return; }
+  (( SECONDS + 60 <= DEADLINE_S )) || { skip bench "too late: under 60 s before the deadline"; return; }
+  local np; np=$(tuned_np)
+  NOTE="llama.cpp -np $np ($( [ -f "$R/tune/tune.json" ] && echo "tune's best under load" || echo "the default: no tune"))"
+  bench_step bench "$CAP_BENCH" "$EST_BENCH" "$R/llama" "llama=$(llama_cmd "$np")"
+}
+step_join() {
+  local files=() f
+  for f in llama sglang sglang-gguf; do [ -s "$R/$f/results.jsonl" ] && files+=("$R/$f/results.jsonl"); done
+  if [ ! -s "$R/llama/results.jsonl" ] || [ ${#files[@]} -lt 2 ]; then
+    skip join "needs llama.cpp's run and another: have ${files[*]:-none}"; return
+  fi
+  rm -rf "$R/joined"
+  run join cpu "$CAP_JOIN" "${EM[@]}" report --results "${files[@]}" --baseline llama --accept-quantization-difference \
+    --out "$R/joined"
+  cp "$L/join.log" "$R/joined/output.txt" 2>/dev/null
+}
+gpu_lane() {
+  # shellcheck disable=SC2086
+  step_sg sg_bf16 sglang sg_bf16_cmd "$EST_SG_BF16" "$CAP_SG_BF16" "$R/sglang" $SG_BF16_BENCH
+  # shellcheck disable=SC2086
+  step_sg sg_gguf sglang-gguf sg_gguf_cmd "$EST_SG_GGUF" "$CAP_SG_GGUF" "$R/sglang-gguf" $SG_GGUF_BENCH
+  step_diag
+  step_tune
+  step_bench
+  step_join
 }
 
-log "start; $(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader)"
-total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-# H100 (80 GB): 23 GiB each for SGLang and vLLM (weights 13.5 + ~8 GiB KV), llama.cpp 13.5 + 12 GiB KV pool;
-# H200: 27 GiB each (about the same KV as llama.cpp's pool)
-if [ "$total_mib" -gt 100000 ]; then GIB=${GIB_PER_ENGINE:-27}; else GIB=${GIB_PER_ENGINE:-23}; fi
-FRAC=$(python3 -c "print(round($GIB * 1024 / $total_mib, 3))")
-log "SGLang --mem-fraction-static $FRAC, vLLM --gpu-memory-utilization $FRAC ($GIB GiB of $total_mib MiB each); llama.cpp -c $LLAMA_CTX -np $NP"
-echo "$FRAC" > "$S/frac"
-
-# 1. llama-server, CUDA
-(
-  wait_for llama.extracted || exit 1
-  t0=$SECONDS
-  src=$W/llama/llama.cpp
-  cmake -S "$src" -B "$W/llama-build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release > "$L/llama-cmake.log" 2>&1 \
-    && cmake --build "$W/llama-build" --target llama-server -j16 > "$L/llama-build.log" 2>&1 \
-    && touch "$S/llama.built" && log "llama-server built in $(( SECONDS - t0 )) s" \
-    || { log "llama-server build FAILED"; tail -n 30 "$L/llama-build.log" "$L/llama-cmake.log"; touch "$S/llama.dead"; }
-) &
-
-# 2. enginemeter wheels, 7B GGUF
-(
-  wait_for em.extracted || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/em-site "$W"/em/*.whl > "$L/em-pip.log" 2>&1 \
-    && touch "$S/em.installed" && log "enginemeter wheels installed"
-  wait_for model.extracted || exit 1
-  t0=$SECONDS
-  PYTHONPATH=/tmp/em-site python3 scripts/gpu/write_gguf.py "$W/model/m7b-vocab.gguf" "$W/m7b.gguf" > "$L/gguf.log" 2>&1 \
-    && touch "$S/gguf.done" && log "GGUF written in $(( SECONDS - t0 )) s: $(tail -n 1 "$L/gguf.log")" \
-    || { log "GGUF FAILED"; tail -n 20 "$L/gguf.log"; }
-) &
-
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
-M=$W/model/m7b
-
-# 3. SGLang
-wait_for sg.extracted model.extracted || exit 1
-log "starting SGLang"
-PYTHONPATH=$W/sg python3 -m sglang.launch_server --model-path "$M" --served-model-name m7b --load-format dummy \
-  --dtype float16 --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph \
-  --mem-fraction-static "$FRAC" --context-length "$CTX" --host 127.0.0.1 --port 30000 --enable-metrics \
-  --enable-cache-report > "$L/sglang.log" 2>&1 &
-echo $! > "$S/sglang.pid"
-date +%s > "$S/sglang.t0"
-settle sglang "$(cat "$S/sglang.pid")" "$L/sglang.log" "KV Cache is allocated|Memory pool end" http://127.0.0.1:30000/health 400
-
-# 4. vLLM
-wait_for vl.extracted || exit 1
-log "starting vLLM"
-PYTHONPATH=$W/vl python3 -m vllm.entrypoints.openai.api_server --model "$M" --served-model-name m7b --load-format dummy \
-  --dtype float16 --attention-backend TRITON_ATTN --enforce-eager --gpu-memory-utilization "$FRAC" \
-  --max-model-len "$CTX" --host 127.0.0.1 --port 8000 --enable-prompt-tokens-details > "$L/vllm.log" 2>&1 &
-echo $! > "$S/vllm.pid"
-date +%s > "$S/vllm.t0"
-settle vllm "$(cat "$S/vllm.pid")" "$L/vllm.log" "GPU KV cache size|Maximum concurrency for" http://127.0.0.1:8000/health 300
-
-# 5. llama-server
-while [ ! -f "$S/llama.built" ] || [ ! -f "$S/gguf.done" ]; do
-  [ -f "$S/llama.dead" ] && { log "no llama-server"; exit 1; }
-  sleep 1
-done
-log "starting llama-server"
-"$W/llama-build/bin/llama-server" -m "$W/m7b.gguf" --alias m7b --host 127.0.0.1 --port 8081 -ngl 99 -fa on -fit off \
-  -np "$NP" -kvu --kv-unified-per-slot "$CTX" -c "$LLAMA_CTX" --jinja --metrics --slots --no-webui \
-  > "$L/llama.log" 2>&1 &
-echo $! > "$S/llama.pid"
-date +%s > "$S/llama.t0"
-settle llama "$(cat "$S/llama.pid")" "$L/llama.log" "server is listening|all slots are idle" http://127.0.0.1:8081/health 180
-touch "$S/all.started"
-log "all started; $(nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader)"
-wait
+# ---------------------------------------------------------------------------------------------- main
+printf 'step\tlane\tstart_s\tend_s\trc\tnote\n' > "$TL"
+GPU_TOTAL_MIB=143771
+if [ "$GPU" = 1 ]; then
+  GPU_TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  log "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader | head -n 1)"
+fi
+log "plan: W=$W deadline ${DEADLINE_S} s; CTX $CTX; SGLang --mem-fraction-static $(sg_frac) ($BUDGET_GIB GiB budget, $SG_RESERVE_GIB reserved, $GPU_TOTAL_MIB MiB card); tune -np {$TUNE_NP} / {$TUNE_NP_FULL}${SMOKE:+; SMOKE}"
+{ echo "date_utc: $(date -u '+%Y-%m-%d %H:%M:%S')"; echo "gpu_total_mib: $GPU_TOTAL_MIB"; echo "sg_frac: $(sg_frac)"
+  echo "llama: $(llama_cmd N)"; echo "sglang: $(sg_bf16_cmd)"; echo "sglang-gguf: $(sg_gguf_cmd)"
+  echo "workload: $WORKLOAD"; echo "tune: $TUNE_WORKLOAD"; nproc; free -g | head -n 2; df -h "$W" /dev/shm | tail -n 2
+  [ "$GPU" = 1 ] && nvidia-smi; } > "$R/plan.txt" 2>&1
+sampler &
+cpu_lane &
+cpu=$!
+gpu_lane
+wait "$cpu"
+if [ -f "$S/smoke-backend.pid" ]; then kill "$(cat "$S/smoke-backend.pid")" 2>/dev/null; fi
+log "done after $SECONDS s"
+mark done

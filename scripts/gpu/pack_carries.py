@@ -1,11 +1,11 @@
-"""Issue 11: cut the components into carries that each fit one device call beside the repo.
+"""Cut the components into carries that each fit one device call beside the repo.
 
-    python3 scripts/gpu/pack_carries.py CAP_MIB NAME=FILE [NAME=FILE ...]
+    python3 scripts/gpu/pack_carries.py [--out DIR] CAP_MIB NAME=FILE [NAME=FILE ...]
 
-Components are laid end to end in the order given and cut so that each carry directory .carry/c1, .carry/c2,
-... holds at most CAP_MIB MiB: files NAME.partNN plus NAME.manifest (the part names, in order, one a line)
-beside the component's first part. scripts/gpu/device.sh stage copies them to /tmp/w/parts on the GPU machine
-and unpacks a component (cat parts | tar -x[J]) once all its parts have arrived.
+Components are laid end to end in the order given and cut so that each carry directory DIR/c1, DIR/c2, ...
+(default .carry/) holds at most CAP_MIB MiB: files NAME.partNN plus NAME.manifest (the part names, in order,
+one a line) beside the component's first part. scripts/gpu/device.sh stage copies them to /tmp/w/parts on the
+GPU machine and unpacks a component (cat parts | tar -x[J]) once all its parts have arrived.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:
-    cap = int(float(sys.argv[1]) * 2**20)
-    comps = [a.split("=", 1) for a in sys.argv[2:]]
+    args = sys.argv[1:]
     base = ROOT / ".carry"
+    if args[:1] == ["--out"]:
+        base, args = Path(args[1]).resolve(), args[2:]
+    cap = int(float(args[0]) * 2**20)
+    comps = [a.split("=", 1) for a in args[1:]]
     for old in base.glob("c[0-9]*"):
         shutil.rmtree(old)
     carry = 1
@@ -56,7 +59,7 @@ def main() -> int:
         used += 4096
     for d in sorted(base.glob("c[0-9]*"), key=lambda p: int(p.name[1:])):
         total = sum(f.stat().st_size for f in d.iterdir())
-        print(f"{d.relative_to(ROOT)}: {total / 2**20:.1f} MiB  {' '.join(sorted(f.name for f in d.iterdir()))}")
+        print(f"{d}: {total / 2**20:.1f} MiB  {' '.join(sorted(f.name for f in d.iterdir()))}")
     return 0
 
 

@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
-"""Helper for scripts/gpu-check.sh: compare the proxy's GPU memory figures with nvidia-smi.
+"""GPU memory, the proxy's figures against nvidia-smi's (issue 4's check, a step of scripts/gpu/live.py).
 
-Standard library only (the GPU machine has no httpx), except ``fake-serve``, which runs the proxy itself.
+Standard library only, except ``fake-serve``, which runs the proxy itself.
 
-    gpu_check.py wait URL [--timeout S]                 until GET URL answers 200
-    gpu_check.py chat PROXY MODEL                       one short chat completion through the proxy
-    gpu_check.py compare --proxy URL --engine NAME=PID [--engine NAME=PID ...] [--tolerance 0.01] [--out FILE]
-    gpu_check.py fake-serve --config CFG --fake JSON    the proxy with a recorded NVML reader (dry run)
-    gpu_check.py fake-smi --fake JSON ARGS...            an nvidia-smi stand-in over the same JSON (dry run)
+    memcheck.py compare --proxy URL --engine NAME=PID [--engine NAME=PID ...] [--tolerance 0.01] [--out FILE]
+    memcheck.py fake-serve --config CFG --fake JSON    the proxy with a recorded NVML reader (CPU smoke)
+    memcheck.py fake-smi --fake JSON ARGS...            an nvidia-smi stand-in over the same JSON (CPU smoke)
 
 nvidia-smi reports MiB (2**20 bytes); NVML and the proxy report bytes. ``compare`` converts, takes nvidia-smi
 before and after the scrape and insists they agree (memory was not moving), and checks within ``tolerance``
-relative to nvidia-smi's figure (plus 1 MiB for nvidia-smi's rounding).
+relative to nvidia-smi's figure (plus 1 MiB for nvidia-smi's rounding): GPU memory used and total, each engine's
+memory, and each engine's attribution (found by its port, its own pid and none of the others'). Without a GPU
+(no nvidia-smi) the CPU smoke passes ``--fake``: a recorded reading naming the real engine pids, replayed by the
+proxy's NVML seam and by a fake nvidia-smi alike -- it exercises this code and the proxy's attribution, not a GPU.
 """
 
 from __future__ import annotations
@@ -38,33 +39,6 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def wait(url: str, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            status, _ = http_get(url, timeout=2)
-            if status == 200:
-                return 0
-            last = f"HTTP {status}"
-        except OSError as exc:
-            last = exc
-        time.sleep(0.5)
-    print(f"gpu_check: {url} not ready after {timeout:.0f}s (last: {last})", file=sys.stderr)
-    return 1
-
-
-def chat(proxy: str, model: str) -> int:
-    body = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]}
-    req = urllib.request.Request(
-        f"{proxy}/v1/chat/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        doc = json.load(r)
-    print(f"chat through the proxy: {doc.get('usage')}")
-    return 0
 
 
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -132,18 +106,20 @@ def fmt(b: float | None) -> str:
     return "absent" if b is None else f"{b:.0f} B ({b / 1e9:.3f} GB)"
 
 
-def compare(a: argparse.Namespace) -> int:
+def compare(
+    proxy: str, engines: dict[str, int], *, tolerance: float = 0.01, timeout: float = 60.0, out_dir: str | None = None
+) -> Table:
+    """The table of checks for the proxy at ``proxy`` and the engines ``{name: pid}``."""
     t = Table()
-    engines = {n: int(p) for n, _, p in (e.partition("=") for e in a.engine)}
     # 1. a successful sample that has found every engine's GPU process
-    deadline = time.monotonic() + a.timeout
+    deadline = time.monotonic() + timeout
     samples: list[tuple[str, dict[str, str], float]] = []
-    gpu_health = json.loads(http_get(f"{a.proxy}/health")[1]).get("gpu", {})
+    gpu_health = json.loads(http_get(f"{proxy}/health")[1]).get("gpu", {})
     if not gpu_health.get("enabled"):
         t.notes.append(f"the proxy's GPU collectors are off: {gpu_health.get('reason')}")
         deadline = 0.0  # nothing will come: report at once
     while time.monotonic() < deadline:
-        samples = parse_metrics(http_get(f"{a.proxy}/metrics")[1].decode())
+        samples = parse_metrics(http_get(f"{proxy}/metrics")[1].decode())
         okv = pick(samples, "enginemeter_gpu_sample_success")
         procs = {lab["engine"]: v for lab, v in pick(samples, "enginemeter_engine_gpu_processes")}
         if okv and okv[0][1] == 1 and all(procs.get(n, 0) >= 1 for n in engines):
@@ -151,20 +127,20 @@ def compare(a: argparse.Namespace) -> int:
         time.sleep(0.5)
     else:
         if deadline:
-            t.notes.append(f"no successful sample attributing GPU processes to {list(engines)} within {a.timeout:.0f}s")
+            t.notes.append(f"no successful sample attributing GPU processes to {list(engines)} within {timeout:.0f}s")
     # 2. nvidia-smi, then two fresh proxy samples, then nvidia-smi again; retry while memory moves
     health: dict[str, Any] = {}
     before = after = smi_state()
     for _attempt in range(10):
         before = smi_state()
-        n0 = json.loads(http_get(f"{a.proxy}/health")[1]).get("gpu", {}).get("samples", 0)
+        n0 = json.loads(http_get(f"{proxy}/health")[1]).get("gpu", {}).get("samples", 0)
         deadline = time.monotonic() + (30 if gpu_health.get("enabled") else 0)
         while time.monotonic() < deadline:
-            health = json.loads(http_get(f"{a.proxy}/health")[1])
+            health = json.loads(http_get(f"{proxy}/health")[1])
             if health.get("gpu", {}).get("samples", 0) >= n0 + 2:
                 break
             time.sleep(0.1)
-        text = http_get(f"{a.proxy}/metrics")[1].decode()
+        text = http_get(f"{proxy}/metrics")[1].decode()
         samples = parse_metrics(text)
         after = smi_state()
         if before == after:
@@ -173,12 +149,12 @@ def compare(a: argparse.Namespace) -> int:
     if before != after:
         t.notes.append("memory never held still across a scrape; comparing against the second nvidia-smi reading")
     gpus, apps = after
-    if a.out_dir:
-        with open(os.path.join(a.out_dir, "metrics.txt"), "w") as f:
+    if out_dir:
+        with open(os.path.join(out_dir, "metrics.txt"), "w") as f:
             f.write(text)
-        with open(os.path.join(a.out_dir, "health.json"), "w") as f:
+        with open(os.path.join(out_dir, "health.json"), "w") as f:
             json.dump(health, f, indent=2)
-        with open(os.path.join(a.out_dir, "nvidia-smi.csv"), "w") as f:
+        with open(os.path.join(out_dir, "nvidia-smi.csv"), "w") as f:
             f.write("# --query-gpu=index,memory.used,memory.total (MiB)\n")
             f.writelines(",".join(r) + "\n" for r in gpus)
             f.write("# --query-compute-apps=pid,used_memory (MiB)\n")
@@ -189,8 +165,8 @@ def compare(a: argparse.Namespace) -> int:
         pu = pick(samples, "enginemeter_gpu_memory_used_bytes", gpu=idx)
         pt = pick(samples, "enginemeter_gpu_memory_total_bytes", gpu=idx)
         pr = pick(samples, "enginemeter_gpu_memory_reserved_bytes", gpu=idx)
-        t.bytes_row(f"gpu {idx} memory used", pu[0][1] if pu else None, float(used), a.tolerance)
-        t.bytes_row(f"gpu {idx} memory total", pt[0][1] if pt else None, float(total), a.tolerance)
+        t.bytes_row(f"gpu {idx} memory used", pu[0][1] if pu else None, float(used), tolerance)
+        t.bytes_row(f"gpu {idx} memory total", pt[0][1] if pt else None, float(total), tolerance)
         if pu:
             name = pu[0][0].get("name", "?")
             res = f"{pr[0][1] / MIB:.0f} MiB" if pr else "n/a (NVML v1)"
@@ -202,7 +178,7 @@ def compare(a: argparse.Namespace) -> int:
     for eng, pid in engines.items():
         peng = pick(samples, "enginemeter_engine_gpu_memory_used_bytes", engine=eng)
         proxy_eng = sum(v for _, v in peng) if peng else None
-        t.bytes_row(f"engine {eng} (pid {pid}) memory", proxy_eng, smi_pids.get(pid), a.tolerance)
+        t.bytes_row(f"engine {eng} (pid {pid}) memory", proxy_eng, smi_pids.get(pid), tolerance)
         att = attribution.get(eng, {})
         # right engine: its own pid, and none of the other engines' pids
         others = {p for n, p in engines.items() if n != eng}
@@ -232,12 +208,28 @@ def compare(a: argparse.Namespace) -> int:
     other = pick(samples, "enginemeter_gpu_other_processes_memory_used_bytes")
     t.notes.append("unattributed GPU memory: " + (", ".join(f"gpu {lab['gpu']}: {fmt(v)}" for lab, v in other) or "-"))
 
-    report = t.render()
-    print(report)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(report + "\n")
-    return 0 if t.passed else 1
+    return t
+
+
+def write_fake(path: str, engines: dict[str, int]) -> None:
+    """A recorded reading naming the real engine pids (the first engine the big one), for the CPU smoke."""
+    procs = [{"pid": pid, "used": 15_370_000_000 if i == 0 else 536_870_912} for i, pid in enumerate(engines.values())]
+    procs.append({"pid": 1, "used": 4_194_304})
+    used = sum(p["used"] for p in procs) + 120_000_000
+    doc = {"devices": [{"index": 0, "name": "NVIDIA H200 (recorded)", "uuid": "GPU-smoke", "total": 150_754_820_096,
+                        "used": used, "free": 150_754_820_096 - used, "reserved": 629_145_600, "processes": procs}]}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def fake_smi_dir(bin_dir: str, fake: str) -> str:
+    """A directory holding an ``nvidia-smi`` that answers from ``fake`` (put it first on PATH)."""
+    os.makedirs(bin_dir, exist_ok=True)
+    exe = os.path.join(bin_dir, "nvidia-smi")
+    with open(exe, "w") as f:
+        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{os.path.abspath(__file__)}" fake-smi --fake "{fake}" "$@"\n')
+    os.chmod(exe, 0o755)
+    return bin_dir
 
 
 # --------------------------------------------------------------------------------------------- dry run
@@ -311,12 +303,6 @@ def fake_serve(a: argparse.Namespace) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    w = sub.add_parser("wait")
-    w.add_argument("url")
-    w.add_argument("--timeout", type=float, default=120)
-    c = sub.add_parser("chat")
-    c.add_argument("proxy")
-    c.add_argument("model")
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("--proxy", required=True)
     cmp_.add_argument("--engine", action="append", required=True, help="NAME=PID (repeatable)")
@@ -330,12 +316,15 @@ def main() -> int:
     fm = sub.add_parser("fake-smi")
     fm.add_argument("--fake", required=True)
     a, rest = p.parse_known_args()
-    if a.cmd == "wait":
-        return wait(a.url, a.timeout)
-    if a.cmd == "chat":
-        return chat(a.proxy, a.model)
     if a.cmd == "compare":
-        return compare(a)
+        engines = {n: int(p) for n, _, p in (e.partition("=") for e in a.engine)}
+        t = compare(a.proxy, engines, tolerance=a.tolerance, timeout=a.timeout, out_dir=a.out_dir)
+        report = t.render()
+        print(report)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(report + "\n")
+        return 0 if t.passed else 1
     if a.cmd == "fake-serve":
         return fake_serve(a)
     return fake_smi(a, rest)

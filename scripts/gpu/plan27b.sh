@@ -1,0 +1,112 @@
+# shellcheck shell=bash
+# The 27B run on one GPU (issue 26): every figure and every command line of it, in ONE place. Sourced by
+# scripts/gpu/orchestrate.sh on the GPU machine and by scripts/gpu/smoke.sh here (SMOKE=1 swaps in the CPU
+# llama-server, a tiny shape and the SGLang emulator, further down). Edit here, nowhere else; each variable can
+# also be set in the environment of the first `device.sh stage` call (the orchestrator inherits it).
+#
+# The estimates (EST_*, seconds on the H200) come from shared/reference/gpu.md and issue 26 -- how they were
+# made, the timeline they add up to and the cut list are in scripts/gpu/README.md. CAP_* bound each step
+# (SIGINT, then SIGKILL 30 s later: a bench interrupted writes the report of what finished).
+
+W=${W:-/tmp/w}                       # the directory that outlives the calls: never the repo tree (README: oneMKL)
+PYTHON=${PYTHON:-python3}            # the image's python3 (torch, numpy, matplotlib, nvidia-ml-py)
+SHM=${SHM:-/dev/shm/em}              # RAM-backed: the 54 GB F16 GGUF (the disk is 64 GiB)
+
+# ---- the model: a 27B-class dense GQA Llama (README: parameters, bytes, KV per token) -------------------------
+HF=$W/model/m27b                     # HF dir: config.json + the Mistral v1 tokenizer + [INST] template
+VOCAB=$W/model/m27b-vocab.gguf       # its vocab-only GGUF (llama.cpp's convert_hf_to_gguf.py --vocab-only)
+SHAPE_ARGS=${SHAPE_ARGS:---n-layer 58 --n-embd 5120 --n-ff 25600 --n-head 40 --n-head-kv 8 --n-ctx-train 262144}
+F16=$SHM/m27b-F16.gguf               # written on the machine, deleted once quantized
+Q4=$W/m27b-Q4_K_M.gguf               # llama.cpp's own llama-quantize, ~16 GB: what both llama.cpp and SGLang load
+TINY=$W/tiny.gguf                    # 2 x 64, same tokenizer: the second engine of the memory-attribution check
+ALIAS=m27b
+
+# ---- the budget: each engine configured as on a 72 GB card, measured alone ------------------------------------
+BUDGET_GIB=${BUDGET_GIB:-72}
+# context per request, the same on every engine (the parity gate compares it): llama.cpp's one unified KV pool
+# (-kvu -c CTX) at 232 KiB/token is 43.5 GiB, + 15.2 GiB Q4_K_M weights + buffers = ~61 GiB of the 72
+CTX=${CTX:-196608}
+# SGLang's static share (weights + KV pool + CUDA graphs) of the card, leaving SG_RESERVE_GIB of the budget for
+# the rest of the process (CUDA context, activations): frac = (budget - reserve) / the card's total
+SG_RESERVE_GIB=${SG_RESERVE_GIB:-4}
+sg_frac() { "$PYTHON" -c "import sys; print(f'{($BUDGET_GIB - $SG_RESERVE_GIB) * 1024 / float(sys.argv[1]):.3f}')" \
+  "${GPU_TOTAL_MIB:-143771}"; }
+
+# ---- builds and CPU work ----------------------------------------------------------------------------------------
+LLAMA_SRC=$W/llama/llama.cpp
+LLAMA_BIN=${LLAMA_BIN:-$W/build-cuda/bin/llama-server}       # CUDA sm_90, target llama-server only
+QUANT_BUILD=${QUANT_BUILD:-$W/build-cpu}                      # llama-quantize needs no CUDA: a CPU build is
+QUANTIZE=$QUANT_BUILD/bin/llama-quantize                      # ready minutes before the CUDA one (README)
+CUDA_CMAKE="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release"
+CPU_CMAKE="-DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release"
+JOBS=${JOBS:-16}
+QUANT_THREADS=${QUANT_THREADS:-16}
+# background CPU work yields to the engines and the bench client: nice 19 (builds), 10 (quantize, which the
+# SGLang same-file arm waits for), 5 (the F16 writer, which the quantize waits for); engines and bench run at 0
+NICE_BUILD=19 NICE_QUANT=10 NICE_WRITE=5
+
+# ---- the engines: the command lines, verbatim as the bench records them -----------------------------------------
+LLAMA_THREADS=${LLAMA_THREADS:-8}
+# llama.cpp: all layers on the GPU, flash attention, CUDA graphs (its default), one unified KV pool of CTX tokens
+# shared by the -np slots (each may use all of it: context per slot = CTX), -fit off (keep these sizes)
+llama_cmd() {  # llama_cmd NP [EXTRA...]: NP may be a tune list {4,16}
+  local np=$1; shift
+  echo "$LLAMA_BIN -m $Q4 -ngl 99 -fa on -fit off -kvu -c $CTX -np $np -t $LLAMA_THREADS --jinja --metrics --slots --no-webui --alias $ALIAS $* --host 127.0.0.1 --port {port}"
+}
+SG_ENV="PYTHONPATH=$W/sg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 PYTHONUNBUFFERED=1"
+# the flags that started CUDA graphs (decode bs 1-64 and the prefill graph) with the carried kernels (issue 26)
+SG_FLAGS="--attention-backend triton --sampling-backend pytorch --grammar-backend none --cuda-graph-max-bs-decode 64"
+sg_common() { echo "$SG_FLAGS --mem-fraction-static $(sg_frac) --context-length $CTX --served-model-name $ALIAS --enable-metrics --enable-cache-report --host 127.0.0.1 --port {port}"; }
+# the discounted arm: SGLang with what it runs well, bf16 (dummy weights: the same shape, no files)
+sg_bf16_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $HF --load-format dummy --dtype bfloat16 $(sg_common)"; }
+# the same-weights arm: SGLang on llama.cpp's own Q4_K_M file
+sg_gguf_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $Q4 --tokenizer-path $HF $(sg_common)"; }
+# the precision each SGLang run declares: bf16 as launched (SGLang reports its dtype too); the GGUF arm's comes
+# from the file's own header (the bench reads it when the engine says gguf)
+SG_BF16_BENCH="--quantization sglang=bf16"
+SG_GGUF_BENCH=""
+
+# ---- what each engine is sent: the same workload in every run, so separate runs join -----------------------------
+# cells (single-variable sweeps): concurrency 1,4,16,64 at the short prompt; prompt length short,long(~1k),4k,16k
+# at one request; 64 output tokens, greedy, cache-cold; 3 repeats after a warm-up wave per cell
+WORKLOAD=${WORKLOAD:---concurrency 1,4,16,64 --prompt-lengths short,long,4k,16k --output-lengths 64 --max-tokens 64 --cache cold --repeats 3 --warmup 2 --waves 1}
+BENCH_FLAGS="--memory-budget ${BUDGET_GIB}GiB --accept-quantization-difference --launch-timeout 600 --no-progress"
+# tune: -np (the slots) with everything else fixed; the first value is the baseline and is launched again last
+TUNE_NP=${TUNE_NP:-4,16}             # the plan
+TUNE_NP_FULL=${TUNE_NP_FULL:-4,16,1} # when the clock allows (+ ~105 s: one slot queues c=16)
+TUNE_WORKLOAD=${TUNE_WORKLOAD:---concurrency 1,16 --prompt-lengths short --output-lengths 64 --max-tokens 64 --cache cold --repeats 3 --warmup 1 --waves 1}
+BENCH_NP_DEFAULT=16                  # the bench's llama.cpp -np when tune did not run (else its best under load)
+DIAG_ARGS="--probes 3"
+LIVE_ARGS="--requests 6 --concurrency 2 --max-tokens 256"
+
+# ---- the clock ----------------------------------------------------------------------------------------------------
+DEADLINE_S=${DEADLINE_S:-1450}       # orchestrator seconds; the lease is 30 min from the machine's start (README)
+MARGIN_S=${MARGIN_S:-120}            # an optional step runs only if it, the bench and the join end this long before
+EST_SG_BF16=300 CAP_SG_BF16=560      # load ~200 (dummy init + graph capture) + bench ~75 + stop
+EST_SG_GGUF=330 CAP_SG_GGUF=480      # GGUF load + graphs ~200 + bench ~90 (its Q4_K kernels: unknown)
+EST_DIAG=90 CAP_DIAG=240             # launch + diagnose (3 probes) + live checks through the proxy
+EST_TUNE=150 EST_TUNE_FULL=260 CAP_TUNE=420
+EST_BENCH=280 CAP_BENCH=480          # llama.cpp and its A/A relaunch, ~130 s each
+EST_JOIN=30 CAP_JOIN=120
+
+if [ -n "${SMOKE:-}" ]; then
+  # CPU smoke (scripts/gpu/smoke.sh): the same steps and commands, a tiny shape, the cached CPU llama-server, the
+  # SGLang emulator (fakes/sglang_emulator) in front of a resident CPU llama-server standing in for SGLang
+  SHM=$W/shm F16=$W/shm/m27b-F16.gguf
+  SHAPE_ARGS="--n-layer 2 --n-embd 256 --n-ff 512 --n-head 4 --n-head-kv 2 --n-ctx-train 8192"
+  CTX=4096 JOBS=2 QUANT_THREADS=2 LLAMA_THREADS=1
+  : "${LLAMA_SERVER_BIN:?smoke: set LLAMA_SERVER_BIN (scripts/build-llama-server.sh)}"
+  LLAMA_BIN=$LLAMA_SERVER_BIN
+  SMOKE_BACKEND_PORT=${SMOKE_BACKEND_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
+  SMOKE_BACKEND="$LLAMA_BIN -m $TINY -c 8192 -np 2 -t 1 --jinja --no-webui --host 127.0.0.1 --port $SMOKE_BACKEND_PORT"
+  emu() { echo "PYTHONPATH=$W/src $PYTHON -m fakes.sglang_emulator --backend http://127.0.0.1:$SMOKE_BACKEND_PORT --served-model-name $ALIAS --context-length $CTX --enable-metrics --enable-cache-report $* --port {port}"; }
+  sg_bf16_cmd() { emu --model-path "$HF"; }
+  sg_gguf_cmd() { emu --model-path "$Q4"; }
+  WORKLOAD="--concurrency 1,2 --prompt-lengths short,long --output-lengths 16 --max-tokens 16 --cache cold --repeats 3 --warmup 1 --waves 1"
+  TUNE_NP=1,2 TUNE_NP_FULL=1,2,4 BENCH_NP_DEFAULT=2
+  TUNE_WORKLOAD="--concurrency 1,2 --prompt-lengths short --output-lengths 16 --max-tokens 16 --cache cold --repeats 3 --warmup 1 --waves 1"
+  LIVE_ARGS="--requests 4 --concurrency 1 --max-tokens 256 --fake-nvml"
+  DEADLINE_S=${SMOKE_DEADLINE_S:-3600} MARGIN_S=${SMOKE_MARGIN_S:-0}
+  EST_SG_BF16=60 EST_SG_GGUF=60 EST_DIAG=40 EST_TUNE=90 EST_TUNE_FULL=150 EST_BENCH=90 EST_JOIN=30
+  CAP_SG_BF16=300 CAP_SG_GGUF=300 CAP_DIAG=200 CAP_TUNE=500 CAP_BENCH=400 CAP_JOIN=200
+fi
