@@ -708,3 +708,21 @@ def test_replay_reads_what_the_capture_script_writes(tmp_path: Path) -> None:
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (tmp_path / "meta.json").write_text(json.dumps({"kind": "sglang", "version": "0.5.17", "model": "tiny"}))
     check_replay(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("model_path", "quantization"), [("/tmp/w/m27b-Q4_K_M.gguf", "Q4_K_M"), ("/tmp/w/m27b.gguf", None)]
+)
+def test_sglang_loading_a_gguf_names_the_files_precision_not_gguf(model_path: str, quantization: str | None) -> None:
+    """SGLang 0.5.17 sets ``quantization`` to ``gguf`` for a GGUF model path: that is the format. The dialect
+    reports the precision the file's name carries, or none, never ``gguf`` (which no other engine reports, so
+    the proxy's quantization drift would fire for every llama.cpp/SGLang pair on one file)."""
+    table = captures.answers(GPU["sglang"])
+    info = json.loads(table[("GET", "/server_info")].body)
+    info.update(model_path=model_path, quantization="gguf", load_format="gguf")
+    fake = fake_of(table)
+    fake.table[("GET", "/server_info")] = ok(info)
+    fake.table.pop(("GET", "/model_info"), None)
+    fake.table.pop(("GET", "/get_model_info"), None)
+    f = fake.run(lambda c: engines.dialect("sglang").poll(c, 1.0))
+    assert (f.model_path, f.quantization) == (model_path, quantization)

@@ -38,15 +38,20 @@ PY = shlex.quote(sys.executable)
 
 class FollowingReader:
     """An NVML reader whose GPU processes are the live processes of every process group led by a child of this
-    test process (each holding ``ENGINE_BYTES``); ``stuck`` keeps one engine's worth of device memory used
-    after they are gone (a context the driver did not free)."""
+    test process started after the reader was made (each holding ``ENGINE_BYTES``): engines that session
+    fixtures started earlier in this process (their own groups) are not on this "GPU". ``stuck`` keeps one
+    engine's worth of device memory used after they are gone (a context the driver did not free)."""
 
     def __init__(self) -> None:
         self.stuck = False
+        self.earlier = set(self._leaders())
+
+    @staticmethod
+    def _leaders() -> list[int]:
+        return [p for p in _children(os.getpid()) if _pgid(p) == p]
 
     def _pids(self) -> list[int]:
-        me = os.getpid()
-        leaders = [p for p in _children(me) if _pgid(p) == p]
+        leaders = [p for p in self._leaders() if p not in self.earlier]
         return sorted({m for g in leaders for m in group_members(g)})
 
     def devices(self) -> list[DeviceReading]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Sequence
+from pathlib import PurePath
 from typing import Any
 
 import httpx
@@ -60,6 +61,7 @@ from proxy.engines.base import (
     model_card,
     short,
 )
+from proxy.engines.quant import quant_from_name
 from proxy.engines.startup import LogFacts, clean_lines, python_module, size_bytes, subcommand
 
 #: SGLang's /health waits for a scheduler output, checking once a second (SGLANG_HEALTH_CHECK_TIMEOUT: 20 s)
@@ -85,6 +87,16 @@ def _server_arg(line: str, name: str) -> str | None:
 def _dtype(v: object) -> str | None:
     s = as_str(v)
     return None if s is None or s == "auto" else s
+
+
+def _quantization(info: dict[str, Any], model_path: str | None) -> str | None:
+    """SGLang's ``quantization``, else its ``dtype``. A GGUF model path sets ``quantization`` (and
+    ``load_format``) to ``gguf``: that names the file format, not the precision, so the precision is the one
+    the file's name carries (``…-Q4_K_M.gguf``), or unknown (never ``gguf``, which matches no other engine)."""
+    q = as_str(info.get("quantization"))
+    if q is not None and q.lower() == "gguf":
+        return quant_from_name(PurePath(model_path or "").name)
+    return q or _dtype(info.get("dtype"))
 
 
 class SGLang(Dialect):
@@ -217,13 +229,14 @@ class SGLang(Dialect):
         busy = self._busy(states)
         if busy is None:
             busy = await self._busy_from_metrics(client, timeout)
+        path = as_str(minfo.get("model_path")) or as_str(info.get("model_path"))
         return Facts(
             model=as_str(card.get("id")) or as_str(minfo.get("served_model_name")) or as_str(served),
-            model_path=as_str(minfo.get("model_path")) or as_str(info.get("model_path")),
+            model_path=path,
             context_length=as_int(card.get("max_model_len")) or as_int(info.get("context_length")),
             slots=self._slots(info, states),
             busy_slots=busy,
-            quantization=as_str(info.get("quantization")) or _dtype(info.get("dtype")),
+            quantization=_quantization(info, path),
             build=as_str(info.get("version")),
         )
 
