@@ -12,6 +12,7 @@ from typing import Any
 
 from proxy.bench.options import (
     EXIT_VERDICT,
+    MAX_ERROR_RATE_HELP,
     MIN_EFFECT_HELP,
     Targets,
     UsageError,
@@ -72,8 +73,8 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--until", metavar="TIME", help="log: pairs started at or before TIME")
     r.add_argument("--primary", metavar="NAME", help="log: only pairs mirrored from this primary engine")
     r.add_argument("--shadow", metavar="NAME", help="log: only pairs mirrored to this shadow engine")
-    r.add_argument("--max-error-rate", type=pct, metavar="PCT", default=0.02, help="log: engine-side failures up "
-                   "to this share of the pairs are left out (and stated); above it the data gate stops (default 2)")  # fmt: skip
+    r.add_argument("--max-error-rate", type=pct, metavar="PCT", help=MAX_ERROR_RATE_HELP + "; default: the run's "
+                   "own (a log: 2)")  # fmt: skip
     r.add_argument("--fail-on", type=fail_on, metavar="stay,partial,inconclusive",
                    help=f"exit {EXIT_VERDICT} on these verdicts (inconclusive includes partial)")  # fmt: skip
     r.set_defaults(func=_report)
@@ -214,7 +215,7 @@ def _report(args: argparse.Namespace) -> int:
         if args.log:
             return _report_log(args, quant)
         data = load_runs([Path(p) for p in args.results], baseline=args.baseline, quantization=quant,
-                         min_effect=args.min_effect,
+                         min_effect=args.min_effect, max_error_rate=args.max_error_rate,
                          accept_quantization_difference=args.accept_quantization_difference)  # fmt: skip
     except (ValueError, OSError, KeyError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
@@ -236,7 +237,7 @@ def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
     from proxy.bench.livelog import parse_time
     from proxy.bench.livereport import write_live_report
     from proxy.bench.logreport import expand, load_live, proxy_info
-    from proxy.bench.model import MIN_EFFECT
+    from proxy.bench.model import MAX_ERROR_RATE, MIN_EFFECT
 
     try:
         info = proxy_info(args.proxy) if args.proxy else None
@@ -248,7 +249,7 @@ def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
             until=parse_time(args.until) if args.until else None, primary=args.primary or args.baseline,
             shadow=args.shadow, quantization=quant, blocks=args.blocks, proxy=info,
             memory_budget_bytes=size_bytes(args.memory_budget),
-            min_effect=MIN_EFFECT if args.min_effect is None else args.min_effect, max_error_rate=args.max_error_rate,
+            min_effect=MIN_EFFECT if args.min_effect is None else args.min_effect, max_error_rate=MAX_ERROR_RATE if args.max_error_rate is None else args.max_error_rate,
         )  # fmt: skip
     except (ValueError, OSError, KeyError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)

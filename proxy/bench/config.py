@@ -73,6 +73,8 @@ class BenchConfig:
     progress: bool = True
     #: practical significance for the verdict (``--min-effect``), recorded so a replay judges alike
     min_effect: float = 0.05
+    #: engine-side failures the verdict states and leaves out (``--max-error-rate``); above it, inconclusive
+    max_error_rate: float = 0.02
     #: the command line as given (for the rerun advice)
     argv: list[str] = field(default_factory=list)
     #: a declared quantization difference passes the parity gate with a caveat; the verdict is *discounted*

@@ -49,14 +49,13 @@ from proxy.bench.livefacts import (
 )
 from proxy.bench.livelog import CAUSE_TEXT, Log, Outcomes, Selection, expand, outcomes, read_log, select, start_of
 from proxy.bench.memory import MemReading
-from proxy.bench.model import Cell, EngineInfo, Reason, Req, Results, Sample
+from proxy.bench.model import MAX_ERROR_RATE, Cell, EngineInfo, Reason, Req, Results, Sample
 from proxy.bench.results import Data
 from proxy.sequential import MIN_EFFECT, LiveVerdict, regime_of, replay
 
 __all__ = ["Live", "ProxyInfo", "effective_for_kind", "expand", "greedy_text", "load_live", "load_log", "proxy_info"]
 
 BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (4, 7), (8, 0))  # (low, high); 0 = open
-MAX_ERROR_RATE = 0.02
 
 
 # ---- observed concurrency ------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ from proxy.bench.results import Data, load_bench
 
 
 def load_runs(paths: Sequence[Path], *, baseline: str | None = None, quantization: Mapping[str, str] | None = None,
-              min_effect: float | None = None, accept_quantization_difference: bool = False) -> Data:  # fmt: skip
+              min_effect: float | None = None, max_error_rate: float | None = None,
+              accept_quantization_difference: bool = False) -> Data:  # fmt: skip
     """One results file as it is; several joined (``ValueError`` naming the first difference when they cannot)."""
-    datas = [load_bench(p, quantization=quantization, min_effect=min_effect,
+    datas = [load_bench(p, quantization=quantization, min_effect=min_effect, max_error_rate=max_error_rate,
                         accept_quantization_difference=accept_quantization_difference,
                         baseline=baseline if len(paths) == 1 else None) for p in paths]  # fmt: skip
     if len(datas) == 1:
@@ -142,6 +143,7 @@ def join(datas: Sequence[Data], *, baseline: str | None = None) -> Data:
         engines=tuple(engines), baseline=bl, samples=tuple(samples), prompt_tokens=prompt_tokens,
         base_max_tokens=r0.base_max_tokens, base_prompt_len=r0.base_prompt_len,
         memory_budget_bytes=r0.memory_budget_bytes, min_repeats=r0.min_repeats, min_effect=r0.min_effect,
+        max_error_rate=r0.max_error_rate,
         min_floor=r0.min_floor, requests=tuple(reqs), shared_prefix=any(d.results.shared_prefix for d in datas),
         flags=flags, command=None,
         accept_quantization_difference=any(d.results.accept_quantization_difference for d in datas),

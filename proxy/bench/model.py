@@ -14,6 +14,8 @@ Decision = Literal["stay", "switch", "partial", "inconclusive"]
 Outcome = Literal["ok", "inconclusive", "win", "loss", "tie", "unresolved", "flagged", "stay", "note"]
 #: the default --min-effect, the same for the bench and for live traffic
 MIN_EFFECT = SEQ_MIN_EFFECT
+#: the default --max-error-rate: engine-side failures up to this share are stated, not disqualifying (bench and live)
+MAX_ERROR_RATE = 0.02
 
 #: the gates, in order
 STEPS: tuple[str, ...] = ("parity", "data", "memory", "decode", "throughput", "long-context")
@@ -126,6 +128,9 @@ class Results:
     #: practical significance: no difference smaller than this is a win or a loss, and a tie is "within ±this"
     #: at least (``--min-effect``; docs/bench.md)
     min_effect: float = MIN_EFFECT
+    #: engine-side failures up to this share of an engine's requests are stated and left out of the figures;
+    #: above it the data gate stops (``--max-error-rate``, as the live verdict's)
+    max_error_rate: float = MAX_ERROR_RATE
     #: no noise floor is narrower than this, whatever the A/A pass measured
     min_floor: float = 0.01
     requests: tuple[Req, ...] = ()

@@ -13,7 +13,7 @@ from typing import Any
 
 from proxy.bench.benchfile import BenchFile, goodput_spec
 from proxy.bench.config import BenchConfig, Target
-from proxy.bench.model import MIN_EFFECT
+from proxy.bench.model import MAX_ERROR_RATE, MIN_EFFECT
 
 QUICK = {
     "concurrency": "1,2",
@@ -40,6 +40,11 @@ EXIT_VERDICT = 3
 MIN_EFFECT_HELP = (
     "practical significance: a difference smaller than PCT %% is never a win or a loss, and a tie means "
     "'within ±PCT %%' (default 5; a noise floor wider than this is used instead for wins and blocks ties)"
+)
+
+MAX_ERROR_RATE_HELP = (
+    "engine-side failures up to PCT %% of an engine's requests are stated and left out of the figures; above it "
+    "the verdict is inconclusive (default 2)"
 )
 
 
@@ -141,6 +146,7 @@ def add_workload(p: argparse.ArgumentParser) -> None:
                    "launched engines: the baseline launched again last) or none (off: the run-to-run variation "
                    "stands in)")  # fmt: skip
     p.add_argument("--min-effect", type=pct, metavar="PCT", help=MIN_EFFECT_HELP)
+    p.add_argument("--max-error-rate", type=pct, metavar="PCT", help=MAX_ERROR_RATE_HELP)
     p.add_argument("--fail-on", type=fail_on, metavar="stay,partial,inconclusive",
                    help=f"exit {EXIT_VERDICT} when a verdict is one of these (inconclusive includes partial)")  # fmt: skip
     p.add_argument("--out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json; "
@@ -228,6 +234,7 @@ def build_config(args: argparse.Namespace, file: BenchFile | None, targets: list
         quick=quick,
         progress=not args.no_progress,
         min_effect=min_effect,
+        max_error_rate=args.max_error_rate if args.max_error_rate is not None else MAX_ERROR_RATE,
         argv=list(getattr(args, "argv", None) or ["enginemeter", *sys.argv[1:]]),
         accept_quantization_difference=bool(val("accept_quantization_difference", False)),
         launch_timeout_s=val("launch_timeout", 900.0),

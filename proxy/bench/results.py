@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.model import MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
+from proxy.bench.model import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
 from proxy.bench.suite import SHARED_PREFIX
 
 
@@ -78,6 +78,7 @@ def load_bench(
     quantization: Mapping[str, str] | None = None,
     min_repeats: int = 3,
     min_effect: float | None = None,
+    max_error_rate: float | None = None,
     accept_quantization_difference: bool = False,
 ) -> Data:
     recs = read_jsonl(path)
@@ -149,6 +150,7 @@ def load_bench(
         base_prompt_len=base.get("prompt_len"), memory_budget_bytes=run.get("memory_budget_bytes"),
         min_repeats=min_repeats, requests=reqs, shared_prefix=cfg.get("suite") == SHARED_PREFIX,
         min_effect=min_effect if min_effect is not None else float(cfg.get("min_effect") or MIN_EFFECT),
+        max_error_rate=max_error_rate if max_error_rate is not None else float(cfg.get("max_error_rate", MAX_ERROR_RATE)),
         flags=_busy_flags(recs), command=bench_command(run),
         accept_quantization_difference=accept_quantization_difference or bool(cfg.get("accept_quantization_difference")),
         expected=frozenset(cfg.get("expected_differences") or ()), alone=_alone(stints),
