@@ -726,3 +726,23 @@ def test_sglang_loading_a_gguf_names_the_files_precision_not_gguf(model_path: st
     fake.table.pop(("GET", "/get_model_info"), None)
     f = fake.run(lambda c: engines.dialect("sglang").poll(c, 1.0))
     assert (f.model_path, f.quantization) == (model_path, quantization)
+
+
+@pytest.mark.parametrize(
+    ("command", "share"),
+    [
+        (
+            "python3 -m sglang.launch_server --model-path M --mem-fraction-static 0.484 --port 1",
+            ("--mem-fraction-static", 0.484),
+        ),
+        ("python3 -m sglang.launch_server --model-path M --port 1", None),  # SGLang sizes itself
+        ("vllm serve M --gpu-memory-utilization=0.5", ("--gpu-memory-utilization", 0.5)),
+        ("vllm serve M", ("--gpu-memory-utilization", 0.9)),  # vLLM's default
+        ("llama-server -m m.gguf -c 4096", None),  # sized by -c and the model: no share flag
+    ],
+)
+def test_each_kind_says_which_flag_sets_its_gpu_memory_share(command: str, share: tuple[str, float] | None) -> None:
+    from proxy.launch import parse_launch
+
+    spec = parse_launch("e", command)
+    assert spec.kind is not None and engines.dialect(spec.kind).memory_share(spec.argv) == share

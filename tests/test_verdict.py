@@ -358,12 +358,11 @@ def test_errors_and_too_few_repeats_stop_at_data() -> None:
 def test_rare_failures_are_stated_and_do_not_stop_the_verdict() -> None:
     """1 failed request per repeat among 207 (1.45 %: a dropped connection) is within the default 2 % allowance: the
     pair is decided on the answered requests and the reason says how many failed; a stricter allowance stops."""
-    cand = {"n": 60, "n_err": 1, "tpot": 0.008}
-    v = decide(results(*trio(**cand), *loaded(tps=400)), "sglang")
+    v = decide(results(*trio(n=60, n_err=1, tpot=0.008), *loaded(tps=400)), "sglang")
     assert v.decision == "switch", v.summary
     said = next(x for x in v.reasons if x.check == "errors")
     assert said.outcome == "ok" and "3 of 207 requests failed" in said.text and "within the 2% allowed" in said.text
-    v = decide(results(*trio(**cand), *loaded(tps=400), max_error_rate=0.01), "sglang")
+    v = decide(results(*trio(n=60, n_err=1, tpot=0.008), *loaded(tps=400), max_error_rate=0.01), "sglang")
     assert (v.stopped_at, v.stopped_check) == ("data", "errors") and "above the 1% allowed" in v.summary
 
 
@@ -396,6 +395,24 @@ def test_memory_that_does_not_fit_the_budget_is_stay() -> None:
     v = decide(r, "sglang")
     assert v.decision == "stay" and v.stopped_at == "memory"
     assert "does not fit" in v.summary and "90.00 GiB" in v.summary
+
+
+def test_over_budget_by_a_memory_share_setting_is_a_rerun_not_stay() -> None:
+    """The 27B run's case: SGLang launched with --mem-fraction-static 0.484 peaked 72.19 GiB against a 72 GiB
+    budget. Its footprint is a flag, not the model: the verdict names the share that fits (the excess and a
+    quarter GiB off its KV pool) and asks for that rerun; an engine without such a flag still does not fit."""
+    total = int(140.4 * GiB)
+    r = results(*trio(mem=int(72.19 * GiB), total=total), memory_budget_bytes=72 * GiB,
+                memory_share={"sglang": ("--mem-fraction-static", 0.484)})  # fmt: skip
+    v = decide(r, "sglang")
+    assert (v.decision, v.stopped_at, v.stopped_check) == ("inconclusive", "memory", "memory"), v.summary
+    assert "does not fit as launched" in v.summary and "rerun sglang with --mem-fraction-static 0.48 " in v.summary
+    # (0.19 + 0.25) GiB of a 140.4 GiB GPU is 0.0031 of it: 0.484 -> 0.480 (rounded down to a thousandth)
+    assert "~0.56 GiB less" in v.summary
+    far = results(*trio(mem=140 * GiB, total=total), memory_budget_bytes=72 * GiB,
+                  memory_share={"sglang": ("--mem-fraction-static", 0.484)})  # fmt: skip
+    assert decide(far, "sglang").decision == "stay"  # no share can take 68 GiB off a 0.484 share: does not fit
+    assert decide(dataclasses.replace(r, memory_share={}), "sglang").decision == "stay"
 
 
 def test_memory_against_the_gpu_total_only_when_held_alone() -> None:

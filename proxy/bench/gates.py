@@ -231,6 +231,29 @@ def _quant_parity(b: EngineInfo, c: EngineInfo, accept: bool = False) -> list[Re
 # ---- memory ------------------------------------------------------------------------------------------
 
 
+#: what a resized engine is asked to leave free below the budget, beyond its measured excess
+RESIZE_MARGIN_BYTES = 2**30 // 4
+
+
+def _resized(r: Results, cand: str, peak: int, budget: int, total: int | None) -> str | None:
+    """For an engine whose footprint is a flag (SGLang ``--mem-fraction-static``, vLLM
+    ``--gpu-memory-utilization``): the share at which it fits, taken from its KV pool, as the rerun to make; None
+    when its memory is not a setting or no share would do. Over budget by a setting is not "does not fit"."""
+    share = r.memory_share.get(cand)
+    if share is None or not total:
+        return None
+    flag, now = share
+    cut = (peak - budget + RESIZE_MARGIN_BYTES) / total
+    new = int((now - cut) * 1000) / 1000
+    if new <= 0 or new >= now:
+        return None
+    return (
+        f"its footprint is a setting ({flag} {now:g} of the GPU's {_gib(total)}: weights, KV pool and "
+        f"graphs), not the model's — at {flag} {new:g} it takes ~{_gib((now - new) * total)} less, from its "
+        f"KV pool; rerun {cand} with {flag} {new:g} and join the runs again"
+    )
+
+
 def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> list[Reason]:
     def peak(name: str) -> tuple[int | None, str | None, set[int], int | None]:
         mine = [s for s in samples if s.engine == name and s.gpu_mem_peak_bytes is not None]
@@ -260,5 +283,9 @@ def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> 
     if budget is None:
         return [_reason("memory", "note", nums + " (no budget: --memory-budget)", "memory")]
     if pc > budget:
+        resized = _resized(r, cand, pc, budget, total)
+        if resized:
+            return [_reason("memory", "inconclusive", f"{cand} does not fit as launched: {nums} > {what} "
+                            f"{_gib(budget)}; {resized}", "memory")]  # fmt: skip
         return [_reason("memory", "stay", f"{cand} does not fit: {nums} > {what} {_gib(budget)}", "memory")]
     return [_reason("memory", "ok", f"{nums}; fits {what} {_gib(budget)}", "memory")]

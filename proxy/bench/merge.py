@@ -149,6 +149,7 @@ def join(datas: Sequence[Data], *, baseline: str | None = None) -> Data:
         accept_quantization_difference=any(d.results.accept_quantization_difference for d in datas),
         expected=frozenset().union(*(d.results.expected for d in datas)),
         alone=frozenset(ren[e] for d, ren in zip(datas, renames, strict=True) for e in d.results.alone),
+        memory_share={ren[e]: v for d, ren in zip(datas, renames, strict=True) for e, v in d.results.memory_share.items()},
         time_shared=True,
     )  # fmt: skip
     each = _each(datas, renames)

@@ -143,6 +143,8 @@ class Results:
     flags: Mapping[tuple[str, Cell], str] = field(default_factory=dict)
     #: the command that made the results (for the rerun advice); None when unknown
     command: str | None = None
+    #: launched engines whose GPU memory is a setting: engine -> (flag, share of the GPU) from its command line
+    memory_share: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     #: ``--accept-quantization-difference``: a declared precision difference passes parity with a caveat and
     #: the verdict is *discounted* (``Verdict.discounted`` says by what)
     accept_quantization_difference: bool = False

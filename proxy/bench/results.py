@@ -154,7 +154,7 @@ def load_bench(
         flags=_busy_flags(recs), command=bench_command(run),
         accept_quantization_difference=accept_quantization_difference or bool(cfg.get("accept_quantization_difference")),
         expected=frozenset(cfg.get("expected_differences") or ()), alone=_alone(stints),
-        time_shared=bool(run.get("time_shared")),
+        time_shared=bool(run.get("time_shared")), memory_share=_memory_share(run),
     )  # fmt: skip
     return Data(
         title="enginemeter bench report",
@@ -172,6 +172,25 @@ def load_bench(
         stints=stints, stopped=(end or {}).get("stopped", {}).get("cause") if (end or {}).get("stopped") else None,
         sources=[str(path)], runs=[run],
     )  # fmt: skip
+
+
+def _memory_share(run: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
+    """Launched engines whose command line sets their share of the GPU's memory (SGLang, vLLM: the dialect's)."""
+    from proxy import engines
+    from proxy.launch import parse_launch
+
+    out: dict[str, tuple[str, float]] = {}
+    for e in run["engines"]:
+        if not isinstance(e.get("launch"), str):
+            continue
+        try:
+            spec = parse_launch(e["name"], e["launch"], port=lambda: 0)
+        except ValueError:
+            continue
+        share = engines.dialect(spec.kind).memory_share(spec.argv) if spec.kind else None
+        if share is not None:
+            out[e["name"]] = share
+    return out
 
 
 def _alone(stints: list[dict[str, Any]]) -> frozenset[str]:

@@ -194,6 +194,10 @@ class Dialect:
     default_port: ClassVar[int | None] = None
     host_flags: ClassVar[tuple[str, ...]] = ("--host",)
     port_flags: ClassVar[tuple[str, ...]] = ("--port",)
+    #: the flag that sets the share of the GPU's memory the engine takes (weights, KV pool, graphs: its footprint
+    #: is a setting, not the model's), and the share when the command does not give it (None: sized otherwise)
+    memory_share_flag: ClassVar[str | None] = None
+    memory_share_default: ClassVar[float | None] = None
 
     def launched_by(self, argv: Sequence[str]) -> bool:
         """Whether ``argv`` starts an engine of this kind (the plain dialect recognizes no command)."""
@@ -203,6 +207,18 @@ class Dialect:
         """(host, port) the command ``argv`` makes the engine listen on, with this kind's defaults."""
         host = flag_value(argv, *self.host_flags) or self.default_host
         return host, int_flag(argv, *self.port_flags) or self.default_port
+
+    def memory_share(self, argv: Sequence[str]) -> tuple[str, float] | None:
+        """(flag, share of the GPU's memory) the command ``argv`` launches the engine with; None when this kind
+        has no such flag or the command leaves the size to the engine."""
+        if self.memory_share_flag is None:
+            return None
+        v = flag_value(argv, self.memory_share_flag)
+        try:
+            share = float(v) if v is not None else self.memory_share_default
+        except ValueError:
+            return None
+        return (self.memory_share_flag, share) if share is not None and 0 < share <= 1 else None
 
     def parse_log(self, text: str) -> LogFacts:
         """What the engine's start-up log says about itself (``text``: its last start, see ``startup``)."""

@@ -105,6 +105,8 @@ class SGLang(Dialect):
     detect_paths = ("/server_info", "/get_server_info")
     ready_paths = ("/health",)
     default_port = 30000
+    # static memory: weights, KV pool and CUDA graphs; without the flag SGLang picks it from the GPU's size
+    memory_share_flag = "--mem-fraction-static"
 
     def launched_by(self, argv: Sequence[str]) -> bool:
         return python_module(argv) == "sglang.launch_server" or subcommand(argv) == ("sglang", "serve")

@@ -64,6 +64,9 @@ class Vllm(Dialect):
     detect_paths = ("/version",)
     ready_paths = ("/health", "/v1/models")
     default_port = 8000
+    # the whole process's share of the GPU, KV cache sized to fill it (vLLM's default 0.9)
+    memory_share_flag = "--gpu-memory-utilization"
+    memory_share_default = 0.9
 
     def launched_by(self, argv: Sequence[str]) -> bool:
         return python_module(argv) == "vllm.entrypoints.openai.api_server" or subcommand(argv) == ("vllm", "serve")
