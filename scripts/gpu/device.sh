@@ -31,7 +31,9 @@ log() { printf '[device %(%H:%M:%S)T] %s\n' -1 "$*"; }
 phase=${1:-status}
 export PYTHONUNBUFFERED=1
 
-running() { [ -f "$S/orch.pid" ] && kill -0 "$(cat "$S/orch.pid")" 2>/dev/null; }
+# the plan is running when its orchestrator is (by its command line: `$!` of the start below is setsid's pid,
+# which forks the orchestrator and exits -- a pid file of it made the second stage call start a second plan)
+running() { pgrep -f "^bash $W/src/scripts/gpu/orchestrate.sh" >/dev/null; }
 status() {
   log "plan: $(running && echo running || { [ -f "$S/done" ] && echo done || echo 'not running'; })" \
     "; state: $(cd "$S" && ls | tr '\n' ' ')"
@@ -93,7 +95,9 @@ stage)
       | tar -C "$W/src.tmp" -xf - && mv "$W/src.tmp" "$W/src" && log "tree copied to $W/src ($(du -sh "$W/src" | cut -f1))"
   fi
   if [ -z "${NO_ORCH:-}" ] && ! running && [ ! -f "$S/done" ]; then
-    (cd "$W" && setsid nohup bash "$W/src/scripts/gpu/orchestrate.sh" >> "$L/orch.log" 2>&1 < /dev/null & echo $! > "$S/orch.pid")
+    (cd "$W" && setsid nohup bash "$W/src/scripts/gpu/orchestrate.sh" >> "$L/orch.log" 2>&1 < /dev/null &)
+    for _ in 1 2 3 4 5 6 7 8 9 10; do running && break; sleep 0.2; done
+    pgrep -o -f "^bash $W/src/scripts/gpu/orchestrate.sh" > "$S/orch.pid"
     log "plan started (pid $(cat "$S/orch.pid"), cwd $W)"
   fi
   sleep "${STAGE_SLEEP:-3}"

@@ -59,8 +59,10 @@ SG_FLAGS="--attention-backend triton --sampling-backend pytorch --grammar-backen
 sg_common() { echo "$SG_FLAGS --mem-fraction-static $(sg_frac) --context-length $CTX --served-model-name $ALIAS --enable-metrics --enable-cache-report --host 127.0.0.1 --port {port}"; }
 # the discounted arm: SGLang with what it runs well, bf16 (dummy weights: the same shape, no files)
 sg_bf16_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $HF --load-format dummy --dtype bfloat16 $(sg_common)"; }
-# the same-weights arm: SGLang on llama.cpp's own Q4_K_M file
-sg_gguf_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $Q4 --tokenizer-path $HF $(sg_common)"; }
+# the same-weights arm: SGLang on llama.cpp's own Q4_K_M file. Decode graphs only: on the 2026-12-03 27B run its
+# prefill-graph capture with the GGUF kernels took 67 s for the first of 58 sizes and the arm hit its 480 s cap
+# (docs/gpu-results/h200-2026-12-03-27b/raw/sglang-gguf/engines/); llama.cpp's graphs are decode-only too
+sg_gguf_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $Q4 --tokenizer-path $HF --disable-prefill-cuda-graph $(sg_common)"; }
 # the precision each SGLang run declares: bf16 as launched (SGLang reports its dtype too); the GGUF arm's comes
 # from the file's own header (the bench reads it when the engine says gguf)
 SG_BF16_BENCH="--quantization sglang=bf16"
