@@ -22,7 +22,7 @@ C=$root/.carry/cache
 for f in llama.tar.xz model-27b.tar.xz; do
   [ -f "$C/$f" ] || { echo "smoke: $C/$f missing: run scripts/gpu/fetch-wheels.sh smoke" >&2; exit 2; }
 done
-[ -f "$W/state/orch.pid" ] && kill -0 "$(cat "$W/state/orch.pid")" 2>/dev/null && { echo "smoke: a plan runs in $W" >&2; exit 2; }
+pgrep -f "^bash $W/src/scripts/gpu/orchestrate.sh" >/dev/null && { echo "smoke: a plan runs in $W" >&2; exit 2; }
 rm -rf "$W" "$W-carry" "$W-out"
 # the carries as the GPU machine gets them (two, to exercise parts arriving in separate calls)
 "$PYTHON" scripts/gpu/pack_carries.py --out "$W-carry" 5 llama="$C/llama.tar.xz" model="$C/model-27b.tar.xz"
