@@ -23,8 +23,10 @@
   layers to GPU``, ``model buffer size``, ``llama_kv_cache: size = ...``, ``llama_context: n_ctx``,
   ``flash_attn``, ``Flash Attention enabled``) are LLAMA_LOG_INFO, which ``common_log_get_verbosity`` maps to
   trace (4): they appear with ``-lv 4`` (or ``-v``). A build without a GPU backend prints no ``offloaded`` line
-  (``llama_supports_gpu_offload`` is false). CUDA graphs are logged only at debug level (``disabling CUDA
-  graphs due to ...``); ``graphs reused`` in each request's timing lines counts ggml graph reuse.
+  (``llama_supports_gpu_offload`` is false). CUDA graphs: a CUDA build says ``USE_GRAPHS = 1`` in its
+  ``system_info`` line when they are compiled in, and only debug level logs ``disabling CUDA graphs due to ...``
+  (so at ``-lv 4``, compiled in and never disabled is "on": the H200 27B run's log, 2026-12-03); ``graphs
+  reused`` in each request's timing lines counts ggml graph reuse, not CUDA graphs.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ _FA_RESOLVED = re.compile(
 _N_LAYER = re.compile(r"print_info: n_layer\s+= (\d+)$")
 _DEVICE = re.compile(r"using device (\w+) \(([^)]*)\)")
 _GRAPHS_OFF = re.compile(r"disabling CUDA graphs due to (.*)")
+#: system_info: a CUDA build with graphs compiled in (GGML_CUDA_GRAPHS); they run unless a debug line disables them
+_GRAPHS_BUILD = re.compile(r"\| CUDA : .*\bUSE_GRAPHS = 1\b")
 
 
 def _stamp(line: str) -> float | None:
@@ -153,6 +157,7 @@ class LlamaCpp(Dialect):
         offloaded = total = n_layer = ctx = slots = per_slot = None
         kv_bytes = kv_tokens = None
         kv_type = fa = graphs = None
+        graphs_built: str | None = None
         unified: bool | None = None
         devices: list[str] = []
         for line in clean_lines(text):
@@ -192,9 +197,17 @@ class LlamaCpp(Dialect):
                 devices.append(f"{m[1]} ({m[2]})")
             elif m := _GRAPHS_OFF.search(line):
                 graphs, ev["cuda_graphs"] = "off", line
+            elif _GRAPHS_BUILD.search(line):
+                graphs_built = line
             if line.startswith("load_tensors") or " load_tensors:" in line:
                 loader = True
         load_s = t_loaded - t_loading if t_loading is not None and t_loaded is not None else None
+        if graphs is None and graphs_built is not None:
+            if loader:  # debug verbosity: a disabled graph would have said so
+                graphs, ev["cuda_graphs"] = "on", graphs_built + "\n(no 'disabling CUDA graphs' line at -lv 4)"
+            else:
+                notes.append("this CUDA build has CUDA graphs (USE_GRAPHS = 1); whether any were disabled is "
+                             "logged at debug verbosity: start it with -lv 4 to see")  # fmt: skip
         if not loader:
             notes.append(
                 "the log has no loader lines (layers offloaded, weights and KV buffers, flash attention): this "
