@@ -11,7 +11,7 @@
 #        sg_bf16   enginemeter bench --launch sglang=<bf16, dummy>     (its own run, while the CPU lane works)
 #        sg_gguf   enginemeter bench --launch sglang-gguf=<the Q4_K_M>  (its own run)
 #        diag      scripts/gpu/session.py: llama-server launched; enginemeter diagnose; scripts/gpu/live.py
-#        tune      enginemeter tune --launch 'llama-server ... -np {4,16}'
+#        tune      enginemeter tune --launch 'llama-server ... -np {16,64}'
 #        bench     enginemeter bench --launch llama=<the tuned -np> (+ its A/A relaunch)
 #        join      enginemeter report --results llama sglang sglang-gguf (--accept-quantization-difference)
 # A step that would not finish before DEADLINE_S is cut (README: the cut list); a launch that dies within

@@ -28,7 +28,9 @@ BUDGET_GIB=${BUDGET_GIB:-72}
 CTX=${CTX:-196608}
 # SGLang's static share (weights + KV pool + CUDA graphs) of the card, leaving SG_RESERVE_GIB of the budget for
 # the rest of the process (CUDA context, activations): frac = (budget - reserve) / the card's total
-SG_RESERVE_GIB=${SG_RESERVE_GIB:-4}
+# (4 on the 2026-12-03 27B run: 0.484 of the card; SGLang peaked 72.19 GiB, 4.24 GiB beyond its static 67.95:
+# 4.7 leaves ~0.45 GiB under the budget -> 0.479)
+SG_RESERVE_GIB=${SG_RESERVE_GIB:-4.7}
 sg_frac() { "$PYTHON" -c "import sys; print(f'{($BUDGET_GIB - $SG_RESERVE_GIB) * 1024 / float(sys.argv[1]):.3f}')" \
   "${GPU_TOTAL_MIB:-143771}"; }
 
@@ -74,9 +76,11 @@ SG_GGUF_BENCH=""
 WORKLOAD=${WORKLOAD:---concurrency 1,4,16,64 --prompt-lengths short,long,4k,16k --output-lengths 64 --max-tokens 64 --cache cold --repeats 3 --warmup 2 --waves 1}
 BENCH_FLAGS="--memory-budget ${BUDGET_GIB}GiB --accept-quantization-difference --launch-timeout 600 --no-progress"
 # tune: -np (the slots) with everything else fixed; the first value is the baseline and is launched again last
-TUNE_NP=${TUNE_NP:-4,16}             # the plan
-TUNE_NP_FULL=${TUNE_NP_FULL:-4,16,1} # when the clock allows (+ ~105 s: one slot queues c=16)
-TUNE_WORKLOAD=${TUNE_WORKLOAD:---concurrency 1,16 --prompt-lengths short --output-lengths 64 --max-tokens 64 --cache cold --repeats 3 --warmup 1 --waves 1}
+# (2026-12-03: {4,16} at c=1,16 gave -np 16, +90 % at c=16 and the same memory under -kvu; llama.cpp then lost
+# ×7.6 at c=64 with 16 slots, so the next run tunes where it loses: 16 against 64 slots at c=64)
+TUNE_NP=${TUNE_NP:-16,64}             # the plan
+TUNE_NP_FULL=${TUNE_NP_FULL:-16,64,4} # when the clock allows
+TUNE_WORKLOAD=${TUNE_WORKLOAD:---concurrency 1,64 --prompt-lengths short --output-lengths 64 --max-tokens 64 --cache cold --repeats 3 --warmup 1 --waves 1}
 BENCH_NP_DEFAULT=16                  # the bench's llama.cpp -np when tune did not run (else its best under load)
 DIAG_ARGS="--probes 3"
 LIVE_ARGS="--requests 6 --concurrency 2 --max-tokens 256"
