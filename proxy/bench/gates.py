@@ -65,9 +65,9 @@ def data_gate(
             within = rate <= r.max_error_rate
             # a rare failure (a dropped connection) is stated and left out of the figures, as live traffic's
             # are; more than --max-error-rate says the engine does not serve this load: no figure can decide
-            allowed = (f" — {rate:.2%}, within the {r.max_error_rate:.0%} allowed (--max-error-rate): left out of "
-                       "the figures" if within else f" — {rate:.1%}, above the {r.max_error_rate:.0%} allowed "
-                       "(--max-error-rate)")  # fmt: skip
+            cap = f"{r.max_error_rate * 100:g}%"
+            allowed = (f" — {rate:.2%}, within the {cap} allowed (--max-error-rate): left out of the figures"
+                       if within else f" — {rate:.1%}, above the {cap} allowed (--max-error-rate)")  # fmt: skip
             out.append(_reason("data", "ok" if within else "inconclusive", f"{name}: {n_err} of {n_ok + n_err} "
                                "requests failed" + (f" ({'; '.join(errs)})" if errs else "") + allowed, "errors"))  # fmt: skip
     judged_cells = [c for c in common if c.concurrency == 1] if r.live else common  # live: only c=1 is judged
