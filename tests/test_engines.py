@@ -554,7 +554,12 @@ def test_bench_probe_reads_slots_and_quantization_through_the_dialects() -> None
         asyncio.run(bench_engines.probe(t))
         assert (t.kind, t.model, t.slots) == ("sglang", "tiny", 4096)
         assert (t.quantization, t.quantization_source) == ("bfloat16", "engine info")
-        assert t.info == {"model_path": "/tmp/m", "context_length": 4096, "build": "0.5.17"}
+        assert t.info == {
+            "model_path": "/tmp/m",
+            "context_length": 4096,
+            "build": "0.5.17",
+            "kv_pool_tokens": 5_400_000,
+        }
         assert asyncio.run(bench_engines.count_prompt_tokens(t, "tiny", MSGS)) == (9, "v1/tokenize")
         assert asyncio.run(bench_engines.flush_cache(t)) == "flush_cache HTTP 200"
     with serve(vllm_0260()) as url:
@@ -622,7 +627,7 @@ GPU_FACTS: dict[str, tuple[str, engines.Facts]] = {
     # (the top-level max_running_requests is null); dtype float16; busy from sglang:num_running_reqs
     "sglang": ("/health", engines.Facts(
         model="m7b", model_path="/tmp/w/model/m7b", context_length=8192, slots=4096, busy_slots=0,
-        quantization="float16", build="0.5.17",
+        quantization="float16", build="0.5.17", kv_pool_tokens=107716,  # max_total_num_tokens
     )),
     # vLLM 0.26.0: /health; nothing reports max_num_seqs or the dtype; build from /version
     "vllm": ("/health", engines.Facts(

@@ -415,6 +415,21 @@ def test_over_budget_by_a_memory_share_setting_is_a_rerun_not_stay() -> None:
     assert decide(dataclasses.replace(r, memory_share={}), "sglang").decision == "stay"
 
 
+def test_a_kv_pool_smaller_than_the_context_is_stated() -> None:
+    """The 27B run's SGLang: bf16 weights left a KV pool of 77,941 tokens under a 196,608-token context, so the
+    equal context per slot hides that no request over 77,941 tokens can run there: a note, not a stop."""
+    base, cand, aa = engines(context_per_slot=196608, kv_pool_tokens=77941)
+    base = dataclasses.replace(base, context_per_slot=196608)
+    aa = dataclasses.replace(aa, context_per_slot=196608)
+    v = decide(results(*trio(tpot=0.008), *loaded(tps=400), engines=(base, cand, aa)), "sglang")
+    assert v.decision == "switch", v.summary
+    (pool,) = [x for x in v.reasons if x.check == "kv pool"]
+    assert pool.outcome == "note" and "77,941 tokens, fewer than its 196,608-token context" in pool.text
+    assert "llama: 196,608 tokens" in pool.text
+    plain = decide(results(*trio(tpot=0.008), *loaded(tps=400)), "sglang")
+    assert not [x for x in plain.reasons if x.check == "kv pool"]
+
+
 def test_memory_against_the_gpu_total_only_when_held_alone() -> None:
     base, aa = run("llama", C1, mem=20 * GiB, gpus=(0,), total=80 * GiB), run("llama-aa", C1, seed=1)
     alone = decide(results(base, aa, run("sglang", C1, mem=90 * GiB, gpus=(1,), total=80 * GiB)), "sglang")

@@ -81,7 +81,7 @@ async def probe(t: Target, timeout: float = 5.0) -> None:
     if f is not None:
         t.slots = t.slots or f.slots
         t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
-                                         ("build", f.build)) if v is not None})  # fmt: skip
+                                         ("build", f.build), ("kv_pool_tokens", f.kv_pool_tokens)) if v is not None})  # fmt: skip
     quantization(t, {"quantization": f.quantization} if f is not None and f.quantization else None)
 
 

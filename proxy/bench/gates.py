@@ -189,6 +189,13 @@ def _context_parity(b: EngineInfo, c: EngineInfo, offered: int | None, expected:
     else:
         unknown = [e.name for e in (b, c) if not e.context_per_slot]
         out.append(_reason("parity", "note", f"context per slot unknown for {', '.join(unknown)}", "context"))
+    for e, other in ((b, c), (c, b)):
+        if e.kv_pool_tokens and e.context_per_slot and e.kv_pool_tokens < e.context_per_slot:
+            longest = f"{other.context_per_slot:,} tokens" if other.context_per_slot else "context unknown"
+            out.append(_reason("parity", "note", f"{e.name}'s KV pool holds {e.kv_pool_tokens:,} tokens, fewer than "
+                               f"its {e.context_per_slot:,}-token context: no request longer than the pool can run "
+                               f"on it ({other.name}: {longest}); a service with such requests would see that "
+                               "difference, the cells measured here do not", "kv pool"))  # fmt: skip
     if offered:
         for e in (b, c):
             if e.slots is not None and e.slots < offered:

@@ -103,6 +103,8 @@ class EngineInfo:
     slots: int | None = None
     aa_of: str | None = None
     quantization_source: str | None = None
+    #: the engine's KV pool in tokens, all requests together (SGLang reports it); None: not reported
+    kv_pool_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,7 @@ def load_bench(
                 dropped=tuple(dropped) if isinstance(dropped, list) else None, context_per_slot=ctx,
                 slots=_int(e.get("slots")), aa_of=e.get("aa_of"),
                 quantization_source="declared" if declared else e.get("quantization_source"),
+                kv_pool_tokens=_int(info.get("kv_pool_tokens")),
             )
         )  # fmt: skip
         e["quantization"] = q

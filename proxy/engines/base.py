@@ -47,6 +47,9 @@ class Facts:
     #: as the engine names it (``quant_key`` makes names comparable)
     quantization: str | None = None
     build: str | None = None
+    #: the KV pool's capacity in tokens, all running requests together (SGLang ``max_total_num_tokens``); a
+    #: request longer than this cannot run whatever ``context_length`` says (None: not reported)
+    kv_pool_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

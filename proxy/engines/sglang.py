@@ -240,6 +240,8 @@ class SGLang(Dialect):
             busy_slots=busy,
             quantization=_quantization(info, path),
             build=as_str(info.get("version")),
+            kv_pool_tokens=as_int(info.get("max_total_num_tokens"))
+            or as_int(as_dict((states[:1] or [{}])[0].get("memory_usage")).get("token_capacity")),
         )
 
     @staticmethod
