@@ -328,6 +328,15 @@ def engine_comparison() -> Json:
               [target(f"sum by (engine, result) (rate(enginemeter_mirror_requests_total{{{ENG}}}[{RI}]))", "{{engine}} · {{result}}")], "reqps"),
         panel("Compared pairs / s", "Primary/shadow pairs the comparison stage saw.",
               [target(f"sum by (primary, shadow) (rate(enginemeter_compared_pairs_total[{RI}]))", "{{primary}} vs {{shadow}}")], "reqps"),
+        panel("Live verdict: shadow vs primary", "The live verdict per regime and metric: shadow / primary - 1 (below 0: the shadow takes less time) with its anytime-valid interval, safe to look at after every pair. A decision is made when the interval clears the minimum effect (docs/bench.md, Live traffic).",
+              [target("max by (primary, shadow, regime, metric) (enginemeter_live_delta_ratio)", "Δ {{shadow}} vs {{primary}} · {{regime}} {{metric}}"),
+               target("max by (primary, shadow, regime, metric) (enginemeter_live_interval_low_ratio)", "low {{shadow}} vs {{primary}} · {{regime}} {{metric}}"),
+               target("max by (primary, shadow, regime, metric) (enginemeter_live_interval_high_ratio)", "high {{shadow}} vs {{primary}} · {{regime}} {{metric}}")],
+              "percentunit", w=16),
+        panel("Live decisions", "The current decision of each stream of the live verdict (not_yet, faster, slower, tie: the shadow against the primary) and the pairs it rests on.",
+              [target("max by (primary, shadow, regime, metric, decision) (enginemeter_live_decision) == 1", "{{shadow}} vs {{primary}} · {{regime}} {{metric}}: {{decision}}"),
+               target("max by (primary, shadow, regime, metric) (enginemeter_live_pairs)", "pairs {{shadow}} vs {{primary}} · {{regime}} {{metric}}")],
+              "short", w=8),
     ]  # fmt: skip
     loop = [
         panel("Event-loop lag p50 / p99", "How late the proxy's 0.1 s timer fired, per replica (its workers merged): how long its event loop was busy elsewhere, and so how long every stream's next chunk waited. An idle loop shows 0–1 ms (libuv's timer grain); EnginemeterEventLoopSaturated fires above 50 ms (p99 over 5 minutes).",

@@ -60,6 +60,7 @@ LONG_PROMPT_TOKENS = 1024
 
 Regime = Literal["decode", "load", "long"]
 Decision = Literal["not yet", "faster", "slower", "tie"]
+DECISIONS: tuple[Decision, ...] = ("not yet", "faster", "slower", "tie")
 REGIME_LABEL: Mapping[str, str] = {"decode": "single-request decode", "load": "under load", "long": "long context"}
 
 

@@ -730,7 +730,7 @@ def test_sglang_loading_a_gguf_names_the_files_precision_not_gguf(model_path: st
     fake.table.pop(("GET", "/model_info"), None)
     fake.table.pop(("GET", "/get_model_info"), None)
     f = fake.run(lambda c: engines.dialect("sglang").poll(c, 1.0))
-    assert (f.model_path, f.quantization) == (model_path, quantization)
+    assert (f.model_path, f.quantization, f.weights_format) == (model_path, quantization, "gguf")
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,20 @@ from proxy.server.compare import new_run_id
 from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests.helpers import LlamaServerFactory, ProxyUnderTest, start_proxy, wait_until
 
+
+def live_series(text: str, **labels: str) -> dict[str, float]:
+    """The live-verdict gauges of one stream in a /metrics text: name -> value (``decision=D`` for the decision's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name.startswith("enginemeter_live_") and all(smp.labels.get(k) == v for k, v in labels.items()):
+                key = f"decision={smp.labels['decision']}" if "decision" in smp.labels else smp.name
+                out[key] = smp.value
+    return out
+
+
 MSG = [{"role": "user", "content": "Tell me about harbour towns."}]
 
 
@@ -282,8 +296,18 @@ def test_np4_vs_np1_under_load_is_declared_within_a_bounded_number_of_pairs(
         stop.set()
         watcher.join(10)
         (live,) = httpx.get(f"{p.url}/health", timeout=10).json()["mirror"]["live"]
+        scraped = httpx.get(f"{p.url}/metrics", timeout=10).text
     ttft = next(x for x in live["streams"] if x["regime"] == "load" and x["metric"] == "ttft_s")
     assert ttft["decision"] == "slower", ttft
+    # the same verdict as Prometheus series (dashboards, alerts): pairs, delta, interval and the decision
+    got = live_series(scraped, primary="np4", shadow="np1", regime="load", metric="ttft_s")
+    assert got["enginemeter_live_pairs"] == ttft["pairs"]
+    assert got["enginemeter_live_delta_ratio"] == pytest.approx(ttft["delta"])
+    assert [got["enginemeter_live_interval_low_ratio"], got["enginemeter_live_interval_high_ratio"]] == pytest.approx(
+        ttft["interval"]
+    )
+    decided = {k.split("=", 1)[1]: v for k, v in got.items() if k.startswith("decision=")}
+    assert decided == {"not_yet": 0, "faster": 0, "slower": 1, "tie": 0}
     # decided after 30 pairs (the minimum) on a quiet machine; 64 seen with the 2 cores loaded: bounded by 100
     assert MIN_PAIRS <= ttft["decided_after"] <= 100, ttft
     # looked at many times while the pairs arrived: "not yet" until decided, then "slower" only

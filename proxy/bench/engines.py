@@ -82,7 +82,10 @@ async def probe(t: Target, timeout: float = 5.0) -> None:
         t.slots = t.slots or f.slots
         t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
                                          ("build", f.build), ("kv_pool_tokens", f.kv_pool_tokens)) if v is not None})  # fmt: skip
-    quantization(t, {"quantization": f.quantization} if f is not None and f.quantization else None)
+    # a GGUF load: the bench reads the precision from the file's header itself (the dialect, which may sit far
+    # from the file, can only guess it from the name), so it is told "gguf", the format
+    said = ("gguf" if f.weights_format == "gguf" else f.quantization) if f is not None else None
+    quantization(t, {"quantization": said} if said else None)
 
 
 async def count_prompt_tokens(

@@ -278,6 +278,7 @@ def _live(
         infos.append(EngineInfo(
             name=name, kind=t.kind, model=t.model, quantization=t.quantization, sampling=sampling_, dropped=dropped,
             context_per_slot=t.context_per_slot, slots=t.slots, quantization_source=t.quantization_source,
+            kv_pool_tokens=t.info.get("kv_pool_tokens"),
         ))  # fmt: skip
     results = Results(engines=tuple(infos), baseline=bl, samples=tuple(samples), prompt_tokens=pt,
                       min_repeats=min_repeats, min_effect=min_effect, requests=tuple(reqs), live=True,

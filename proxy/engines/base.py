@@ -50,6 +50,8 @@ class Facts:
     #: the KV pool's capacity in tokens, all running requests together (SGLang ``max_total_num_tokens``); a
     #: request longer than this cannot run whatever ``context_length`` says (None: not reported)
     kv_pool_tokens: int | None = None
+    #: the weights' file format when the engine names one apart from the precision (SGLang: ``gguf``)
+    weights_format: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

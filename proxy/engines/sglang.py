@@ -240,6 +240,9 @@ class SGLang(Dialect):
             busy_slots=busy,
             quantization=_quantization(info, path),
             build=as_str(info.get("version")),
+            weights_format="gguf"
+            if "gguf" in {str(info.get(k) or "").lower() for k in ("quantization", "load_format")}
+            else None,
             kv_pool_tokens=as_int(info.get("max_total_num_tokens"))
             or as_int(as_dict((states[:1] or [{}])[0].get("memory_usage")).get("token_capacity")),
         )

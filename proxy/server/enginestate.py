@@ -35,7 +35,7 @@ log = logging.getLogger("enginemeter.enginestate")
 
 PREFIX = "enginemeter"
 DRIFT_FIELDS = ("context_length", "model", "slots", "quantization")
-HEALTH_FIELDS = ("up", "kind", "model", "model_path", "context_length", "slots", "busy_slots", "quantization", "build", "error")  # fmt: skip
+HEALTH_FIELDS = ("up", "kind", "model", "model_path", "context_length", "slots", "busy_slots", "quantization", "weights_format", "kv_pool_tokens", "build", "error")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from proxy import __version__
+from proxy.sequential import DECISIONS, STREAMS, Interval, Stream
 from proxy.server.result import Result
 from proxy.settings import BUCKET_KEYS, MetricsSettings, RouteSettings
 from proxy.types import ENDPOINTS
@@ -189,6 +190,30 @@ class Metrics:
             f"{PREFIX}_shadow_ratio", "Shadow / primary ratio per pair (metric=ttft|tpot|decode_tps).",
             ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        # ---- the live verdict (proxy.sequential.LiveVerdict per engine pair; docs/bench.md "Live traffic") -----
+        # under serve --workers each worker judges its own share of the pairs: the series are the most recently
+        # updated worker's (its /health says the same)
+        live = ("primary", "shadow", "regime", "metric")
+        self.live_pairs = Gauge(
+            f"{PREFIX}_live_pairs", "Comparable mirrored pairs the live verdict has judged, per regime and metric.",
+            live, registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
+        self.live_delta = Gauge(
+            f"{PREFIX}_live_delta_ratio", "Live verdict: shadow / primary - 1 of the metric (geometric mean over pairs; below 0 the shadow is faster).",
+            live, registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
+        self.live_low = Gauge(
+            f"{PREFIX}_live_interval_low_ratio", "Live verdict: the anytime-valid interval's lower end of the delta (NaN until bounded).",
+            live, registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
+        self.live_high = Gauge(
+            f"{PREFIX}_live_interval_high_ratio", "Live verdict: the anytime-valid interval's upper end of the delta (NaN until bounded).",
+            live, registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
+        self.live_decision = Gauge(
+            f"{PREFIX}_live_decision", "Live verdict: 1 for the current decision of the stream (not_yet|faster|slower|tie: the shadow against the primary), 0 for the others.",
+            (*live, "decision"), registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
         # ---- the event loop (proxy/server/loopwatch.py): a saturated proxy shows itself here -----------
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds", "How late a periodic timer on the event loop fired (every 0.1 s): how long the loop was busy elsewhere.",
@@ -216,6 +241,18 @@ class Metrics:
         )  # fmt: skip
         self.build.labels(__version__).set(1)
 
+    def observe_live(self, primary: str, shadow: str, stream: Stream, st: Interval | None) -> None:
+        """One stream of a pair's live verdict as its gauges (``st`` None: no pair yet)."""
+        labels = (primary, shadow, stream.regime, stream.metric)
+        nan = float("nan")
+        self.live_pairs.labels(*labels).set(st.n if st else 0)
+        self.live_delta.labels(*labels).set(nan if st is None or st.estimate is None else st.estimate)
+        self.live_low.labels(*labels).set(nan if st is None or st.lo is None else st.lo)
+        self.live_high.labels(*labels).set(nan if st is None or st.hi is None else st.hi)
+        now = st.decision if st else "not yet"
+        for d in DECISIONS:
+            self.live_decision.labels(*labels, d.replace(" ", "_")).set(1 if d == now else 0)
+
     def prime(self, engines: Iterable[str], models: Iterable[str], pairs: Iterable[tuple[str, str]] = ()) -> None:
         """Create the zero series users query, so dashboards and alerts see 0 rather than nothing.
 
@@ -238,6 +275,8 @@ class Metrics:
         for p, s in pairs:
             self.pairs.labels(p, s)
             self.contended.labels(p, s)
+            for st in STREAMS:
+                self.observe_live(p, s, st, None)
             for kind in ("prompt", "completion"):
                 self.token_mismatch.labels(p, s, kind)
             self.output_mismatch.labels(p, s)

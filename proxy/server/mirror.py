@@ -90,7 +90,7 @@ RESULTS = (
 PAIR_GRACE_S = 60.0
 SWEEP_INTERVAL_S = 1.0
 #: what an ``engine`` record carries of the engine-state poller's facts
-FACT_FIELDS = ("kind", "model", "model_path", "context_length", "slots", "quantization", "build")
+FACT_FIELDS = ("kind", "model", "model_path", "context_length", "slots", "quantization", "weights_format", "kv_pool_tokens", "build")  # fmt: skip
 
 
 class Mirror:
@@ -342,7 +342,11 @@ class Mirror:
             if live is None:
                 live = self.live[key] = LiveVerdict(*key, min_effect=self.min_effect)
             p, s = c.primary, c.shadow
-            live.add(regime_of(concurrency[1], p.prompt_tokens), _figures(p), _figures(s))
+            regime = regime_of(concurrency[1], p.prompt_tokens)
+            live.add(regime, _figures(p), _figures(s))
+            for stream, cs in live.streams.items():
+                if stream.regime == regime:
+                    self.metrics.observe_live(*key, stream, cs.state())
         gpus: dict[str, Sequence[int]] | None = None
         if self.gpus_of is not None:
             gpus = {"primary": self.gpus_of(primary.engine), "shadow": self.gpus_of(shadow.engine)}
