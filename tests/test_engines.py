@@ -743,6 +743,7 @@ def test_sglang_loading_a_gguf_names_the_files_precision_not_gguf(model_path: st
         ("python3 -m sglang.launch_server --model-path M --port 1", None),  # SGLang sizes itself
         ("vllm serve M --gpu-memory-utilization=0.5", ("--gpu-memory-utilization", 0.5)),
         ("vllm serve M", ("--gpu-memory-utilization", 0.9)),  # vLLM's default
+        ("vllm serve M --kv-cache-memory 20000000000", None),  # the KV cache sized in bytes overrides the share
         ("llama-server -m m.gguf -c 4096", None),  # sized by -c and the model: no share flag
     ],
 )

@@ -78,17 +78,18 @@ def test_llamacpp_loader_lines_on_cuda() -> None:
 
 def test_llamacpp_cuda_at_lv4_on_the_h200_27b_run() -> None:
     """The real -lv 4 log of the 27B run's diagnose (CUDA build on the H200): every layer offloaded, the KV pool,
-    flash attention, and CUDA graphs on: compiled in (``USE_GRAPHS = 1``) and no debug line disabling them."""
+    flash attention, and CUDA graphs compiled in (``USE_GRAPHS = 1``) -- not "on": a release build does not log
+    whether they run (ggml-cuda's "disabling CUDA graphs" lines are debug builds' only)."""
     log = REPO / "docs" / "gpu-results" / "h200-2026-12-03-27b" / "raw" / "diag" / "llama.log.gz"
     text = gzip.decompress(log.read_bytes()).decode()
     f = llamacpp.DIALECT.parse_log(text)
     assert (f.layers_offloaded, f.layers_total, f.slots, f.context_per_slot) == (59, 59, 16, 196608)
-    assert (f.kv_cache_tokens, f.kv_unified, f.flash_attention, f.cuda_graphs) == (196608, True, "enabled", "on")
+    assert (f.kv_cache_tokens, f.kv_unified, f.flash_attention) == (196608, True, "enabled")
+    assert f.cuda_graphs is not None and f.cuda_graphs.startswith("compiled in")
     assert "USE_GRAPHS = 1" in f.evidence["cuda_graphs"]
-    # the same build at its default verbosity: compiled in, but whether any were disabled is not logged
-    quiet = "\n".join(x for x in text.splitlines() if "load_tensors" not in x)
-    g = llamacpp.DIALECT.parse_log(quiet)
-    assert g.cuda_graphs is None and any("USE_GRAPHS = 1" in n for n in g.notes)
+    # a line that says they were disabled wins, wherever it stands
+    off = llamacpp.DIALECT.parse_log(text + "\nggml_cuda: disabling CUDA graphs due to GPU architecture\n")
+    assert off.cuda_graphs == "off"
 
 
 def test_llamacpp_cpu_build_at_lv4_has_no_offload_line(

@@ -66,10 +66,17 @@ def data_gate(
             # a rare failure (a dropped connection) is stated and left out of the figures, as live traffic's
             # are; more than --max-error-rate says the engine does not serve this load: no figure can decide
             cap = f"{r.max_error_rate * 100:g}%"
-            allowed = (f" — {rate:.2%}, within the {cap} allowed (--max-error-rate): left out of the figures"
-                       if within else f" — {rate:.1%}, above the {cap} allowed (--max-error-rate)")  # fmt: skip
-            out.append(_reason("data", "ok" if within else "inconclusive", f"{name}: {n_err} of {n_ok + n_err} "
-                               "requests failed" + (f" ({'; '.join(errs)})" if errs else "") + allowed, "errors"))  # fmt: skip
+            # a cell where most requests failed says the engine does not serve that load, whatever the total
+            worst = max((s for s in mine if s.n_err), key=lambda s: s.n_err / (s.n_ok + s.n_err))
+            broken = worst.n_err > worst.n_ok
+            allowed = (f" — {rate:.1%}, above the {cap} allowed (--max-error-rate)" if not within else
+                       f" — most of one repeat failed ({worst.n_err} of {worst.n_ok + worst.n_err} at "
+                       f"{worst.cell.label()})" if broken else
+                       f" — {rate:.2%}, within the {cap} allowed (--max-error-rate): the latency figures are over "
+                       "the answered requests, and output tok/s counts only their tokens (a failure costs it)")  # fmt: skip
+            out.append(_reason("data", "ok" if within and not broken else "inconclusive", f"{name}: {n_err} of "
+                               f"{n_ok + n_err} requests failed" + (f" ({'; '.join(errs)})" if errs else "") + allowed,
+                               "errors"))  # fmt: skip
     judged_cells = [c for c in common if c.concurrency == 1] if r.live else common  # live: only c=1 is judged
     short = sorted(
         (c.label(), len(by[(base, c)]), len(by[(cand, c)]))
@@ -240,6 +247,9 @@ def _quant_parity(b: EngineInfo, c: EngineInfo, accept: bool = False) -> list[Re
 
 #: what a resized engine is asked to leave free below the budget, beyond its measured excess
 RESIZE_MARGIN_BYTES = 2**30 // 4
+#: the largest excess (share of the budget) read as a setting: a smaller KV pool gives that back without
+#: changing what is measured; beyond it the weights and graphs may not fit at all, and it stays "does not fit"
+RESIZE_MAX_EXCESS = 0.10
 
 
 def _resized(r: Results, cand: str, peak: int, budget: int, total: int | None) -> str | None:
@@ -250,14 +260,17 @@ def _resized(r: Results, cand: str, peak: int, budget: int, total: int | None) -
     if share is None or not total:
         return None
     flag, now = share
+    if peak - budget > RESIZE_MAX_EXCESS * budget:
+        return None
     cut = (peak - budget + RESIZE_MARGIN_BYTES) / total
     new = int((now - cut) * 1000) / 1000
     if new <= 0 or new >= now:
         return None
     return (
-        f"its footprint is a setting ({flag} {now:g} of the GPU's {_gib(total)}: weights, KV pool and "
-        f"graphs), not the model's — at {flag} {new:g} it takes ~{_gib((now - new) * total)} less, from its "
-        f"KV pool; rerun {cand} with {flag} {new:g} and join the runs again"
+        f"over by {_gib(peak - budget)}, and its footprint is a setting ({flag} {now:g} of the GPU's "
+        f"{_gib(total)}: weights and KV cache), not the model's — at {flag} {new:g} it takes ~"
+        f"{_gib((now - new) * total)} less, from its KV cache; rerun it so under a new name and join that run "
+        "with the baseline's"
     )
 
 

@@ -282,7 +282,7 @@ def _live(
         ))  # fmt: skip
     results = Results(engines=tuple(infos), baseline=bl, samples=tuple(samples), prompt_tokens=pt,
                       min_repeats=min_repeats, min_effect=min_effect, requests=tuple(reqs), live=True,
-                      extra_parity=tuple(extra), memory_budget_bytes=budget)  # fmt: skip
+                      extra_parity=tuple(extra), memory_budget_bytes=budget, max_error_rate=max_error_rate)  # fmt: skip
     meta = [{"name": i.name, "kind": i.kind, "model": i.model, "quantization": i.quantization,
              "quantization_source": i.quantization_source, "slots": i.slots, "context_per_slot": i.context_per_slot,
              "dropped": list(i.dropped) if i.dropped is not None else None} for i in infos]  # fmt: skip
@@ -318,11 +318,11 @@ def _outcome_reasons(bl: str, other: str, o: Outcomes, max_rate: float) -> list[
         judged = o.by_cause.get("ok", 0) + o.by_cause.get("engine", 0)
         if rate > max_rate:
             out.append(Reason("data", "inconclusive", f"{name}: engine-side failures in {n} of {judged} pairs "
-                              f"({rate:.1%} > {max_rate:.0%}: {kinds}) — the engine itself fails under this "
+                              f"({rate:.1%} > {max_rate * 100:g}%: {kinds}) — the engine itself fails under this "
                               "traffic", "errors"))  # fmt: skip
         else:
             out.append(Reason("data", "ok", f"{name}: engine-side failures in {n} of {judged} pairs ({rate:.1%}, "
-                              f"within the {max_rate:.0%} the live report tolerates: {kinds}); those pairs are left "
+                              f"within the {max_rate * 100:g}% the live report tolerates: {kinds}); those pairs are left "
                               "out", "errors"))  # fmt: skip
     return out
 

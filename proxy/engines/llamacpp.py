@@ -24,9 +24,10 @@
   ``flash_attn``, ``Flash Attention enabled``) are LLAMA_LOG_INFO, which ``common_log_get_verbosity`` maps to
   trace (4): they appear with ``-lv 4`` (or ``-v``). A build without a GPU backend prints no ``offloaded`` line
   (``llama_supports_gpu_offload`` is false). CUDA graphs: a CUDA build says ``USE_GRAPHS = 1`` in its
-  ``system_info`` line when they are compiled in, and only debug level logs ``disabling CUDA graphs due to ...``
-  (so at ``-lv 4``, compiled in and never disabled is "on": the H200 27B run's log, 2026-12-03); ``graphs
-  reused`` in each request's timing lines counts ggml graph reuse, not CUDA graphs.
+  ``system_info`` line when they are compiled in; whether they run is not logged by a release build (ggml-cuda's
+  ``disabling CUDA graphs due to ...`` lines are debug builds' only, and ``GGML_CUDA_DISABLE_GRAPHS`` turns
+  them off silently), so the dialect says "compiled in", never "on"; ``graphs reused`` in each request's timing
+  lines counts ggml graph reuse, not CUDA graphs.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ _FA_RESOLVED = re.compile(
 _N_LAYER = re.compile(r"print_info: n_layer\s+= (\d+)$")
 _DEVICE = re.compile(r"using device (\w+) \(([^)]*)\)")
 _GRAPHS_OFF = re.compile(r"disabling CUDA graphs due to (.*)")
-#: system_info: a CUDA build with graphs compiled in (GGML_CUDA_GRAPHS); they run unless a debug line disables them
+#: system_info: a CUDA build with graphs compiled in (GGML_CUDA_GRAPHS)
 _GRAPHS_BUILD = re.compile(r"\| CUDA : .*\bUSE_GRAPHS = 1\b")
 
 
@@ -203,11 +204,9 @@ class LlamaCpp(Dialect):
                 loader = True
         load_s = t_loaded - t_loading if t_loading is not None and t_loaded is not None else None
         if graphs is None and graphs_built is not None:
-            if loader:  # debug verbosity: a disabled graph would have said so
-                graphs, ev["cuda_graphs"] = "on", graphs_built + "\n(no 'disabling CUDA graphs' line at -lv 4)"
-            else:
-                notes.append("this CUDA build has CUDA graphs (USE_GRAPHS = 1); whether any were disabled is "
-                             "logged at debug verbosity: start it with -lv 4 to see")  # fmt: skip
+            # compiled in; whether they run is not logged: ggml-cuda's "disabling CUDA graphs" lines are debug
+            # builds' only, and GGML_CUDA_DISABLE_GRAPHS turns them off without a word
+            graphs, ev["cuda_graphs"] = "compiled in (USE_GRAPHS = 1; their use is not logged)", graphs_built
         if not loader:
             notes.append(
                 "the log has no loader lines (layers offloaded, weights and KV buffers, flash attention): this "

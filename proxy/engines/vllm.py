@@ -45,7 +45,7 @@ from proxy.engines.base import (
     model_card,
     short,
 )
-from proxy.engines.startup import LogFacts, clean_lines, python_module, size_bytes, subcommand
+from proxy.engines.startup import LogFacts, clean_lines, has_flag, python_module, size_bytes, subcommand
 
 _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
@@ -70,6 +70,10 @@ class Vllm(Dialect):
 
     def launched_by(self, argv: Sequence[str]) -> bool:
         return python_module(argv) == "vllm.entrypoints.openai.api_server" or subcommand(argv) == ("vllm", "serve")
+
+    def memory_share(self, argv: Sequence[str]) -> tuple[str, float] | None:
+        # --kv-cache-memory sizes the KV cache in bytes and overrides the share
+        return None if has_flag(argv, "--kv-cache-memory") else super().memory_share(argv)
 
     def parse_log(self, text: str) -> LogFacts:
         ev: dict[str, str] = {}

@@ -9,6 +9,7 @@ Observations happen once per request, at its end, except the in-flight gauge; a 
 from __future__ import annotations
 
 import math
+import os
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -242,16 +243,17 @@ class Metrics:
         self.build.labels(__version__).set(1)
 
     def observe_live(self, primary: str, shadow: str, stream: Stream, st: Interval | None) -> None:
-        """One stream of a pair's live verdict as its gauges (``st`` None: no pair yet)."""
+        """One stream of a pair's live verdict as its gauges (``st`` None: no pair yet). Once per comparable
+        pair and stream of its regime, off the chunk path; children come from ``child``'s cache."""
         labels = (primary, shadow, stream.regime, stream.metric)
         nan = float("nan")
-        self.live_pairs.labels(*labels).set(st.n if st else 0)
-        self.live_delta.labels(*labels).set(nan if st is None or st.estimate is None else st.estimate)
-        self.live_low.labels(*labels).set(nan if st is None or st.lo is None else st.lo)
-        self.live_high.labels(*labels).set(nan if st is None or st.hi is None else st.hi)
+        child(self, self.live_pairs, *labels).set(st.n if st else 0)
+        child(self, self.live_delta, *labels).set(nan if st is None or st.estimate is None else st.estimate)
+        child(self, self.live_low, *labels).set(nan if st is None or st.lo is None else st.lo)
+        child(self, self.live_high, *labels).set(nan if st is None or st.hi is None else st.hi)
         now = st.decision if st else "not yet"
         for d in DECISIONS:
-            self.live_decision.labels(*labels, d.replace(" ", "_")).set(1 if d == now else 0)
+            child(self, self.live_decision, *labels, d.replace(" ", "_")).set(1 if d == now else 0)
 
     def prime(self, engines: Iterable[str], models: Iterable[str], pairs: Iterable[tuple[str, str]] = ()) -> None:
         """Create the zero series users query, so dashboards and alerts see 0 rather than nothing.
@@ -275,8 +277,11 @@ class Metrics:
         for p, s in pairs:
             self.pairs.labels(p, s)
             self.contended.labels(p, s)
-            for st in STREAMS:
-                self.observe_live(p, s, st, None)
+            if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+                # one process: the series start as not_yet. Under --workers a restarted worker's priming would
+                # be the most recent value and hide the other workers' decisions (livemostrecent): no priming
+                for st in STREAMS:
+                    self.observe_live(p, s, st, None)
             for kind in ("prompt", "completion"):
                 self.token_mismatch.labels(p, s, kind)
             self.output_mismatch.labels(p, s)
