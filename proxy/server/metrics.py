@@ -195,26 +195,15 @@ class Metrics:
         # under serve --workers each worker judges its own share of the pairs: the series are the most recently
         # updated worker's (its /health says the same)
         live = ("primary", "shadow", "regime", "metric")
-        self.live_pairs = Gauge(
-            f"{PREFIX}_live_pairs", "Comparable mirrored pairs the live verdict has judged, per regime and metric.",
-            live, registry=r, multiprocess_mode="livemostrecent",
-        )  # fmt: skip
-        self.live_delta = Gauge(
-            f"{PREFIX}_live_delta_ratio", "Live verdict: shadow / primary - 1 of the metric (geometric mean over pairs; below 0 the shadow is faster).",
-            live, registry=r, multiprocess_mode="livemostrecent",
-        )  # fmt: skip
-        self.live_low = Gauge(
-            f"{PREFIX}_live_interval_low_ratio", "Live verdict: the anytime-valid interval's lower end of the delta (NaN until bounded).",
-            live, registry=r, multiprocess_mode="livemostrecent",
-        )  # fmt: skip
-        self.live_high = Gauge(
-            f"{PREFIX}_live_interval_high_ratio", "Live verdict: the anytime-valid interval's upper end of the delta (NaN until bounded).",
-            live, registry=r, multiprocess_mode="livemostrecent",
-        )  # fmt: skip
-        self.live_decision = Gauge(
-            f"{PREFIX}_live_decision", "Live verdict: 1 for the current decision of the stream (not_yet|faster|slower|tie: the shadow against the primary), 0 for the others.",
-            (*live, "decision"), registry=r, multiprocess_mode="livemostrecent",
-        )  # fmt: skip
+
+        def live_gauge(name: str, doc: str, *extra: str) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, (*live, *extra), registry=r, multiprocess_mode="livemostrecent")
+
+        self.live_pairs = live_gauge("live_pairs", "Comparable mirrored pairs the live verdict has judged, per regime and metric.")  # fmt: skip
+        self.live_delta = live_gauge("live_delta_ratio", "Live verdict: shadow / primary - 1 of the metric (geometric mean over pairs; below 0 the shadow is faster).")  # fmt: skip
+        self.live_low = live_gauge("live_interval_low_ratio", "Live verdict: the anytime-valid interval's lower end of the delta (NaN until bounded).")  # fmt: skip
+        self.live_high = live_gauge("live_interval_high_ratio", "Live verdict: the anytime-valid interval's upper end of the delta (NaN until bounded).")  # fmt: skip
+        self.live_decision = live_gauge("live_decision", "Live verdict: 1 for the current decision of the stream (not_yet|faster|slower|tie: the shadow against the primary), 0 for the others.", "decision")  # fmt: skip
         # ---- the event loop (proxy/server/loopwatch.py): a saturated proxy shows itself here -----------
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds", "How late a periodic timer on the event loop fired (every 0.1 s): how long the loop was busy elsewhere.",
