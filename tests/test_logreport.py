@@ -166,15 +166,17 @@ def test_pairs_lost_while_the_shadow_was_down_are_counted_not_held_against_it(
     log = tmp_path / "c.jsonl"
     s = settings(log, (eng("a", a.url), eng("b", b.url)), (RouteSettings(primary="a", shadows=("b",)),))
     with proxy(s) as p:
-        for _ in range(12):
+        # 24 pairs (12 left the single-request cell with fewer than 3 blocks once on a loaded CI machine, when
+        # some shadow copies overlapped the next request and counted at concurrency 2)
+        for _ in range(24):
             assert chat(p).status_code == 200
-        paired(p, 12, "a", "b")
+        paired(p, 24, "a", "b")
         b.stop()  # the shadow goes down; the client's traffic goes on
         for _ in range(3):
             assert chat(p).status_code == 200
         mirror = p.gateway.mirror
         assert mirror is not None and mirror.log is not None
-        wait_until(lambda: mirror.compared == 15, timeout=60)  # comparable or not, every pair is logged
+        wait_until(lambda: mirror.compared == 27, timeout=60)  # comparable or not, every pair is logged
         assert mirror.log.flush()
     assert [r["shadow"]["outcome"] for r in records(log)][-3:] == ["connect_error"] * 3
     out = tmp_path / "out"
@@ -182,7 +184,7 @@ def test_pairs_lost_while_the_shadow_was_down_are_counted_not_held_against_it(
     (v,) = json.loads((out / "verdict.json").read_text())["verdicts"]
     assert v["stopped_at"] is None or v["stopped_at"]["gate"] != "data", v["stopped_at"]
     md = (out / "report.md").read_text()
-    assert "| a → b | 15 | 12 | 0 | 0 | 3 | 0 | 0 |" in md
+    assert "| a → b | 27 | 24 | 0 | 0 | 3 | 0 | 0 |" in md
     assert "3 engine unreachable (connection refused: down or restarting)" in md and "(unreachable — b: 3)" in md
 
 
