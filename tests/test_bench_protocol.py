@@ -133,15 +133,18 @@ def test_a_second_client_loading_one_engine_flags_its_cells(llama_server_factory
                 c.post("/v1/chat/completions", json=body)
                 sent.append(1)
 
-    t = threading.Thread(target=other_client, daemon=True)
-    t.start()
+    # two of them, so that b is never idle between one's requests (a probe there once read 0 busy: unflagged)
+    others = [threading.Thread(target=other_client, daemon=True) for _ in range(2)]
+    for t in others:
+        t.start()
     try:
         out = tmp_path / "busy"
         assert main(["bench", "--engine", f"a={a.url}", "--engine", f"b={b.url}", *SMALL, "--concurrency", "1,2",
                      "--prompt-lengths", "short", "--aa", "off", "--out", str(out)]) == 0  # fmt: skip
     finally:
         stop.set()
-        t.join(timeout=60)
+        for t in others:
+            t.join(timeout=60)
     assert sent
     samples = recs(out / "results.jsonl", "sample")
     on_b = [s for s in samples if s["engine"] == "b"]
