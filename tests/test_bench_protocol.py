@@ -120,8 +120,10 @@ def test_a_run_at_concurrency_1_only_is_partial_and_names_the_missing_regime(
 
 
 def test_a_second_client_loading_one_engine_flags_its_cells(llama_server_factory: Factory, tmp_path: Path) -> None:
-    a = llama_server_factory(np=2, ctx_size=4096)
-    b = llama_server_factory(np=2, ctx_size=4096)
+    # four slots each: the bench's two at c=2 plus the other clients' two, so the foreign requests run (and show
+    # as busy slots beyond the bench's own) instead of queueing unseen behind the bench's
+    a = llama_server_factory(np=4, ctx_size=4096)
+    b = llama_server_factory(np=4, ctx_size=4096)
     stop = threading.Event()
     sent: list[int] = []
 
