@@ -27,7 +27,10 @@ def quantization(
     last a quantization tag in the model's file name."""
     if t.quantization:
         return
-    props = props or {}
+    props = dict(props or {})
+    if str(props.get("weights_format") or "").lower() == "gguf":
+        # a GGUF load: the file's header (or name, below) says the precision, not a dialect's guess from afar
+        props["quantization"] = "gguf"
     meta = model_meta or {}
     for src, v in (("engine info", props.get("quantization")), ("engine info", props.get("model_ftype"))):
         # "gguf" (SGLang and vLLM loading a llama.cpp file) names the format, not the precision: the file says it
@@ -82,10 +85,7 @@ async def probe(t: Target, timeout: float = 5.0) -> None:
         t.slots = t.slots or f.slots
         t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
                                          ("build", f.build), ("kv_pool_tokens", f.kv_pool_tokens)) if v is not None})  # fmt: skip
-    # a GGUF load: the bench reads the precision from the file's header itself (the dialect, which may sit far
-    # from the file, can only guess it from the name), so it is told "gguf", the format
-    said = ("gguf" if f.weights_format == "gguf" else f.quantization) if f is not None else None
-    quantization(t, {"quantization": said} if said else None)
+    quantization(t, {"quantization": f.quantization, "weights_format": f.weights_format} if f is not None else None)
 
 
 async def count_prompt_tokens(

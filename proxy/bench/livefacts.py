@@ -198,9 +198,9 @@ def engine_facts(name: str, kind: str | None, facts: Mapping[str, Any], declared
     t.context_per_slot = src.get("context_length")
     if src.get("kv_pool_tokens"):
         t.info["kv_pool_tokens"] = src["kv_pool_tokens"]
-    # a GGUF load: the precision is the file's (its header, read here when the file is), "gguf" the format
-    q = "gguf" if src.get("weights_format") == "gguf" else src.get("quantization")
-    bench_engines.quantization(t, {"quantization": q} if q else None)
+    bench_engines.quantization(
+        t, {"quantization": src.get("quantization"), "weights_format": src.get("weights_format")}
+    )
     if not declared and not facts and state and t.quantization_source:
         t.quantization_source = f"{t.quantization_source}, via the running proxy"
     return t
