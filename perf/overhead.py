@@ -498,6 +498,16 @@ class Procs:
         wait_http(port, "/health", p)
         return port, p
 
+    def floor(self, name: str, upstream: int, parse: bool, procs: int) -> tuple[int, subprocess.Popen[bytes]]:
+        """``perf/floor_relay.py``: a uvloop TCP splice (``parse``: plus a stamp and an ``orjson.loads`` per SSE
+        data line), the floor of any Python process in the path."""
+        port = free_port()
+        argv = [sys.executable, str(ROOT / "perf" / "floor_relay.py"), "--listen-port", str(port)]
+        argv += ["--upstream-port", str(upstream), "--procs", str(procs)] + (["--parse"] if parse else [])
+        p = self.start(name, argv)
+        wait_http(port, "/health", p)
+        return port, p
+
     def stop_all(self) -> None:
         for _, p in reversed(self.procs):
             if p.poll() is None:
@@ -853,6 +863,13 @@ def main() -> int:
     ap.add_argument("--nginx", choices=["auto", "off"], default="auto")
     ap.add_argument("--nginx-bin", help="the nginx binary (default: nginx on PATH, /usr/sbin/nginx)")
     ap.add_argument("--nginx-workers", type=int, default=1, help="1 = one event loop, like the proxy")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also targets floor and floor+parse (perf/floor_relay.py: a bare uvloop TCP splice, and the same with"
+        " a stamp and a JSON parse per SSE data line): what any Python process in the path costs, with as many"
+        " processes as the largest --proxy-workers",
+    )
     ap.add_argument("--proxy-env", action="append", default=[], help="KEY=VALUE for the proxy processes")
     ap.add_argument(
         "--baseline-tree",
@@ -940,6 +957,10 @@ def main() -> int:
         if args.nginx == "auto" and nginx_bin is not None:
             n_port, n_proc = procs.nginx(nginx_bin, e_port, args.nginx_workers)
             targets.append(Target("nginx", n_port, [n_proc.pid, *children(n_proc.pid)]))
+        if args.floor:
+            for name, parse in (("floor", False), ("floor+parse", True)):
+                f_port, f_proc = procs.floor(name, e_port, parse, max(worker_counts))
+                targets.append(Target(name, f_port, [f_proc.pid, *children(f_proc.pid)]))
         for mode in modes:
             if mode == "fast":
                 s_port, _ = procs.engine("shadow-fast", args.tokens, args.cadence_ms, args.ttft_ms, slots=slots)
