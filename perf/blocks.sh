@@ -5,7 +5,7 @@
 # Blocks (default: all but the two llama ones, which need $LLAMA_SERVER_BIN or the cached CPU build):
 #   fake-32    32 steady streams, 64 chunks 10 ms apart after 50 ms: the targets' block; the proxy twice, probing
 #              the engine (llama.cpp-like: a fresh upstream connection per stream) and as kind openai (kept alive,
-#              as nginx keeps its own)
+#              as nginx keeps its own); fake-1, fake-32 and w2-256 also run the floor targets (perf/floor_relay.py)
 #   fake-1     one stream at a time
 #   llama-1    one stream against a real llama-server (llama-32: 32 of them, -np 32)
 #   burst-32   32 streams started at once
@@ -46,13 +46,13 @@ mkdir -p "$out"
 for b in "${blocks[@]}"; do
   runner=(perf/overhead.py)
   case $b in
-    fake-32)    args=(--streams 32 --tokens 64 --cadence-ms 10 --rounds "$rounds" --engine-kind auto,openai) ;;
-    fake-1)     args=(--streams 1 --tokens 16 --cadence-ms 10 --duration-s 3 --rounds "$rounds") ;;
+    fake-32)    args=(--streams 32 --tokens 64 --cadence-ms 10 --rounds "$rounds" --engine-kind auto,openai --floor) ;;
+    fake-1)     args=(--streams 1 --tokens 16 --cadence-ms 10 --duration-s 3 --rounds "$rounds" --floor) ;;
     llama-1)    args=(--engine llama --streams 1 --tokens 16 --duration-s 3 --rounds "$rounds") ;;
     llama-32)   args=(--engine llama --streams 32 --tokens 16 --duration-s 3 --rounds 3) ;;
     burst-32)   args=(--arrival burst --streams 32 --tokens 16 --cadence-ms 10 --rounds "$rounds") ;;
     start-cpu)  args=(--streams 16 --tokens 1 --cadence-ms 1 --ttft-ms 1 --duration-s 3 --rounds 3) ;;
-    w2-256)     args=(--streams 256 --tokens 64 --cadence-ms 20 --rounds 3 --proxy-workers 1,2 --max-connections 1024) ;;
+    w2-256)     args=(--streams 256 --tokens 64 --cadence-ms 20 --rounds 3 --proxy-workers 1,2 --max-connections 1024 --floor) ;;
     gc)         args=(--streams 32 --tokens 64 --cadence-ms 10 --rounds 3 --nginx off -v
                       --proxy-env "PYTHONPATH=$root/perf/probe" --proxy-env "ENGINEMETER_GCPROBE=$out/gc") ;;
     profile-32) runner=(perf/pyspy.py --out "$out/profile-32" --streams 32 --tokens 64 --cadence-ms 10 --rounds 8 --)
