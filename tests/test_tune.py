@@ -3,6 +3,7 @@ tiny model), judged against the first by the bench's verdict, the rule applied t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -11,8 +12,11 @@ import pytest
 
 from proxy.bench.options import UsageError
 from proxy.bench.tune import _slot_sweep, variants
+from proxy.bench.tunereport import best_setting
+from proxy.bench.verdict import Verdict, decide_all
 from proxy.cli import main
 from tests.test_bench import SMALL, recs
+from tests.test_verdict import C1, C8, engines, results, run
 
 
 def _cmd(bin_: Path, model: Path, ctx: int, tail: str) -> str:
@@ -99,3 +103,31 @@ def test_the_sweep_is_read_from_the_command_or_from_vary() -> None:
             variants(cmd, vary)
     assert _slot_sweep(["1", "2", "4", "8"]) == (1, 2, 4, 8)
     assert _slot_sweep(["1", "3"]) == (1, 2, 3) and _slot_sweep(["a", "b"]) is None
+
+
+def test_the_best_setting_weighs_a_small_throughput_edge_against_a_large_ttft_one() -> None:
+    """Crafted verdicts (no engine): under load -np 2 wins throughput +11 % with TTFT ×1.6, -np 4 throughput +3 %
+    with TTFT ×10 — the CI run that ranking one figure at a time answered with -np 2. The best is -np 4; and a
+    setting ahead on both figures is the best whatever the order."""
+    base, cand, aa = engines()
+    np2, np4 = (dataclasses.replace(cand, name=n, kind="llamacpp") for n in ("np2", "np4"))
+
+    def verdicts(np2_load: dict[str, float], np4_load: dict[str, float]) -> list[Verdict]:
+        r = results(run("llama", C1), run("llama-aa", C1, seed=1), run("np2", C1), run("np4", C1),
+                    run("llama", C8, tps=400), run("llama-aa", C8, tps=400, seed=1),
+                    run("np2", C8, **np2_load), run("np4", C8, **np4_load),
+                    engines=(base, np2, np4, aa),
+                    prompt_tokens={e: {"tokenizer:en": 100} for e in ("llama", "np2", "np4")})  # fmt: skip
+        vs = decide_all(r)
+        assert all(v.stopped_at is None for v in vs), [v.summary for v in vs]  # usable, as tune's summary takes them
+        return vs
+
+    vs = verdicts({"tps": 444, "ttft": 0.0625}, {"tps": 412, "ttft": 0.0100})
+    by = {v.candidate: v for v in vs}
+    assert [next(a.answer for a in by[n].regimes if a.step == "throughput") for n in ("np2", "np4")] == ["win", "win"]
+    best = best_setting(vs, "throughput")
+    assert best is not None and best[0].candidate == "np4"
+    vs = verdicts({"tps": 480, "ttft": 0.0500}, {"tps": 412, "ttft": 0.0625})  # -np 2 ahead on both
+    best = best_setting(vs, "throughput")
+    assert best is not None and best[0].candidate == "np2"
+    assert best_setting(vs, "decode") is None  # alone, every setting decodes alike: nothing to rank
