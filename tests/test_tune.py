@@ -112,22 +112,23 @@ def test_the_best_setting_weighs_a_small_throughput_edge_against_a_large_ttft_on
     base, cand, aa = engines()
     np2, np4 = (dataclasses.replace(cand, name=n, kind="llamacpp") for n in ("np2", "np4"))
 
-    def verdicts(np2_load: dict[str, float], np4_load: dict[str, float]) -> list[Verdict]:
+    def verdicts(np2_load: tuple[float, float], np4_load: tuple[float, float]) -> list[Verdict]:
+        """(concurrent tok/s, TTFT s) of each under load; the baseline's are (400, 0.100)."""
         r = results(run("llama", C1), run("llama-aa", C1, seed=1), run("np2", C1), run("np4", C1),
                     run("llama", C8, tps=400), run("llama-aa", C8, tps=400, seed=1),
-                    run("np2", C8, **np2_load), run("np4", C8, **np4_load),
+                    run("np2", C8, tps=np2_load[0], ttft=np2_load[1]), run("np4", C8, tps=np4_load[0], ttft=np4_load[1]),
                     engines=(base, np2, np4, aa),
                     prompt_tokens={e: {"tokenizer:en": 100} for e in ("llama", "np2", "np4")})  # fmt: skip
         vs = decide_all(r)
         assert all(v.stopped_at is None for v in vs), [v.summary for v in vs]  # usable, as tune's summary takes them
         return vs
 
-    vs = verdicts({"tps": 444, "ttft": 0.0625}, {"tps": 412, "ttft": 0.0100})
+    vs = verdicts((444, 0.0625), (412, 0.0100))
     by = {v.candidate: v for v in vs}
     assert [next(a.answer for a in by[n].regimes if a.step == "throughput") for n in ("np2", "np4")] == ["win", "win"]
     best = best_setting(vs, "throughput")
     assert best is not None and best[0].candidate == "np4"
-    vs = verdicts({"tps": 480, "ttft": 0.0500}, {"tps": 412, "ttft": 0.0625})  # -np 2 ahead on both
+    vs = verdicts((480, 0.0500), (412, 0.0625))  # -np 2 ahead on both
     best = best_setting(vs, "throughput")
     assert best is not None and best[0].candidate == "np2"
     assert best_setting(vs, "decode") is None  # alone, every setting decodes alike: nothing to rank
