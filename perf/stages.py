@@ -136,11 +136,10 @@ def main() -> int:
         direct = asyncio.run(_requests(ep, args.requests))[10:]
         proxied = asyncio.run(_requests(pp, args.requests))
         px.send_signal(signal.SIGUSR2)
-        path = Path(f"{stamps}.{px.pid}")
+        path = Path(f"{stamps}.{px.pid}")  # the patch renames it into place once written whole
         deadline = time.monotonic() + 10
-        while not (path.exists() and path.stat().st_size) and time.monotonic() < deadline:
+        while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.2)  # the handler writes the file in one call; let it finish
         reqs: list[dict[str, int]] = []
         for key, t in json.loads(path.read_text()):
             if key == "received":
