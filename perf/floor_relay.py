@@ -68,11 +68,11 @@ class _Upstream(_Side):
     """The engine's end, with ``parse``: stamp each read and parse its SSE events' data lines."""
 
     parse = False
-    stamps = 0
+    last_stamp = 0  # written every read, as a measuring proxy stamps it
 
     def data_received(self, data: bytes) -> None:
         if self.parse:
-            _Upstream.stamps = time.perf_counter_ns()
+            _Upstream.last_stamp = time.perf_counter_ns()
             start = data.find(b"data: ")
             while start >= 0:
                 end = data.find(b"\n", start)
