@@ -72,6 +72,21 @@ class SSEFramer:
     def pending(self) -> bytes:
         return b"".join(self._parts) if self._parts else self._buf
 
+    def whole(self, chunk: bytes) -> bytes | None:
+        """The data of ``chunk`` when nothing is pending and the read is one whole single-line ``data:`` event
+        (the shape of nearly every read from every engine we front: one event a write); else None, and the read
+        goes to ``feed``. The relay's per-read fast path: no event tuple, no list, and the read itself is the
+        event's raw bytes."""
+        if (
+            not self._buf
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n", 6) == len(chunk) - 2
+            and chunk[-1] == 10  # b"\n"
+            and b"\r" not in chunk
+        ):
+            return chunk[6:-2]
+        return None
+
     def feed(self, chunk: bytes) -> list[Event]:
         if (
             not self._buf

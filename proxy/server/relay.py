@@ -252,6 +252,10 @@ class Attempt:
         raw, data, is_comment = ev
         if is_comment or not data:
             return raw  # comments and events without a data field (event:/id:/retry:) pass as they are
+        return self._data(raw, data, t_ns)
+
+    def _data(self, raw: bytes, data: bytes, t_ns: int) -> bytes:
+        """An event with a (non-empty) ``data`` field: ``[DONE]``, or a JSON object to check and maybe rewrite."""
         if data == DONE:
             self.saw_done = True
             return raw
@@ -274,7 +278,9 @@ class Attempt:
                 self.timer.token(t_ns)
                 if self.collect_text:
                     self._text.append(text_of(choices))
-            self.finish_reason = finish_reason_of(choices) or self.finish_reason
+            c0 = choices[0]  # finish_reason_of, inline: once a read
+            if isinstance(c0, dict) and c0.get("finish_reason"):
+                self.finish_reason = str(c0["finish_reason"])
         if "usage" in doc and doc["usage"] is not None:
             self.usage = usage_from_json(doc["usage"]) or self.usage
             if "timings" in doc:
@@ -301,11 +307,15 @@ class Attempt:
     def _on_chunk(self, chunk: bytes) -> bool:
         """One upstream read, in the connection's read callback: stamp, frame, process, write. True: flush."""
         t = time.perf_counter_ns()
-        events = self._framer.feed(chunk)
-        if not events:
-            return False
-        data = self._process(events, t)
-        return self._out.write(data) if data else False
+        data = self._framer.whole(chunk)
+        if data:  # nearly every read: one whole event, the read its raw bytes
+            out = self._data(chunk, data, t)
+        else:
+            events = self._framer.feed(chunk)
+            if not events:
+                return False
+            out = self._process(events, t)
+        return self._out.write(out) if out else False
 
     async def relay(self, output: Output) -> None:
         """Relay the rest of the stream to ``output``. Holds the upstream response; closes it and emits the Result
