@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import select
+import socket
 from collections.abc import Iterator
 
 import pytest
 
 from proxy.configfile import load
 from proxy.errors import UpstreamConnectError, from_transport_error
-from proxy.server.h1 import H1Streams
+from proxy.server.h1 import H1Streams, _peer_closed
 from tests.helpers import ProcessServer, free_port
 
 BODY = b'{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}'
@@ -159,3 +161,38 @@ def test_a_client_slower_than_the_read_timeout_is_no_engine_timeout() -> None:
     a, b = b"data: A\n\n", b"data: B\n\n"
     got = _pump([(0, _chunk(a)), (0.02, _chunk(b) + b"0\r\n\r\n")], stall_s=0.4, read_s=0.25)
     assert b"".join(got) == a + b
+
+
+def test_an_idle_connection_the_engine_closed_is_stale_before_the_loop_reads_its_fin() -> None:
+    """The pool's check before a reuse (``_peer_closed``) asks the kernel, not the loop: a FIN (or any bytes) on an
+    idle connection that the loop has not read yet still keeps it out of use; an open, silent one passes."""
+
+    async def run() -> None:
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            port = srv.getsockname()[1]
+            loop = asyncio.get_running_loop()
+            lost: list[Exception | None] = []
+
+            class P(asyncio.Protocol):
+                def connection_lost(self, exc: Exception | None) -> None:
+                    lost.append(exc)
+
+            quiet, _ = await loop.create_connection(P, "127.0.0.1", port)
+            quiet_peer, _ = srv.accept()
+            talker, _ = await loop.create_connection(P, "127.0.0.1", port)
+            talker_peer, _ = srv.accept()
+            closer, _ = await loop.create_connection(P, "127.0.0.1", port)
+            closer_peer, _ = srv.accept()
+            assert not any(_peer_closed(t) for t in (quiet, talker, closer))
+            talker_peer.sendall(b"HTTP/1.1 200 OK\r\n")  # bytes nobody asked for
+            closer_peer.close()  # the engine's FIN
+            for t in (talker, closer):  # wait for the kernel to hold them, without a turn of the loop
+                select.select([t.get_extra_info("socket").fileno()], [], [], 10)
+            assert _peer_closed(talker) and _peer_closed(closer) and not _peer_closed(quiet)
+            assert lost == []  # the loop has not seen any of it
+            for t in (quiet, talker, closer):
+                t.close()
+            quiet_peer.close()
+            talker_peer.close()
+
+    asyncio.run(run())
