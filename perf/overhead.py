@@ -874,7 +874,13 @@ def main() -> int:
     ap.add_argument(
         "--baseline-tree",
         help="another checkout of the repo (e.g. `git archive <commit> | tar -x -C DIR`): its proxy runs as"
-        " target `proxy@base`, interleaved with the others, for a before/after in the same rounds",
+        " target `proxy@base`, interleaved with the others, for a before/after in the same rounds; it runs as the"
+        " first --engine-kind",
+    )
+    ap.add_argument(
+        "--baseline-name",
+        default="proxy@base",
+        help="the baseline tree's target name (e.g. a ceiling: a tree patched by perf/ceilings/)",
     )
     ap.add_argument(
         "--proxy-workers",
@@ -952,8 +958,12 @@ def main() -> int:
                 )
                 targets.append(Target(name, p_port, [p_proc.pid, *descendants(p_proc.pid)]))
         if args.baseline_tree:
-            b_port, b_proc = procs.proxy("proxy-base", e_port, None, env, Path(args.baseline_tree).resolve())
-            targets.append(Target("proxy@base", b_port, [b_proc.pid]))
+            # as the first proxy target: the same engine kind (a connection per stream or kept alive)
+            b_kind = None if kinds[0] == "auto" else kinds[0]
+            b_port, b_proc = procs.proxy(
+                "proxy-base", e_port, None, env, Path(args.baseline_tree).resolve(), kind=b_kind
+            )
+            targets.append(Target(args.baseline_name, b_port, [b_proc.pid]))
         if args.nginx == "auto" and nginx_bin is not None:
             n_port, n_proc = procs.nginx(nginx_bin, e_port, args.nginx_workers)
             targets.append(Target("nginx", n_port, [n_proc.pid, *children(n_proc.pid)]))
