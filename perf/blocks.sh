@@ -17,6 +17,13 @@
 #   loopcost   perf/loopcost.py: what the loop pays for work in threads (a /metrics scrape, by switch interval),
 #              for C calls that hold the GIL, and for a full garbage collection of the start-up heap
 #   chunkpath  perf/chunkpath.py on this tree and on BASE: the per-chunk path and a request's metrics, hot
+#   ceiling-chunk, ceiling-request
+#              fake-32's load, kept-alive upstream, against this tree with perf/ceilings/chunk.patch (no per-chunk
+#              work) or request.patch (no gateway) applied, as target ceiling-chunk / ceiling-request instead of
+#              BASE: what the proxy would cost if that part cost nothing
+#   tokens-16, tokens-256
+#              fake-32 with 16 or 256 chunks a stream (kept alive): with fake-32, the CPU of a request apart
+#              from the CPU of a chunk
 # BASE: a directory holding the earlier tree, or a commit (archived to a temporary directory here).
 # Writes OUT_DIR/commands.txt (the tree, the machine, each block's command and the load average before it) and
 # per block BLOCK.txt (the bench's output) and BLOCK.json (every figure). ROUNDS scales the rounds of the long
@@ -36,6 +43,7 @@ fi
 py=${PYTHON:-$root/.venv/bin/python}
 rounds=${ROUNDS:-6}
 blocks=("$@")
+ceil=
 [ ${#blocks[@]} -gt 0 ] || blocks=(fake-32 fake-1 burst-32 start-cpu w2-256 gc profile-32 loopcost chunkpath)
 mkdir -p "$out"
 {
@@ -59,14 +67,23 @@ for b in "${blocks[@]}"; do
                 args=() ;;
     loopcost)   runner=(perf/loopcost.py); args=() ;;
     chunkpath)  runner=(sh -c "'$py' perf/chunkpath.py && '$py' perf/chunkpath.py --tree '$base'"); args=() ;;
+    ceiling-*)  part=${b#ceiling-}
+                ceil=$(mktemp -d /tmp/enginemeter-ceiling.XXXXXX)
+                git -C "$root" archive HEAD | tar -x -C "$ceil"
+                git -C "$ceil" apply "$root/perf/ceilings/$part.patch" 2>/dev/null || (cd "$ceil" && patch -sp1 <"$root/perf/ceilings/$part.patch")
+                args=(--streams 32 --tokens 64 --cadence-ms 10 --rounds "$rounds" --engine-kind openai --floor
+                      --baseline-name "$b") ;;
+    tokens-*)   args=(--streams 32 --tokens "${b#tokens-}" --cadence-ms 10 --rounds 3 --engine-kind openai --floor) ;;
     *) echo "unknown block $b" >&2; exit 2 ;;
   esac
   case $b in
     profile-32|loopcost) cmd=("$py" "${runner[@]}" "${args[@]}") ;;
     chunkpath)      cmd=("${runner[@]}") ;;
+    ceiling-*)      cmd=("$py" "${runner[@]}" "${args[@]}" --baseline-tree "$ceil" --json "$out/$b.json") ;;
     *)              cmd=("$py" "${runner[@]}" "${args[@]}" --baseline-tree "$base" --json "$out/$b.json") ;;
   esac
   echo "== $b ($(cut -d' ' -f1-3 /proc/loadavg) load before, $(date -u +%T)): ${cmd[*]}" >>"$out/commands.txt"
   (cd "$root" && PYTHONUNBUFFERED=1 "${cmd[@]}") >"$out/$b.txt" 2>&1 || echo "   (exit $?)" >>"$out/commands.txt"
+  if [ -n "${ceil:-}" ]; then rm -rf "$ceil"; ceil=; fi
 done
 echo "done $(date -u +%FT%TZ); $(uptime)" >>"$out/commands.txt"
