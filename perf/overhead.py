@@ -882,6 +882,7 @@ def main() -> int:
         default="proxy@base",
         help="the baseline tree's target name (e.g. a ceiling: a tree patched by perf/ceilings/)",
     )
+    ap.add_argument("--baseline-workers", type=int, default=None, help="serve --workers for the baseline tree")
     ap.add_argument(
         "--proxy-workers",
         default="1",
@@ -961,9 +962,16 @@ def main() -> int:
             # as the first proxy target: the same engine kind (a connection per stream or kept alive)
             b_kind = None if kinds[0] == "auto" else kinds[0]
             b_port, b_proc = procs.proxy(
-                "proxy-base", e_port, None, env, Path(args.baseline_tree).resolve(), kind=b_kind
+                "proxy-base",
+                e_port,
+                None,
+                env,
+                Path(args.baseline_tree).resolve(),
+                workers=args.baseline_workers,
+                max_connections=args.max_connections,
+                kind=b_kind,
             )
-            targets.append(Target(args.baseline_name, b_port, [b_proc.pid]))
+            targets.append(Target(args.baseline_name, b_port, [b_proc.pid, *descendants(b_proc.pid)]))
         if args.nginx == "auto" and nginx_bin is not None:
             n_port, n_proc = procs.nginx(nginx_bin, e_port, args.nginx_workers)
             targets.append(Target("nginx", n_port, [n_proc.pid, *children(n_proc.pid)]))
