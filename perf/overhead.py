@@ -882,6 +882,9 @@ def main() -> int:
         default="proxy@base",
         help="the baseline tree's target name (e.g. a ceiling: a tree patched by perf/ceilings/)",
     )
+    ap.add_argument(
+        "--render", metavar="JSON", help="print the tables of a run saved with --json again (its own options) and exit"
+    )
     ap.add_argument("--baseline-workers", type=int, default=None, help="serve --workers for the baseline tree")
     ap.add_argument(
         "--proxy-workers",
@@ -905,6 +908,8 @@ def main() -> int:
     if args.role == "loadgen":
         asyncio.run(_loadgen_main())
         return 0
+    if args.render:
+        return render(Path(args.render), ap)
 
     counts = [int(x) for x in str(args.streams).split(",") if x]
     modes = ["fast", "slow", "dead"] if args.mirror == "all" else [m for m in args.mirror.split(",") if m != "off"]
@@ -1052,6 +1057,20 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=list))
     shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def render(path: Path, ap: argparse.ArgumentParser) -> int:
+    """The tables of a run saved with ``--json``, printed as the run printed them (with the run's own options)."""
+    results = json.loads(path.read_text())
+    args = ap.parse_args(results["argv"][1:])
+    print(f"# {path.name}: {results['date']}, {results['cpus']} CPUs, Python {results['python']}")
+    print(f"# {' '.join(results['argv'])}")
+    for streams, rows in results["blocks"].items():
+        load = results.get("load", {}).get(streams)
+        before = tuple(load["before"]) if load else (0.0, 0.0, 0.0)
+        after = tuple(load["after"]) if load else (0.0, 0.0, 0.0)
+        print_table(int(streams), rows, args, [after, before])
     return 0
 
 
