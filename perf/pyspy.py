@@ -34,8 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("starlette (routing, Request, responses)", ("starlette/",)),
     ("prometheus_client (observe)", ("prometheus_client/",)),
     (
-        "the relay's per-chunk loop (relay.py, sse.py, stream.py)",
-        ("proxy/server/relay.py", "proxy/sse.py", "proxy/stream.py"),
+        "the relay's per-chunk loop (relay.py, rewrite.py, sse.py, stream.py)",
+        ("proxy/server/relay.py", "proxy/server/rewrite.py", "proxy/sse.py", "proxy/stream.py"),
     ),
     ("per request: app, attempt, normalize, routing, metrics, result", ("proxy/",)),
     ("asyncio (tasks, futures, run_once)", ("asyncio/",)),

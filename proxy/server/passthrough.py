@@ -56,6 +56,7 @@ from proxy.server.context import current
 from proxy.server.paths import OWN_PATHS, upstream_path
 from proxy.server.responses import error_response, scope_timer, server_timing
 from proxy.server.result import Result
+from proxy.server.rewrite import replace_model
 from proxy.server.upstream import Engine
 from proxy.timing import StreamTimer, StreamTiming
 from proxy.types import Outcome, PassthroughEndpoint
@@ -331,7 +332,7 @@ class _Call:
             except TRANSPORT_ERRORS as exc:
                 self._broken(exc)
                 return  # nothing was sent: the client's connection closes without an answer
-            body = _rewrite_model(body, self.served or "", self.client_model or "")
+            body = replace_model(body, self.served or "", self.client_model or "")
             out_headers.append((b"content-length", str(len(body)).encode()))
             on_end()
             self.started = True
@@ -387,14 +388,6 @@ class _Call:
         if self.span is not None and owner.tracing is not None:
             owner.tracing.end_attempt(self.span, result, self.timer)
         owner.attempts.record(result)
-
-
-def _rewrite_model(body: bytes, served: str, alias: str) -> bytes:
-    for sep in (b":", b": "):
-        old = b'"model"' + sep + orjson.dumps(served)
-        if old in body:
-            return body.replace(old, b'"model"' + sep + orjson.dumps(alias), 1)
-    return body
 
 
 def passthrough_routes(app: Passthrough) -> Iterable[BaseRoute]:

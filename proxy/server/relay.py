@@ -49,6 +49,7 @@ from proxy.normalize import Normalized
 from proxy.server.llamatimings import timings_block
 from proxy.server.output import DISCARD, BufferOutput, Output
 from proxy.server.result import Result
+from proxy.server.rewrite import ModelRewrite
 from proxy.server.upstream import Engine, StreamClient, UpstreamResponse
 from proxy.sse import DONE, Event, EventTooLarge, SSEFramer, encode_data
 from proxy.stream import error_message, finish_reason_of, has_token, loads, text_of
@@ -99,10 +100,8 @@ class Attempt:
     _framer: SSEFramer = field(default_factory=SSEFramer)
     _first: list[Event] = field(default_factory=list)
     _first_t: int = 0
-    #: the engine's model name as last seen, and its ``"model":...`` bytes and the alias's (None: no rewrite)
-    _model_src: Any = None
-    _model_from: bytes | None = None
-    _model_to: bytes | None = None
+    #: ``"model"`` -> the client's alias in every event and body (``proxy.server.rewrite``)
+    _rewrite: ModelRewrite = field(init=False)
     _error_body: bytes | None = None
     _out: Output = DISCARD
     _finished: bool = False
@@ -111,6 +110,9 @@ class Attempt:
     usage_stripped: int = 0
     #: the client's own x-request-id, sent on to the engine (pairing uses ``request_id``, the proxy's)
     client_request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self._rewrite = ModelRewrite(self.client_model)
 
     # ------------------------------------------------------------------------------------ opening
 
@@ -215,31 +217,7 @@ class Attempt:
         self.error = body[:500].decode(errors="replace")
         return normalize_engine_error(body, self.status)
 
-    # ---------------------------------------------------------------------------------- rewriting
-
-    def _rewrite_model(self, raw: bytes, doc: dict[str, Any], sse: bool = True) -> bytes:
-        model = doc.get("model")
-        if model is None:
-            return raw
-        if model != self._model_src:  # the first event, or an engine that changes its name mid-stream
-            alias = self.client_model
-            self._model_src = model
-            if alias is None or model == alias:
-                self._model_from = self._model_to = None  # nothing to rewrite
-            else:
-                self._model_from = b'"model":' + json.dumps(model, ensure_ascii=False).encode()
-                self._model_to = b'"model":' + json.dumps(alias, ensure_ascii=False).encode()
-        if self._model_from is None:
-            return raw
-        assert self._model_to is not None
-        out = raw.replace(self._model_from, self._model_to, 1)
-        if out is not raw:  # bytes.replace gives back the very object when there is nothing to replace
-            return out
-        # unusual formatting (spaces after the colon): re-serialize this one event (or body), counted
-        doc["model"] = self.client_model
-        self.reserialized += 1
-        data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
-        return encode_data(data) if sse else data
+    # ------------------------------------------------------------------------------ the events
 
     def _process(self, events: list[Event], t_ns: int) -> bytes:
         """The per-read hot path: timestamp tokens, rewrite, filter. Returns the bytes to forward (b"": none)."""
@@ -300,7 +278,7 @@ class Attempt:
                 return encode_data(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode())
         elif "timings" in doc:
             self.engine_timings = EngineTimings.from_json(doc["timings"])
-        return self._rewrite_model(raw, doc)
+        return self._rewrite.apply(raw, doc)
 
     # ------------------------------------------------------------------------------------ relaying
 
@@ -405,7 +383,7 @@ class Attempt:
         self.outcome = "ok"
         if self.add_timings and "timings" not in doc:
             return self._with_timings(doc, data=False)
-        return self._rewrite_model(body, doc, sse=False)
+        return self._rewrite.apply(body, doc, sse=False)
 
     def _with_timings(self, doc: dict[str, Any], *, data: bool = True) -> bytes:
         """``doc`` with the proxy-measured ``timings`` block, re-serialized (an SSE event when ``data``)."""
@@ -453,7 +431,7 @@ class Attempt:
             text_ends=tuple(itertools.accumulate(map(len, self._text))) if self.collect_text else None,
             error=self.error,
             usage_stripped=self.usage_stripped,
-            reserialized=self.reserialized,
+            reserialized=self.reserialized + self._rewrite.reserialized,
         )
         try:
             self.on_result(result)
