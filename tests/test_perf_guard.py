@@ -6,8 +6,8 @@ with the load of a shared machine (+1.2 ms quiet, +58 ms at load average 7 on th
 the larger of 3x the committed figure, ``TTFT_FLOOR_MS`` and 3x the direct target's own p50-to-p99 spread in the
 same run (the machine's noise, measured where the proxy is not involved). Throughput fails only below
 ``MIN_THROUGHPUT`` (the proxy cannot keep up at all); a stream not delivered whole (every token event and its
-``[DONE]``) always fails. Refresh the committed figures with
-``python perf/overhead.py <guard.json's argv> --json /tmp/g.json`` on a quiet machine.
+``[DONE]``) always fails. Refresh the committed figures with ``python perf/guard.py`` on a quiet machine (it runs
+guard.json's argv and writes the proxy row's figures, the date and the load before the run).
 """
 
 from __future__ import annotations
