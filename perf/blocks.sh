@@ -70,7 +70,7 @@ for b in "${blocks[@]}"; do
     ceiling-*)  part=${b#ceiling-}
                 ceil=$(mktemp -d /tmp/enginemeter-ceiling.XXXXXX)
                 git -C "$root" archive HEAD | tar -x -C "$ceil"
-                git -C "$ceil" apply "$root/perf/ceilings/$part.patch" 2>/dev/null || (cd "$ceil" && patch -sp1 <"$root/perf/ceilings/$part.patch")
+                git -C "$ceil" apply "$root/perf/ceilings/$part.patch"  # outside a repository: as patch -p1
                 args=(--streams 32 --tokens 64 --cadence-ms 10 --rounds "$rounds" --engine-kind openai --floor
                       --baseline-name "$b") ;;
     tokens-*)   args=(--streams 32 --tokens "${b#tokens-}" --cadence-ms 10 --rounds 3 --engine-kind openai --floor) ;;

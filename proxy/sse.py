@@ -88,16 +88,10 @@ class SSEFramer:
         return None
 
     def feed(self, chunk: bytes) -> list[Event]:
-        if (
-            not self._buf
-            and chunk.startswith(b"data: ")
-            and chunk.find(b"\n", 6) == len(chunk) - 2
-            and chunk[-1] == 10  # b"\n"
-            and b"\r" not in chunk
-        ):
-            # the read is one whole single-line event, the shape of nearly every read from every engine we front
-            # (one event a write): the read itself is the event's raw bytes, no split, no copy of it
-            return [Event(chunk, chunk[6:-2], False)]
+        data = self.whole(chunk)
+        if data is not None:
+            # the read is one whole single-line event: the read itself is the event's raw bytes, no split, no copy
+            return [Event(chunk, data, False)]
         if self._buf:
             # an unfinished event: collect reads until one could end it (a line break), then join once
             self._parts.append(chunk)

@@ -256,9 +256,7 @@ class Attempt:
                 self.timer.token(t_ns)
                 if self.collect_text:
                     self._text.append(text_of(choices))
-            c0 = choices[0]  # finish_reason_of, inline: once a read
-            if isinstance(c0, dict) and c0.get("finish_reason"):
-                self.finish_reason = str(c0["finish_reason"])
+            self.finish_reason = finish_reason_of(choices) or self.finish_reason
         if "usage" in doc and doc["usage"] is not None:
             self.usage = usage_from_json(doc["usage"]) or self.usage
             if "timings" in doc:
