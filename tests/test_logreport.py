@@ -166,19 +166,23 @@ def test_pairs_lost_while_the_shadow_was_down_are_counted_not_held_against_it(
     log = tmp_path / "c.jsonl"
     s = settings(log, (eng("a", a.url), eng("b", b.url)), (RouteSettings(primary="a", shadows=("b",)),))
     with proxy(s) as p:
-        # 24 pairs (12 left the single-request cell with fewer than 3 blocks once on a loaded CI machine, when
-        # some shadow copies overlapped the next request and counted at concurrency 2)
+        # 24 pairs, each alone: the client's answer comes back when the primary is done, and on a loaded CI
+        # machine the shadow's copy can still be running then; the next request would overlap it and both pairs
+        # count at observed concurrency 2 (one CI run had 22 of 24 there, leaving the c=1 cell 2 repeats). The
+        # next request starts once the pairing table is empty: both halves in, the pair out of flight.
+        mirror = p.gateway.mirror
+        assert mirror is not None and mirror.log is not None
         for _ in range(24):
             assert chat(p).status_code == 200
+            wait_until(lambda: len(mirror.pairs) == 0, timeout=60)
         paired(p, 24, "a", "b")
         b.stop()  # the shadow goes down; the client's traffic goes on
         for _ in range(3):
             assert chat(p).status_code == 200
-        mirror = p.gateway.mirror
-        assert mirror is not None and mirror.log is not None
         wait_until(lambda: mirror.compared == 27, timeout=60)  # comparable or not, every pair is logged
         assert mirror.log.flush()
     assert [r["shadow"]["outcome"] for r in records(log)][-3:] == ["connect_error"] * 3
+    assert [r["concurrency"]["overlapping"] for r in records(log)][:24] == [1] * 24
     out = tmp_path / "out"
     assert main(["report", "--log", str(log), "--out", str(out), "--min-effect", "5%"]) in (0, 3)
     (v,) = json.loads((out / "verdict.json").read_text())["verdicts"]
