@@ -175,8 +175,10 @@ def post(c: httpx.Client, path: str, body: dict[str, Any]) -> None:
 def drive(proxy: str) -> None:
     """One wave: the same mix every time, so every series seen in wave 1 increases in wave 2."""
     with httpx.Client(base_url=proxy, timeout=120) as c:
+        # 64 tokens: a stream whose tokens all come in one read has no TPOT, and with 12 a loaded run once had
+        # none in its second wave (the TPOT and decode-rate panels empty: no increase)
         for stream in (True, False, True):
-            post(c, "/v1/chat/completions", {"model": ALIAS, "stream": stream, "temperature": 0, "max_tokens": 12,
+            post(c, "/v1/chat/completions", {"model": ALIAS, "stream": stream, "temperature": 0, "max_tokens": 64,
                  "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]})  # fmt: skip
         post(c, "/v1/completions", {"model": ALIAS, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
         # a rejected request (outcome="rejected") is part of normal life too
@@ -185,7 +187,10 @@ def drive(proxy: str) -> None:
 
 
 def wait_scraped(prom: Prom, pairs: float, ok: float) -> None:
-    """Poll Prometheus (not the proxy) until a scrape holds the wave's comparisons and requests."""
+    """Poll Prometheus (not the proxy) until a scrape holds the wave's comparisons and requests, then until every
+    target has been scraped after that. A pair is counted once its shadow's answer is in, so the engines' own
+    counters for the wave are final by then; an engine's labelled series appear with its first request (as in
+    SGLang), and without the later scrape a loaded run once ended with one sample of them (no rate)."""
 
     def seen() -> bool:
         return (
@@ -194,6 +199,9 @@ def wait_scraped(prom: Prom, pairs: float, ok: float) -> None:
         )
 
     wait_until(seen, timeout=120, interval=0.2)
+    t = time.time()
+    after = f'count(timestamp(up{{job=~"enginemeter|llamacpp|sglang|vllm"}} == 1) > {t:.3f})'
+    wait_until(lambda: prom.value(after) == 4, timeout=30, interval=0.2)
 
 
 def queries() -> Iterator[tuple[str, str, str, str]]:
