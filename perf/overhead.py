@@ -509,9 +509,9 @@ class Procs:
         return port, p
 
     def stop_all(self) -> None:
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM if p.args[0] != "nginx" else signal.SIGQUIT)
+        for name, p in reversed(self.procs):
+            if p.poll() is None:  # nginx stops gracefully on QUIT (TERM is its fast shutdown)
+                p.send_signal(signal.SIGQUIT if name == "nginx" else signal.SIGTERM)
         for name, p in reversed(self.procs):
             try:
                 p.wait(timeout=10)
