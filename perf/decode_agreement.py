@@ -1,6 +1,6 @@
 """How closely the proxy's decode tok/s matches llama-server's own ``timings.predicted_per_second``.
 
-Not a test: the tight figure behind tests/test_proxy.py's generous bound. One real llama-server (the tiny
+Not a test: the tight figure behind tests/server/test_proxy.py's generous bound. One real llama-server (the tiny
 generated model, or ``--model``), the proxy as its own process, N sequential greedy streams through it; for
 each request the proxy's Result (decode tok/s = (completion_tokens - 1) / (last token - first token), per
 proxy read time) next to the engine's figure for the same request (both definitions exclude the first token).

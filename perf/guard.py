@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Refresh perf/guard.json, the figures tests/test_perf_guard.py holds the proxy to: runs perf/overhead.py with the
+"""Refresh perf/guard.json, the figures tests/system/test_perf_guard.py holds the proxy to: runs perf/overhead.py with the
 guard's own argv on this machine and writes the proxy row's figures, the date and the load average before the run.
 Run it on a quiet machine (the load is recorded beside the figures):
 

@@ -1,3 +1,30 @@
-"""enginemeter: an OpenAI-compatible measuring proxy for self-hosted LLM engines."""
+"""enginemeter: an OpenAI-compatible measuring proxy for self-hosted LLM engines.
+
+Three wings over one shared base (each wing's ``__init__`` maps its own modules):
+
+    server/       the proxy server: relay, routing, mirror, metrics, pass-through, workers (``enginemeter serve``)
+    bench/        the offline and live comparisons: run -> verdict <- report, live (``bench``, ``report``, ``tune``)
+    cli/          the command line: one module per command
+    gpu/          GPU reading behind one NVML seam: devices, attribution, memory now and over time
+    engines/      the engine dialects: one module per engine kind
+    embedded/     the demo's own llama-server, built from source, and generated models
+
+The base, used by every wing:
+
+    configfile    the YAML config file -> ``Settings`` (strict, one line per problem)
+    settings      the one frozen ``Settings`` type, its environment variables and its JSON Schema
+    types         the small closed sets (engine kinds, roles, endpoints, request outcomes)
+    errors        the proxy's error tree, the transport tree, the OpenAI-style envelope
+    normalize     a client body -> each engine's body (model name, sampling made explicit), the changes counted
+    sse           the incremental SSE framer: bytes -> events
+    stream        one stream-event reader (token, finish reason, usage) shared by relay, bench and perf
+    timing        stream timestamps -> TTFT, gaps, TPOT, decode rate; usage and the engines' own timings
+    sequential    anytime-valid confidence sequences: the live verdict per regime
+    diagnosis     what a running llama-server says about itself: flags, log, model header, KV, memory
+    kvcache       the KV-cache formula from a model's shape
+    launch        starting an engine from its command line (``{port}``), its memory moments
+    process       subprocesses: free ports, readiness against a deadline, stopping a process group
+    listen        binding the proxy's socket before anything slow happens
+"""
 
 __version__ = "0.1.0"

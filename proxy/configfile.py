@@ -232,7 +232,7 @@ def read_document(
 ) -> tuple[Any, _Problems]:
     """Read, substitute and validate one YAML file against ``adapter`` (whose type is ``root``, for 'unknown key'
     hints): the document, and the problem collector (with line numbers) for the caller's cross-checks. Raises
-    SettingsError with every problem. The proxy's config and the bench's file (``proxy.bench.benchfile``) share it."""
+    SettingsError with every problem. The proxy's config and the bench's file (``proxy.bench.run.benchfile``) share it."""
     env = os.environ if env is None else env
     path = Path(path)
     data, lines = _read_yaml(path)

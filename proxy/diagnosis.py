@@ -4,13 +4,13 @@ GPU memory -> whether the weights are resident and whether memory is the constra
 
 Sources, each optional, each saying why when it cannot be read (``notes``):
 - the engine's process: the one listening on the URL's port when the host is this machine
-  (``proxy.server.attribution``, imported when first used), or a given pid: its command line (``/proc/PID/cmdline``) and its log (``--log``,
+  (``proxy.gpu.attribution``), or a given pid: its command line (``/proc/PID/cmdline``) and its log (``--log``,
   else llama.cpp's ``--log-file``, else the file its stdout/stderr point to);
 - the log, read from its last start by the kind's dialect (``proxy.engines``: ``parse_log``), and the engine's
   own endpoints (``startup``: llama.cpp ``/props``, SGLang ``/server_info``, vLLM ``/metrics``); the log wins;
 - the model file: a GGUF header (``proxy.embedded.gguf_meta``; exact weights size and the attention shape), or
   an HF directory's ``config.json`` for the shape;
-- GPU memory (``proxy.gpumemory``): the devices and the engine's processes.
+- GPU memory (``proxy.gpu.memory``): the devices and the engine's processes.
 
 The KV-cache formula and the model's shape are ``proxy.kvcache``.
 """
@@ -31,7 +31,8 @@ import httpx
 from proxy import engines
 from proxy.engines.llamacpp import ftype_name, launch_flags
 from proxy.engines.startup import LogFacts, flag_value, last_launch
-from proxy.gpumemory import GpuMemory, MemoryReading
+from proxy.gpu.attribution import is_local_host, listening_inodes, parent_pid, pids_holding
+from proxy.gpu.memory import GpuMemory, MemoryReading
 from proxy.kvcache import KvEstimate, Shape, hf_shape, kv_estimate
 from proxy.types import EngineKind
 
@@ -170,9 +171,6 @@ def merge(first: LogFacts, then: LogFacts) -> LogFacts:
 
 def find_process(url: str, pid: int | None = None, proc: Path = PROC) -> ProcessFacts:
     """The engine's process: ``pid``, else the one listening on the URL's port on this machine."""
-    # imported here: proxy.server's package builds the whole app, whose live section imports this module
-    from proxy.server.attribution import is_local_host, listening_inodes, parent_pid, pids_holding
-
     how = "given"
     if pid is None:
         parts = urlsplit(url)
@@ -300,7 +298,7 @@ def _logged_type(logged: str | None, i: int) -> str | None:
 # ---- judgements ------------------------------------------------------------------------------------------
 
 
-def gib(n: int | float | None) -> str:
+def size(n: int | float | None) -> str:
     if n is None:
         return "?"
     return (
@@ -331,12 +329,12 @@ def judge_resident(d: Diagnosis, gpu: MemoryReading | None) -> Judgement:
     if engine is not None and weights:
         if engine < RESIDENT_RATIO * weights:
             reasons.append(
-                f"the process holds {gib(engine)} of GPU memory, less than the {gib(weights)} of weights: layers "
+                f"the process holds {size(engine)} of GPU memory, less than the {size(weights)} of weights: layers "
                 "are off the GPU (-ngl too low) or read through mmap"
             )
             verdict = False
         else:
-            reasons.append(f"the process holds {gib(engine)} of GPU memory, the weights are {gib(weights)}")
+            reasons.append(f"the process holds {size(engine)} of GPU memory, the weights are {size(weights)}")
             verdict = True if verdict is None else verdict
     if verdict is None:
         if no_gpu and s.layers_offloaded == 0:
@@ -361,7 +359,7 @@ def judge_memory(d: Diagnosis, gpu: MemoryReading | None) -> Judgement:
     used = total - free
     where = ", ".join(f"GPU {x.index} {x.name}" for x in devs)
     tight = max(TIGHT_BYTES, 0.05 * total)
-    held = f"; the engine holds {gib(gpu.engine_bytes)}" if gpu.engine_bytes is not None else ""
+    held = f"; the engine holds {size(gpu.engine_bytes)}" if gpu.engine_bytes is not None else ""
     frac = d.started.memory_fraction
     if d.kind in ("sglang", "vllm") and frac:
         pool = d.started.kv_cache_tokens
@@ -373,18 +371,18 @@ def judge_memory(d: Diagnosis, gpu: MemoryReading | None) -> Judgement:
         )
         return Judgement(
             free < tight,
-            f"{d.kind} took {frac:g} of the GPU up front{room}; {gib(free)} of {gib(total)} free on {where}{held}: "
+            f"{d.kind} took {frac:g} of the GPU up front{room}; {size(free)} of {size(total)} free on {where}{held}: "
             "its free memory does not measure its need — memory is the constraint only when the KV pool fills "
             "under load",
         )
     if free < tight:
-        return Judgement(True, f"memory is the constraint: {gib(free)} free of {gib(total)} on {where}{held}")
+        return Judgement(True, f"memory is the constraint: {size(free)} free of {size(total)} on {where}{held}")
     more = ""
     if d.kv and d.kv.per_slot_bytes:
         more = f"; room for about {int(free // d.kv.per_slot_bytes)} more slots at {d.kv.per_slot_bytes / 2**20:.0f} MiB of KV each"
     return Judgement(
         False,
-        f"memory is not the constraint: {gib(free)} free of {gib(total)} ({gib(used)} used) on {where}{held}{more}",
+        f"memory is not the constraint: {size(free)} free of {size(total)} ({size(used)} used) on {where}{held}{more}",
     )
 
 

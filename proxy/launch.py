@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from proxy import engines
-from proxy.gpumemory import GpuMemory, MemoryReading
+from proxy.gpu.memory import GpuMemory, MemoryReading
 from proxy.process import EngineProcess, LaunchError, free_port
 from proxy.types import EngineKind
 

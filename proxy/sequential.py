@@ -59,8 +59,8 @@ PLANNED_PAIRS = 100
 LONG_PROMPT_TOKENS = 1024
 
 Regime = Literal["decode", "load", "long"]
-Decision = Literal["not yet", "faster", "slower", "tie"]
-DECISIONS: tuple[Decision, ...] = ("not yet", "faster", "slower", "tie")
+Finding = Literal["not yet", "faster", "slower", "tie"]
+DECISIONS: tuple[Finding, ...] = ("not yet", "faster", "slower", "tie")
 REGIME_LABEL: Mapping[str, str] = {"decode": "single-request decode", "load": "under load", "long": "long context"}
 
 
@@ -108,7 +108,7 @@ class Interval:
     estimate: float | None
     lo: float | None  # None: unbounded (fewer than MIN_PAIRS)
     hi: float | None
-    decision: Decision
+    decision: Finding
     #: the pair count at which the decision was made (None while "not yet")
     decided_after: int | None
     #: the current interval has left the decided region: the traffic changed since the decision (which stands)
@@ -132,7 +132,7 @@ class ConfidenceSequence:
     _m2: float = 0.0
     lo: float = -math.inf  # the current interval, in log space
     hi: float = math.inf
-    decision: Decision = "not yet"
+    decision: Finding = "not yet"
     decided_after: int | None = None
     drift: bool = False
     _r2: float = field(default=0.0, repr=False)

@@ -3,7 +3,7 @@
     python scripts/capture_engine.py http://127.0.0.1:30000 tests/fixtures/engines/sglang-0.5.17 --model tiny
 
 Writes ``answers.jsonl`` (one line per request: ``method``, ``path``, ``status``, ``content_type``, ``body`` as
-text) and ``meta.json`` (``url``, the time, ``kind``/``version`` if given). ``tests/test_engines.py`` replays
+text) and ``meta.json`` (``url``, the time, ``kind``/``version`` if given). ``tests/engines/test_engines.py`` replays
 every such folder through the dialects. Standard library only, so it runs on the GPU machine's bare Python.
 ``GET /health`` on SGLang runs a 1-token generation: capture while the engine is idle.
 """

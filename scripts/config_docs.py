@@ -2,7 +2,7 @@
 """Write docs/config.schema.json and docs/config.md from the settings classes (``proxy.settings``).
 
     python scripts/config_docs.py           # regenerate both
-    python scripts/config_docs.py --check   # exit 1 if either is stale (tests/test_settings.py runs this)
+    python scripts/config_docs.py --check   # exit 1 if either is stale (tests/core/test_settings.py runs this)
 
 The reference is rendered from the JSON Schema alone, so it says what the validator accepts, no more.
 """

@@ -49,7 +49,7 @@ from tests import helpers
 from tests.helpers import LlamaServerFactory, ProxyFactory, ProxyUnderTest
 
 if TYPE_CHECKING:
-    from proxy.server.gpu import Opener
+    from proxy.gpu.nvml import Opener
 
 TINY_ALIAS = "tiny"
 ENGINE_FIXTURES = frozenset(

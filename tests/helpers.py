@@ -37,8 +37,8 @@ from proxy.settings import Settings
 
 if TYPE_CHECKING:
     from proxy.embedded import LlamaServer
+    from proxy.gpu.nvml import Opener
     from proxy.server.app import Gateway
-    from proxy.server.gpu import Opener
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent

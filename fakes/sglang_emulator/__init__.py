@@ -5,7 +5,7 @@ top of real generation by the backend's native ``/completion`` stream, which rep
 (EOS, stop word, limit) so ``matched_stop`` can be filled in. Two versions (``--sglang-version``):
 
 - **0.5.17** (the default): as a real 0.5.17 answered on an H200 (issue 11; tests/fixtures/engines/sglang-0.5.17/,
-  replayed against the emulator by tests/test_emulator_fidelity.py): no ``/ready`` (404), ``/ping`` 200,
+  replayed against the emulator by tests/engines/test_emulator_fidelity.py): no ``/ready`` (404), ``/ping`` 200,
   ``/server_info`` = the server args as given (``max_running_requests: null`` unless set) + ``status``,
   ``max_total_num_tokens``, ``max_req_input_len``, ``internal_states[0].effective_max_running_requests_per_dp``
   and ``memory_usage``; usage without ``completion_tokens_details``; ``"tool_calls": null`` in a whole message;

@@ -1,18 +1,17 @@
-"""Offline A/B bench: same prompts, same sampling, one variable at a time, then a gated switch-or-stay verdict.
+"""The bench wing: engines compared on the same explicit requests, one variable at a time, to a decision.
 
-The run (I/O):
-``config`` (targets, settings, planned cells, request bodies) -> ``engines`` (probe, tokenize, flush: the
-engine dialects) -> ``runner`` (preflight, the A/A pass, the run loop; writes JSONL as it goes) using
-``client`` (one timed streamed request), ``workload`` (arrivals, percentiles, goodput), ``memory`` (GPU memory
-while a cell runs), ``progress`` and ``suite`` (which prompts).
+A run flows one way, each layer in its own package (imports go down the arrows, never back):
 
-The verdict (pure):
-``results`` / ``logreport`` (bench JSONL or the proxy's comparison log -> ``model`` records) -> ``gates``
-(parity, data, memory) + ``stats`` (paired bootstrap, noise floor) -> ``verdict`` (stay | switch |
-inconclusive, the gate it stopped at, each reason with its numbers) -> ``report`` + ``charts`` (Markdown,
-self-contained HTML, SVG, verdict.json). ``cli`` registers ``enginemeter bench`` and ``enginemeter report``.
+    run/      plans, launches and sends: a bench run writes ``results.jsonl`` as it goes
+    live/     reads the proxy's comparison log (mirrored live traffic) into the same results
+    verdict/  pure: results in, gates and regimes, decisions out (switch | stay | partial | inconclusive)
+    report/   reads the decisions, writes what a person sees (Markdown, HTML, SVG charts, verdict.json)
 
-The live report (``report --log``): ``livelog`` (the log's proxy runs, selection, causes) -> ``logreport``
-(+ ``livefacts``: engine facts, sampling carried, greedy agreement) -> the same gates and verdict, plus
-``proxy.sequential`` (the anytime-valid verdict per regime) -> ``livereport``.
+    run -> verdict <- report;  live -> verdict;  report -> live (the live sections)
+
+And the one module every layer shares:
+
+    suite     the prompts: the built-in suite (English and Chinese, short to 16k) or a user's file
+
+The commands that drive them are ``proxy.cli.bench``, ``report``, ``tune`` and ``diagnose``.
 """

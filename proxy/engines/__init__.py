@@ -6,12 +6,13 @@
     vllm       vLLM
     openai     anything else OpenAI-compatible: the catch-all
     quant      quant_key: quantization names made comparable
+    startup    the helpers every dialect shares to read a command line and its start-up log (LogFacts)
 
 Each dialect knows how to recognize its engine, its cheap health check, its state poll (model, context
 length, slots, busy slots, quantization, build), how it counts prompt tokens without generating, how its prompt
 cache is emptied, and its error shape. Adding an engine kind: a module with a ``Dialect`` subclass and its
 ``DIALECT``, a line in ``DIALECTS`` (detection order), the kind in ``proxy.settings.EngineKind``, its tests in
-``tests/test_engines.py``.
+``tests/engines/test_engines.py``.
 
 Docs: docs/engines.md.
 """

@@ -1,7 +1,38 @@
 """Composition root: every stage of the proxy server built in one place, each a typed field of the ``Gateway``.
 
 ``enginemeter serve`` and the tests use ``build_app``. ``proxy.server.asgi.create_app`` is the bare gateway
-(relay, routing, metrics) without the mirror and the collectors.
+(relay, routing, metrics) without the mirror and the collectors. The stages, in a request's order:
+
+    asgi          the ASGI surface: routes, the generation routes served before Starlette, health, metrics
+    paths         request paths normalised once, before routing and forwarding
+    context       what one client request carries through every stage (trace headers, its span, its prompt)
+    guard         connection limits below the app, and the uvicorn server with graceful shutdown
+    loopwatch     the event loop's own health: lag, requests waiting for it, GC pauses
+    app           the gateway: one generation request, top to bottom like its life
+    routing       request -> the serving engine, fallbacks and shadows; pure
+    attempts      one attempt on one engine, primary or shadow alike: made, run, recorded
+    relay         the upstream call and the stream relay (the hot path): ``Attempt``
+    upstream      per engine: the probing client and the relay's stream client
+    h1            the relay's HTTP/1.1 client: a keep-alive pool over plain asyncio connections
+    h1conn        one upstream connection: the parser's callbacks, backpressure, the client's own errors
+    output        where a relayed stream's bytes go, one ``Output`` per stream
+    responses     what the client gets from the proxy itself: the relayed response, errors, Server-Timing
+    rewrite       the engine's ``model`` value made the client's name again
+    llamatimings  a llama.cpp-shaped ``timings`` block measured by the proxy, for engines without one
+    result        the frozen record of one request on one engine
+    mirror        shadow copies, bounded and isolated; pairs compared; the live verdict fed
+    pairing       the mirror's table matching a primary's and its shadows' results
+    compare       primary vs shadow: one ``PairComparison``, its metrics, the comparison log's records
+    jsonlog       a bounded, size-rotated JSONL file written by its own thread
+    requestlog    the opt-in per-request log
+    tracing       the opt-in OpenTelemetry traces
+    passthrough   every other ``/v1/*`` route and ``/tokenize``, unbuffered, never mirrored
+    metrics       the only module that defines Prometheus metric objects (docs/metrics.md)
+    enginestate   what each engine says of its configuration and load, polled
+    diagnosis     the live diagnosis of every llama.cpp engine on this machine
+    admin         the admin endpoints (the admin key)
+    tasks         a background loop held for the app's lifetime
+    workers       ``serve --workers N``: the supervisor and its workers on one port
 """
 
 from __future__ import annotations
@@ -13,18 +44,18 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
+from proxy.gpu.monitor import GpuMonitor
+from proxy.gpu.nvml import Opener, PynvmlReader
 from proxy.server.app import Gateway, make_engines
 from proxy.server.asgi import asgi_app
-from proxy.server.attempt import Attempts
+from proxy.server.attempts import Attempts
 from proxy.server.context import RequestContextMiddleware, forward_trace_headers
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
-from proxy.server.gpu import GpuMonitor, Opener
 from proxy.server.llamatimings import AddTimings
 from proxy.server.loopwatch import LoopWatch
 from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
-from proxy.server.nvml import PynvmlReader
 from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
 from proxy.server.routing import Router

@@ -41,16 +41,16 @@ from proxy.errors import (
     Unauthorized,
     UpstreamError,
 )
-from proxy.server.attempt import Attempts, Failed, Streaming, run_attempt
+from proxy.gpu.monitor import GpuMonitor
+from proxy.server.attempts import Attempts, Failed, Streaming, run_attempt
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
-from proxy.server.gpu import GpuMonitor
 from proxy.server.loopwatch import LoopWatch
 from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.responses import RelayResponse, error_response, scope_timer, server_timing
 from proxy.server.result import new_request_id
-from proxy.server.routing import Decision, Router
+from proxy.server.routing import Dispatch, Router
 from proxy.server.upstream import Engine, make_client
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
@@ -226,7 +226,7 @@ class Gateway:
         request_id: str,
         client_id: str | None,
         endpoint: Endpoint,
-        decision: Decision,
+        decision: Dispatch,
         body: dict[str, Any],
         timer: StreamTimer,
         mirrored: bool,
@@ -265,7 +265,7 @@ class Gateway:
         self,
         request_id: str,
         endpoint: Endpoint,
-        decision: Decision,
+        decision: Dispatch,
         body: dict[str, Any],
         timer: StreamTimer,
         collect_text: bool = False,

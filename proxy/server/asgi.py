@@ -32,7 +32,7 @@ from proxy import __version__
 from proxy.errors import NotFound, ProxyError, redact_url
 from proxy.server.admin import admin_routes
 from proxy.server.app import Gateway, make_engines
-from proxy.server.attempt import Attempts
+from proxy.server.attempts import Attempts
 from proxy.server.guard import raise_fd_limit
 from proxy.server.loopwatch import LoopWatch
 from proxy.server.metrics import Metrics, configured_pairs

@@ -1,4 +1,4 @@
-"""Primary vs shadow: one mirrored pair of Results -> one ``Comparison``, its metrics and its log record.
+"""Primary vs shadow: one mirrored pair of Results -> one ``PairComparison``, its metrics and its log record.
 
 ``compare()`` is pure. A pair is *comparable* when both sides finished ``ok``; only comparable pairs count in
 the pair/mismatch/delta/ratio metrics (a failed side says nothing about token counts or speed — its outcome is
@@ -92,7 +92,7 @@ class Side:
 
 
 @dataclass(frozen=True, slots=True)
-class Comparison:
+class PairComparison:
     request_id: str
     model: str
     endpoint: str
@@ -145,7 +145,7 @@ def _delta(shadow: int | None, primary: int | None) -> int | None:
     return None if shadow is None or primary is None else shadow - primary
 
 
-def compare(primary: Result, shadow: Result) -> Comparison:
+def compare(primary: Result, shadow: Result) -> PairComparison:
     p, s = Side.of(primary), Side.of(shadow)
     ok = p.outcome == "ok" and s.outcome == "ok"
     greedy = primary.greedy and shadow.greedy
@@ -158,7 +158,7 @@ def compare(primary: Result, shadow: Result) -> Comparison:
         output_mm = diff_pos is not None
         if diff_pos is not None and primary.stream:
             diff_tok = first_diff_token(diff_pos, primary.text_ends, shadow.text_ends)
-    return Comparison(
+    return PairComparison(
         request_id=primary.request_id,
         model=primary.model,
         endpoint=primary.endpoint,
@@ -182,7 +182,7 @@ def compare(primary: Result, shadow: Result) -> Comparison:
     )
 
 
-def observe_comparison(m: Metrics, c: Comparison) -> None:
+def observe_comparison(m: Metrics, c: PairComparison) -> None:
     """Count one pair. Only comparable pairs (both sides ``ok``) are counted."""
     if not c.comparable:
         return
@@ -242,7 +242,7 @@ def sampling_of(norm: Normalized) -> dict[str, Any]:
 
 
 def to_record(
-    c: Comparison,
+    c: PairComparison,
     *,
     ts: float | None = None,
     prompt: Any = None,
@@ -338,3 +338,9 @@ def engine_record(run: str, engine: str, facts: Mapping[str, Any], *, ts: float 
     once per run and again when it changes, so the report judges parity from the log alone."""
     return {"v": RECORD_VERSION, "type": "engine", "run": run, "ts": time.time() if ts is None else ts,
             "engine": engine, **facts}  # fmt: skip
+
+
+def end_record(run: str, counts: Mapping[str, int], compared: int, *, ts: float | None = None) -> dict[str, Any]:
+    """The line a proxy run writes when it stops: how many pairs ended for each cause, and how many were compared."""
+    return {"v": RECORD_VERSION, "type": "end", "run": run, "ts": time.time() if ts is None else ts, "counts": dict(counts),
+            "compared": compared}  # fmt: skip

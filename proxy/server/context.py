@@ -17,16 +17,26 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-if TYPE_CHECKING:
-    from proxy.server.relay import Attempt
-    from proxy.server.tracing import Tracing
-
 #: request headers every upstream request carries on (W3C Trace Context)
 TRACE_HEADERS = (b"traceparent", b"tracestate")
+
+
+class ServerSpans(Protocol):
+    """What the middleware needs of the tracer (``proxy.server.tracing.Tracing``, an optional extra)."""
+
+    def traces(self, path: str) -> bool: ...
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, app: ASGIApp, ctx: RequestContext) -> None: ...
+
+
+class WithHeaders(Protocol):
+    """An attempt, as far as the trace headers go (``proxy.server.relay.Attempt``)."""
+
+    extra_headers: dict[str, str]
 
 
 @dataclass(slots=True)
@@ -44,7 +54,7 @@ def current() -> RequestContext | None:
     return _current.get()
 
 
-def forward_trace_headers(attempt: Attempt) -> None:
+def forward_trace_headers(attempt: WithHeaders) -> None:
     """``Attempts.on_new`` hook: the client's trace headers go upstream with the attempt."""
     ctx = _current.get()
     if ctx is not None and ctx.trace_headers:
@@ -54,7 +64,7 @@ def forward_trace_headers(attempt: Attempt) -> None:
 class RequestContextMiddleware:
     """Pure ASGI: sets the request's context, and with ``tracing`` its server span, around the app."""
 
-    def __init__(self, app: ASGIApp, tracing: Tracing | None = None) -> None:
+    def __init__(self, app: ASGIApp, tracing: ServerSpans | None = None) -> None:
         self.app = app
         self.tracing = tracing
 

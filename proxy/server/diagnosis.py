@@ -24,9 +24,9 @@ from urllib.parse import urlsplit
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from proxy.diagnosis import Diagnosis, find_process, gather, with_gpu
-from proxy.gpumemory import DeviceMemory, MemoryReading
-from proxy.server.attribution import is_local_host, read_pid_file
-from proxy.server.gpu import GpuMonitor
+from proxy.gpu.attribution import is_local_host, read_pid_file
+from proxy.gpu.memory import DeviceMemory, MemoryReading
+from proxy.gpu.monitor import GpuMonitor
 from proxy.server.tasks import held
 from proxy.server.upstream import Engine
 

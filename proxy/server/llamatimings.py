@@ -30,13 +30,12 @@ A figure that cannot be computed (no usage, a single token) is ``null``. Built o
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from proxy.server.upstream import Engine
 from proxy.settings import Settings
 from proxy.timing import StreamTimer, Usage
-
-if TYPE_CHECKING:
-    from proxy.server.relay import Attempt
+from proxy.types import Role
 
 MEASURED_BY = "enginemeter"
 
@@ -74,6 +73,14 @@ def timings_block(timer: StreamTimer, usage: Usage | None, *, stream: bool) -> d
     }
 
 
+class Flaggable(Protocol):
+    """An attempt, as far as the timings block goes (``proxy.server.relay.Attempt``)."""
+
+    engine: Engine
+    role: Role
+    add_timings: bool
+
+
 class AddTimings:
     """``Attempts.on_new`` hook: flags the primary attempts whose engine gets the block (``add_timings``: the
     engine's own setting, else the global one; never a ``llamacpp`` engine, which sends its own)."""
@@ -89,7 +96,7 @@ class AddTimings:
     def any(self) -> bool:
         return any(self.enabled(name) for name in self.engines)
 
-    def __call__(self, attempt: Attempt) -> None:
+    def __call__(self, attempt: Flaggable) -> None:
         e = attempt.engine
         if attempt.role == "primary" and e.effective_kind != "llamacpp" and self.enabled(e.name):
             attempt.add_timings = True

@@ -293,7 +293,7 @@ def observe_many(h: Histogram, values: Sequence[float]) -> None:
     the bounds under the value's lock, ~2 us a gap at the request's end (docs/performance.md).
 
     Reads prometheus-client's ``Histogram`` internals (``_upper_bounds``, per-bucket ``_buckets``, ``_sum``), the
-    same in single- and multiprocess mode; ``tests/test_metrics.py`` holds it to ``observe`` on the installed
+    same in single- and multiprocess mode; ``tests/server/test_metrics.py`` holds it to ``observe`` on the installed
     version. A labelled child only (a parent has no buckets)."""
     bounds: list[float] = h._upper_bounds
     counts = [0] * len(bounds)

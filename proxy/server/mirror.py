@@ -1,6 +1,6 @@
 """Shadow mirroring: a copy of a routed request goes to each shadow engine, timed like the primary, compared.
 
-Guarantees (each one is tested in tests/test_mirror.py):
+Guarantees (each one is tested in tests/server/test_mirror.py):
 
 - **The primary never waits.** ``submit()`` is synchronous and O(shadows): it draws the sample, checks the
   bounds and spawns one referenced task per shadow copy (held in ``Mirror._tasks``). Nothing on the primary's path
@@ -32,7 +32,7 @@ address), every pair record carries it, an ``engine`` record follows when the en
 engine's facts (model path, quantization, context, slots), and an ``end`` record closes it with the mirror's
 counts. ``enginemeter report --log`` reads the latest run unless told otherwise.
 
-**Opt-out.** A request with ``x-enginemeter-mirror: off`` (``Decision.mirror``) is served and not copied
+**Opt-out.** A request with ``x-enginemeter-mirror: off`` (``Dispatch.mirror``) is served and not copied
 (``dropped_header``): the bench sends it, so its requests stay out of the shadow and the log.
 
 **Live verdict.** Every comparable pair feeds its engine pair's ``proxy.sequential.LiveVerdict`` (anytime-valid
@@ -53,10 +53,11 @@ from typing import Any
 from proxy import __version__
 from proxy.errors import BadRequest
 from proxy.sequential import LiveVerdict, regime_of
-from proxy.server.attempt import Attempts, drain
+from proxy.server.attempts import Attempts, drain
 from proxy.server.compare import (
     ComparisonLog,
     compare,
+    end_record,
     engine_record,
     new_run_id,
     observe_comparison,
@@ -68,7 +69,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.pairing import PairTable, Pending
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
-from proxy.server.routing import Decision
+from proxy.server.routing import Dispatch
 from proxy.server.upstream import Engine, StreamClient
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
@@ -182,7 +183,7 @@ class Mirror:
 
     def submit(
         self,
-        decision: Decision,
+        decision: Dispatch,
         body: Mapping[str, Any],
         endpoint: Endpoint,
         request_id: str,
@@ -202,7 +203,7 @@ class Mirror:
 
     def _submit(
         self,
-        decision: Decision,
+        decision: Dispatch,
         body: Mapping[str, Any],
         endpoint: Endpoint,
         request_id: str,
@@ -422,8 +423,7 @@ class Mirror:
             await asyncio.gather(*(p.aclose() for p in pools), return_exceptions=True)
             if self.log is not None:
                 if any(r.shadows for r in self.settings.routes):
-                    self.log.write({"v": 1, "type": "end", "run": self.run_id, "ts": time.time(),
-                                    "counts": dict(self.counts), "compared": self.compared})  # fmt: skip
+                    self.log.write(end_record(self.run_id, self.counts, self.compared))
                 await asyncio.to_thread(self.log.close)
 
     async def _sweep_forever(self) -> None:

@@ -175,7 +175,7 @@ def socket_output(send: Send) -> SocketOutput | None:
 
     This reads uvicorn's ``RequestResponseCycle`` (``transport``, ``flow``, ``disconnected``,
     ``chunked_encoding``, ``response_started``): internals, checked by class and attribute, and covered by
-    ``tests/test_output.py`` against the uvicorn that is installed. Anything unexpected: None.
+    ``tests/server/test_output.py`` against the uvicorn that is installed. Anything unexpected: None.
     """
     cycle = _httptools_cycle(send)
     if cycle is None:

@@ -9,7 +9,7 @@ Order of decisions for one request:
    (random when neither is present); without a split the route's primary serves;
 4. ``fallback`` engines follow the chosen one, used only when it fails before the first byte;
 5. shadows are the route's shadow engines other than the serving one; a request that says
-   ``x-enginemeter-mirror: off`` is not mirrored (``Decision.mirror``; the bench sends it, so its requests
+   ``x-enginemeter-mirror: off`` is not mirrored (``Dispatch.mirror``; the bench sends it, so its requests
    never reach the shadow nor the comparison log). ``on`` is the default; any other value is a 400.
 """
 
@@ -24,7 +24,7 @@ from proxy.errors import BadRequest, NotFound
 from proxy.settings import MIRROR_HEADER, RouteSettings, Settings
 
 
-class Decision(NamedTuple):
+class Dispatch(NamedTuple):
     route: int
     engines: tuple[str, ...]  # the serving engine first, then fallbacks in order
     shadows: tuple[str, ...]
@@ -79,7 +79,7 @@ class Router:
             raise NotFound(f"The model `{model}` does not exist", param="model")
         return i, self._settings.routes[i]
 
-    def decide(self, model: str | None, headers: Mapping[str, str], user: str | None) -> Decision:
+    def decide(self, model: str | None, headers: Mapping[str, str], user: str | None) -> Dispatch:
         i, route = self.route_for(model)
         allowed = {route.primary, *route.split, *route.pinnable, *route.fallback}
         pin = headers.get(self._settings.pin_header)
@@ -97,7 +97,7 @@ class Router:
             chosen, pinned = route.primary, False
         engines = (chosen, *(f for f in route.fallback if f != chosen))
         shadows = tuple(s for s in route.shadows if s != chosen)
-        return Decision(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned,
+        return Dispatch(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned,
                         mirror=mirror_wanted(headers))  # fmt: skip
 
 

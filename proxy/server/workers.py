@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+    from starlette.applications import Starlette
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from proxy.server.mirror import Mirror
@@ -256,6 +257,11 @@ def _mtime(path: Path) -> int:
         return 0
 
 
+#: builds a worker's app (``proxy.server.build_app``): given, not imported, so this module stays below the
+#: composition root that imports it; a module-level function, so it reaches a spawned worker by reference
+AppFactory = Callable[..., "Starlette"]
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     settings: Settings
@@ -265,12 +271,15 @@ class WorkerSpec:
     directory: str
     log_level: str
     shutdown_timeout_s: float = 30.0
+    app_factory: AppFactory | None = None
 
 
 def worker_main(spec: WorkerSpec, ready: Any) -> None:
     """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT."""
-    from proxy.server import build_app
     from proxy.server.guard import Server, server_config
+
+    if spec.app_factory is None:
+        raise RuntimeError("a worker needs the app factory (serve_workers' app_factory)")
 
     logging.basicConfig(
         level=getattr(logging, spec.log_level.upper(), logging.INFO),
@@ -279,7 +288,7 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = reuseport_socket(spec.host, spec.port)
     role = WorkerRole(spec.index, Path(spec.directory))
-    app = build_app(spec.settings, worker=role)
+    app = spec.app_factory(spec.settings, worker=role)
     wrapped = role.wrap(app, app.state.gateway.mirror, on_started=ready.set)
     # the single-process serve's configuration: connection limits, shutdown timeout (proxy/server/guard.py)
     config = server_config(
@@ -349,6 +358,7 @@ def serve_workers(
     settings: Settings,
     n: int,
     *,
+    app_factory: AppFactory,
     log_level: str = "info",
     shutdown_timeout_s: float = 30.0,
     on_shutdown: Sequence[Callable[[], None]] = (),
@@ -356,7 +366,8 @@ def serve_workers(
 ) -> int:
     """Run ``n`` workers on ``settings.host:settings.port`` until SIGTERM/SIGINT; returns the exit status.
 
-    ``announce`` gets the port once every worker has started (``settings.port`` 0 picks one); ``on_shutdown`` runs
+    ``app_factory`` builds each worker's app (``proxy.server.build_app``); ``announce`` gets the port once every
+    worker has started (``settings.port`` 0 picks one); ``on_shutdown`` runs
     at the end."""
     from prometheus_client.multiprocess import mark_process_dead
 
@@ -383,7 +394,7 @@ def serve_workers(
     crashes = 0
 
     def start(i: int) -> Any:
-        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s)
+        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s, app_factory)
         ready = readies[i] = ctx.Event()
         p = ctx.Process(target=worker_main, args=(spec, ready), name=f"enginemeter-worker-{i}", daemon=False)
         p.start()

@@ -274,7 +274,7 @@ def fake_serve(a: argparse.Namespace) -> int:
 
     from proxy import server
     from proxy.configfile import load
-    from proxy.server import nvml
+    from proxy.gpu import nvml
 
     class FakeReader:
         def devices(self) -> list[nvml.DeviceReading]:

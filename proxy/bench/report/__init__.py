@@ -1,0 +1,12 @@
+"""What a person reads: one document of blocks, rendered to Markdown and self-contained HTML, SVG charts and
+``verdict.json``, from the verdict's decisions. docs/bench.md.
+
+    blocks      the document model: a list of blocks, rendered twice so both say the same
+    document    ``Data`` -> the report: verdict, parity, tables, percentiles, cache phases; writes the files
+    charts      the charts (SVG, logarithmic latency axes)
+    agreement   greedy-output agreement between two engines
+    arms        one candidate on the baseline's own weights and on its best format
+    launch      the time-shared run's section: each launch, its command, load time, memory moments
+    tune        ``enginemeter tune``'s answer: the table, the best setting per regime, the rule
+    live        the live report: the anytime-valid verdict per regime, pairs by cause, sampling carried
+"""

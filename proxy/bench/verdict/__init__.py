@@ -1,0 +1,14 @@
+"""Results in, decisions out; pure (no I/O but reading a results file, no clock). docs/bench.md.
+
+model       the records every source becomes: Cell, Sample, Req, EngineInfo, Reason, Results
+data        a bench results file (JSONL, any version) -> ``Data``: the ``Results`` plus what the report shows
+merge       several runs' results joined into one, when comparable (same suite, sampling, tokens, GPU)
+stats       paired comparison on the same requests: bootstrap interval, effect size, run-to-run variation
+comparison  one figure compared: its interval against its band (minimum effect, noise floor, bias)
+gates       the checks before any speed is judged: data, parity, memory
+regimes     the comparisons -> one answer per regime -> the decision, and what to run next
+decide      ``Results`` -> one ``Verdict`` per candidate: gates first, then the regimes
+checks      checks of the protocol itself (first repeat, order, foreign load)
+workload    arrivals, percentiles, goodput: per-cell figures
+notation    how every number is written (relative differences, bands, figures with units)
+"""

@@ -1,0 +1,262 @@
+"""Results -> per-regime answers -> switch | stay | partial | inconclusive. Pure: no I/O, no clock.
+
+Gates first, in a fixed order; a failed gate stops the verdict there (which gate, which check, why):
+
+1. **parity**: prompt tokens, effective sampling (what the per-kind mapping dropped included), max tokens,
+   output lengths, context per slot, quantization (normalized: F16 = FP16 = float16; bf16 ≠ f16); slots below
+   the offered concurrency are stated;
+2. **data**: every engine answered without errors, every judged cell has >= ``min_repeats`` repeats, the
+   judged cache phase is what it says (cold: nothing served from the prompt cache; warm: cached tokens seen);
+3. **memory**: the candidate's per-engine peak against the user's budget, or its GPU's total when it held
+   that GPU alone; device-wide readings are not judged.
+
+Then the speed, one **regime** at a time, the order the people deciding read it (``proxy.bench.verdict.regimes``):
+
+- **single request** (step ``decode``): TPOT at concurrency 1, the base cell (decode tok/s = 1/TPOT); TTFT
+  beside it;
+- **under load** (step ``throughput``): aggregate output tok/s at the highest concurrency (or request rate)
+  measured on both; TTFT under load beside it;
+- **long prompts** (step ``long-context``): TTFT at the longest prompt class, concurrency 1; TPOT beside it.
+
+Each comparison is paired per request (``stats.paired_bootstrap``): a 95 % interval of the relative
+difference whose width grows with the run-to-run variation. It is judged against a **band**: the larger of
+``min_effect`` (practical significance, ``--min-effect``) and the **noise floor** (the baseline against its
+own second pass, A/A, in the same run; without one, the run-to-run variation). A win needs the whole
+interval beyond the band, a tie the whole interval inside it; anything else is *unresolved*, with the
+repeats that would resolve it. An A/A pass whose own interval excludes 0 is a **protocol bias** (order,
+drift): it is named, and its size is added to the band a win must clear, never silently to the floor. A cell
+where an engine was busy with requests the bench did not send is *flagged* and cannot decide.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.bench.suite import length_rank
+from proxy.bench.verdict.comparison import Comparison, log_ratio
+from proxy.bench.verdict.gates import data_gate, discount, memory_gate, parity_gate, quant_differs
+from proxy.bench.verdict.model import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
+from proxy.bench.verdict.notation import band
+from proxy.bench.verdict.regimes import REGIMES, RegimeAnswer, conclude
+from proxy.bench.verdict.stats import paired_bootstrap, variation
+
+__all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", "Results", "Sample", "Verdict",
+           "decide", "decide_all"]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    baseline: str
+    candidate: str
+    decision: Decision
+    summary: str
+    reasons: tuple[Reason, ...]
+    comparisons: tuple[Comparison, ...] = ()
+    stopped_at: str | None = None  # the gate (or regime step) that decided against a full answer
+    stopped_check: str | None = None
+    noise_source: str | None = None
+    regimes: tuple[RegimeAnswer, ...] = ()
+    #: what to run next (inconclusive / partial): the flags to add, or that no feasible rerun resolves it
+    next_step: str | None = None
+    #: a declared quantization difference was accepted: what the answer includes besides the engines (None: clean)
+    discounted: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline, "candidate": self.candidate, "decision": self.decision,
+            "summary": self.summary,
+            "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check or "unnamed"} if self.stopped_at
+            else None,
+            "regimes": [a.to_json() for a in self.regimes], "next_step": self.next_step,
+            "discounted": self.discounted,
+            "reasons": [{"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive,
+                         "text": x.text} for x in self.reasons],
+            "comparisons": [c.to_json() for c in self.comparisons],
+        }  # fmt: skip
+
+
+def decide_all(r: Results) -> list[Verdict]:
+    """One verdict per candidate engine (every engine but the baseline and its A/A pass)."""
+    return [decide(r, e.name) for e in r.engines if e.name != r.baseline and e.aa_of is None]
+
+
+def judged_phase(samples: Sequence[Sample]) -> str | None:
+    """cache-cold is the fair comparison; warm-cache results are reported, not judged, when both exist."""
+    caches = {s.cell.cache for s in samples}
+    return "cold" if "cold" in caches else "live" if "live" in caches else "warm" if caches else None
+
+
+def decide(r: Results, candidate: str) -> Verdict:
+    base = r.baseline
+    infos = {e.name: e for e in r.engines}
+    if base not in infos or candidate not in infos:
+        missing = base if base not in infos else candidate
+        why = f"engine {missing!r} has no results"
+        return Verdict(base, candidate, "inconclusive", why, (Reason("data", "inconclusive", why, "engines"),), (),
+                       "data", "engines")  # fmt: skip
+    aa = next((e.name for e in r.engines if e.aa_of == base), None)
+    samples = [s for s in r.samples if s.engine in (base, candidate, aa)]
+    judged = judged_phase(samples)
+    by: dict[tuple[str, Cell], list[Sample]] = {}
+    for s in samples:
+        if s.cell.cache == judged:
+            by.setdefault((s.engine, s.cell), []).append(s)
+    common = {c for (e, c) in by if e == base} & {c for (e, c) in by if e == candidate}
+    offered = max((c.concurrency for c in common), default=None)
+
+    reasons: list[Reason] = data_gate(r, samples, base, candidate, judged, common, by)
+    reasons += parity_gate(r, infos[base], infos[candidate], offered)
+    reasons += r.extra_parity
+    reasons += memory_gate(r, samples, base, candidate)
+    reqs: dict[tuple[str, Cell, int], dict[int, Req]] = {}
+    for q in r.requests:
+        if q.ok and q.cell.cache == judged:
+            reqs.setdefault((q.engine, q.cell, q.repeat), {})[q.index] = q
+    comps: list[Comparison] = []
+    measured: dict[str, Cell | None] = {}
+
+    def compare(step: str, cell: Cell, metric: str, unit: str, higher: bool, what: str, primary: bool) -> None:
+        per_req = metric != "output_tps"
+        comp = _compare(r, by, reqs, step, what, cell, metric, unit, higher, base, candidate, aa, per_req, primary)
+        if comp is None:
+            return
+        measured.setdefault(step, cell)
+        comps.append(comp)
+        reasons.append(Reason(step, comp.outcome, _text(comp, base, candidate), metric))
+
+    base_mt, base_pl = r.base_max_tokens, r.base_prompt_len
+    c1 = [c for c in common if c.concurrency == 1 and c.rate is None]
+    single = _pick(c1, base_mt, base_pl)
+    if single is not None:
+        compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
+        compare("decode", single, "ttft_s", "s", False, "single-request TTFT", False)
+
+    conc = [
+        c for c in common if (c.concurrency > 1 or c.rate is not None) and (base_pl is None or c.prompt_len == base_pl)
+    ]
+    conc = [c for c in conc if base_mt is None or c.max_tokens == base_mt] or conc
+    if conc:
+        top = max(conc, key=lambda c: (c.rate or 0, c.concurrency))
+        if r.live:  # mirrored pairs: no aggregate throughput; the busiest observed-concurrency group, per request
+            compare("throughput", top, "ttft_s", "s", False, "TTFT under load (observed)", True)
+            compare("throughput", top, "tpot_s", "s/token", False, "decode under load (observed)", False)
+        else:
+            compare("throughput", top, "output_tps", "tok/s", True, "concurrent throughput", True)
+            compare("throughput", top, "ttft_s", "s", False, "TTFT under load", False)
+
+    longs = [c for c in c1 if c.prompt_len != base_pl and c.prompt_len != "mixed"]
+    longs = [c for c in longs if base_mt is None or c.max_tokens == base_mt] or longs
+    if longs and not r.live:
+        longest = max(longs, key=lambda c: length_rank(c.prompt_len))
+        if base_pl is None or length_rank(longest.prompt_len) > length_rank(base_pl):
+            compare("long-context", longest, "ttft_s", "s", False, "long-context TTFT", True)
+            compare("long-context", longest, "tpot_s", "s/token", False, "long-context decode (TPOT)", False)
+    slots = [e.slots for e in (infos[base], infos[candidate]) if e.slots]
+    c = conclude(r, base, candidate, reasons, comps, aa, {s for s, _ in REGIMES if s in measured},
+                 max(slots) if slots else None)  # fmt: skip
+    noise = "A/A pass" if aa else "run-to-run variation"
+    b, k = infos[base], infos[candidate]
+    discounted = discount(b, k) if r.accept_quantization_difference and quant_differs(b, k) else None
+    return Verdict(base, candidate, c.decision, c.summary, c.reasons, tuple(comps), c.stopped_at, c.stopped_check,
+                   noise, c.regimes, c.next_step, discounted)  # fmt: skip
+
+
+def _text(comp: Comparison, base: str, cand: str) -> str:
+    o, cell, what = comp.outcome, comp.cell.label(), comp.what
+    nums = comp.numbers(base, cand)
+    if o == "flagged":
+        return f"{what} ({cell}): cannot decide — {comp.flagged}: {nums}"
+    if o == "tie":
+        return f"{what} ({cell}): tie — the interval sits inside ±{band(comp.band)}: {nums}"
+    if o == "unresolved" and comp.coarse:
+        n = comp.repeats_to_resolve()
+        fix = f"; about {n} repeats would narrow it" if n else ""
+        return (
+            f"{what} ({cell}): unresolved — inside the noise floor ±{comp.floor:.1%}, which is wider than the "
+            f"minimum effect {comp.min_effect:.0%}: no tie can be shown at that margin{fix}: {nums}"
+        )
+    if o == "unresolved":
+        worst = max(comp.variation.items(), key=lambda kv: kv[1] or 0, default=("", None))
+        cause = (f"; run-to-run variation {worst[1]:.0%} on {worst[0]} widens it" if worst[1] and worst[1] > 0.1
+                 else "")  # fmt: skip
+        n = comp.repeats_to_resolve()
+        fix = f"; about {n} repeats would resolve it" if n else "; no feasible number of repeats resolves it"
+        return f"{what} ({cell}): unresolved — the interval crosses ±{band(comp.win_band)}{cause}{fix}: {nums}"
+    who = cand if o == "win" else base
+    return f"{what} ({cell}): {who} is better beyond ±{band(comp.win_band)}: {nums}"
+
+
+def _groups(
+    by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
+    x: str, y: str, cell: Cell, metric: str, per_req: bool,
+) -> tuple[list[list[tuple[float, float]]], dict[str, list[float]]]:  # fmt: skip
+    """Pairs per repeat, and each engine's per-repeat medians (for the run-to-run variation: a median is not
+    moved by one starved request)."""
+    reps_x = {s.repeat: s for s in by.get((x, cell), [])}
+    reps_y = {s.repeat: s for s in by.get((y, cell), [])}
+    groups: list[list[tuple[float, float]]] = []
+    means: dict[str, list[float]] = {x: [], y: []}
+    for rep in sorted(set(reps_x) & set(reps_y)):
+        qx, qy = reqs.get((x, cell, rep)), reqs.get((y, cell, rep))
+        if per_req and qx and qy:
+            pairs = [(getattr(qx[i], metric), getattr(qy[i], metric)) for i in sorted(set(qx) & set(qy))]
+            pairs = [
+                (float(a), float(b)) for a, b in pairs if isinstance(a, int | float) and isinstance(b, int | float)
+            ]
+        else:
+            a, b = getattr(reps_x[rep], metric), getattr(reps_y[rep], metric)
+            pairs = [(float(a), float(b))] if isinstance(a, int | float) and isinstance(b, int | float) else []
+        if pairs:
+            groups.append(pairs)
+            means[x].append(statistics.median(p[0] for p in pairs))
+            means[y].append(statistics.median(p[1] for p in pairs))
+    return groups, means
+
+
+def _compare(
+    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
+    step: str, what: str, cell: Cell, metric: str, unit: str, higher: bool, base: str, cand: str, aa: str | None,
+    per_req: bool, primary: bool,
+) -> Comparison | None:  # fmt: skip
+    groups, means = _groups(by, reqs, base, cand, cell, metric, per_req)
+    stats = paired_bootstrap(groups)
+    if stats is None:
+        return None
+    var: dict[str, float | None] = {base: variation(means[base]), cand: variation(means[cand])}
+    aa_stats = None
+    if aa is not None:
+        aa_groups, aa_means = _groups(by, reqs, base, aa, cell, metric, per_req)
+        aa_stats = paired_bootstrap(aa_groups)
+        var[aa] = variation(aa_means[aa])
+    bias = 0.0
+    if aa_stats is not None:
+        a_src = f"A/A: {aa} vs {base} Δ {aa_stats.rel:+.1%}, CI {aa_stats.lo:+.1%} … {aa_stats.hi:+.1%}"
+        lo, hi = log_ratio(aa_stats.lo), log_ratio(aa_stats.hi)  # the floor is symmetric on the log-ratio scale
+        if lo > 0 or hi < 0:  # the baseline differs from itself: order or drift, not noise
+            bias = math.expm1(abs(log_ratio(aa_stats.rel)))
+            floor = max(r.min_floor, math.expm1((hi - lo) / 2))
+            src = f"{a_src} — excludes 0: a protocol bias; the floor is its spread"
+        else:
+            floor = max(r.min_floor, math.expm1(max(-lo, hi)))
+            src = a_src
+    else:
+        floor = max([r.min_floor, *(v for v in var.values() if v is not None)])
+        src = "no A/A pass: run-to-run variation"
+    flagged = next((r.flags[(e, cell)] for e in (base, cand, aa) if e and (e, cell) in r.flags), None)
+    return Comparison(step, what, metric, unit, higher, cell, stats, floor, src, var, tuple(means[base]),
+                      tuple(means[cand]), r.min_effect, bias, flagged, primary, aa_stats)  # fmt: skip
+
+
+def _pick(cells: Sequence[Cell], max_tokens: int | None, prompt_len: str | None) -> Cell | None:
+    if not cells:
+        return None
+    exact = [
+        c
+        for c in cells
+        if (max_tokens is None or c.max_tokens == max_tokens) and (prompt_len is None or c.prompt_len == prompt_len)
+    ]
+    return sorted(exact or cells, key=lambda c: (c.max_tokens, c.prompt_len))[0]

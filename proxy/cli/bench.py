@@ -1,0 +1,136 @@
+"""``enginemeter bench``: engines measured on the same requests (resident, or launched one at a time on the GPU),
+then the verdict through the gates and the report (``proxy.bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from proxy.bench.run.options import Targets, UsageError, add_workload, build_config, fail_on_of, pairs
+from proxy.cli.common import print_summary, run_to_report
+
+ACCEPT_HELP = (
+    "a quantization difference between the engines is declared, not a mistake: the parity gate passes with a "
+    "caveat and the verdict is computed and marked *discounted* (it includes the precision difference; a "
+    "same-weights comparison is the clean test)"
+)
+
+
+def add_command(sub: Any) -> None:
+    b = sub.add_parser("bench", help="offline A/B bench of engines (resident or launched one at a time), a verdict")
+    b.add_argument("--engine", action=Targets, const="url", dest="targets", metavar="NAME=URL",
+                   help="a running engine (repeat; with --through, URL may be empty: NAME=)")  # fmt: skip
+    b.add_argument("--launch", action=Targets, const="launch", dest="targets", metavar="NAME='COMMAND'",
+                   help="an engine enginemeter starts from COMMAND (verbatim; {port}: a free port), measures alone "
+                   "and stops; repeatable, mixable with --engine. Launched engines run one at a time: baseline, "
+                   "candidates, the baseline launched again (A/A)")  # fmt: skip
+    b.add_argument("--config", metavar="FILE", help="bench settings in YAML (keys = these flags; flags win)")
+    b.add_argument("--through", metavar="PROXY_URL", help="send via the enginemeter proxy, pinning each engine")
+    b.add_argument("--metrics-url", help="Prometheus text endpoint for GPU memory (default: PROXY_URL/metrics)")
+    b.add_argument("--baseline", help="the incumbent engine (default: the first engine)")
+    b.add_argument("--quantization", action="append", metavar="NAME=QUANT", help="declare an engine's quantization")
+    b.add_argument("--accept-quantization-difference", action="store_true", default=None, help=ACCEPT_HELP)
+    add_workload(b)
+    b.set_defaults(func=_bench)
+
+
+def targets_of(args: argparse.Namespace, file: Any) -> list[Any]:
+    """The engines, the file's first, then ``--engine``/``--launch`` in the order given; checked."""
+    from proxy.bench.run.config import Target
+    from proxy.launch import parse_launch
+
+    given: list[tuple[str, str, str, str | None]] = []  # (kind, name, value, declared quantization)
+    for e in file.engines if file is not None else ():
+        given.append(("launch" if e.launch else "url", e.name, e.launch or e.url or "", e.quantization))
+    for kind, item in getattr(args, "targets", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            flag = "--launch NAME='COMMAND'" if kind == "launch" else "--engine NAME=URL"
+            raise UsageError(f"{flag}: got {item!r}")
+        given.append((kind, name.strip(), value.strip(), None))
+    quant = pairs(getattr(args, "quantization", None), "--quantization")
+    seen: set[str] = set()
+    out = []
+    for kind, name, value, q in given:
+        if name in seen:
+            raise UsageError(f"engine {name} is given twice")
+        seen.add(name)
+        if kind == "launch":
+            try:
+                parse_launch(name, value)  # the command is read now: a mistake stops the bench before any launch
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        q = quant.get(name) or q
+        out.append(Target(name=name, url=(value.rstrip("/") or None) if kind == "url" else None,
+                          launch=value if kind == "launch" else None, quantization=q,
+                          quantization_source="declared" if q else None))  # fmt: skip
+    unknown = sorted(set(quant) - seen)
+    if unknown:
+        raise UsageError(f"--quantization {unknown[0]}=...: no engine named {unknown[0]}")
+    return out
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import logging
+
+    from proxy.bench.report.document import write_report
+    from proxy.bench.run.benchfile import read_bench_file
+    from proxy.bench.run.prepare import PreflightError
+    from proxy.bench.verdict.data import load_bench
+    from proxy.settings import SettingsError
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress bar
+    try:
+        file = read_bench_file(args.config) if args.config else None
+        targets = targets_of(args, file)
+        cfg = build_config(args, file, targets)
+        _check(cfg)
+    except (UsageError, SettingsError) as exc:
+        print(f"enginemeter bench: {exc}", file=sys.stderr)
+        return 2
+
+    def failed(exc: Exception) -> int:
+        if isinstance(exc, PreflightError):
+            print(f"enginemeter bench: preflight failed: {exc}", file=sys.stderr)
+            _stopped_verdict(cfg.out, "preflight", "reachable", engine=exc.engine, url=exc.url, cause=exc.cause)
+            return 2
+        print(f"enginemeter bench: launch failed: {exc}", file=sys.stderr)
+        head = str(exc).split("\n", 1)[0]
+        _stopped_verdict(cfg.out, "launch", "memory" if "did not come back" in head else "ready", cause=head,
+                         log_tail=getattr(exc, "log_tail", None) or None)  # fmt: skip
+        if (cfg.out / "results.jsonl").exists():
+            print(f"enginemeter bench: what finished is in {cfg.out / 'results.jsonl'} (enginemeter report --results "
+                  "builds a report from it)", file=sys.stderr)  # fmt: skip
+        return 2
+
+    def report(results: Path) -> dict[str, Any]:
+        out = write_report(load_bench(results, baseline=cfg.baseline), cfg.out)
+        print_summary(out)
+        return out
+
+    return run_to_report("bench", cfg, report, fail_on_of(args, file), failed)
+
+
+def _check(cfg: Any) -> None:
+    if not cfg.engines:
+        raise UsageError("give at least one engine: --engine NAME=URL or --launch NAME='COMMAND' (one engine is a "
+                         "measurement to join with another run: report --results A B)")  # fmt: skip
+    if cfg.through and not cfg.model:
+        raise UsageError("--through needs --model (the proxy's model alias)")
+    if cfg.through and cfg.time_shared:
+        raise UsageError("--through and --launch do not mix: the proxy's engines are its own")
+    for t in cfg.engines:
+        if not t.url and not t.launch and not cfg.through:
+            raise UsageError(f"engine {t.name} has no URL (NAME=URL)")
+    if cfg.baseline not in {t.name for t in cfg.engines}:
+        raise UsageError(f"--baseline {cfg.baseline} is not an engine")
+
+
+def _stopped_verdict(out: Path, gate: str, check: str, **facts: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"version": 1, "decision": "inconclusive", "stopped_at": {"gate": gate, "check": check}, **facts,
+           "verdicts": []}  # fmt: skip
+    (out / "verdict.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

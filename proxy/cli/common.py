@@ -1,0 +1,90 @@
+"""What the commands share: the parser whose mistakes are one line, the log format, and the bench and tune
+commands' one skeleton (run -> interrupt -> report -> exit status)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from proxy.bench.run.options import EXIT_VERDICT
+
+if TYPE_CHECKING:
+    from proxy.bench.run.config import BenchConfig
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (``enginemeter serve: argument --log-level: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def run_to_report(
+    command: str,
+    cfg: BenchConfig,
+    report: Callable[[Path], dict[str, Any]],
+    fail_on: frozenset[str] | None,
+    failed: Callable[[Exception], int] | None = None,
+) -> int:
+    """Run ``cfg``'s bench, then ``report`` of whatever it wrote (the results file), then the exit status: 0, ``EXIT_VERDICT``
+    (a verdict ``--fail-on`` names), 130 (interrupted: the report is of what finished), 2 (the run could not go on:
+    ``failed`` says what to print and leave behind), 1 (nothing was measured)."""
+    from proxy.bench.run.prepare import PreflightError
+    from proxy.bench.run.runner import run_bench
+    from proxy.process import LaunchError
+
+    t0 = time.monotonic()
+    interrupted = False
+    try:
+        asyncio.run(run_bench(cfg))
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\nenginemeter {command}: interrupted — building the report from what finished", file=sys.stderr)
+    except (PreflightError, LaunchError) as exc:
+        if failed is not None:
+            return failed(exc)
+        print(f"enginemeter {command}: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"enginemeter {command}: {exc}", file=sys.stderr)
+        return 2
+    results = cfg.out / "results.jsonl"
+    if not results.exists():
+        return 130 if interrupted else 1
+    out = report(results)
+    print(f"{command} took {time.monotonic() - t0:.0f} s")
+    if interrupted:
+        return 130
+    return verdict_status(out, fail_on)
+
+
+def verdict_status(out: dict[str, Any], fail_on: frozenset[str] | None) -> int:
+    hit = [v for v in out["verdicts"] if fail_on and v.decision in fail_on]
+    if hit:
+        print(f"enginemeter: --fail-on {','.join(sorted(fail_on or ()))}: " + "; ".join(
+            f"{v.candidate} {v.decision}" for v in hit), file=sys.stderr)  # fmt: skip
+        return EXIT_VERDICT
+    return 0
+
+
+def print_summary(out: dict[str, Any]) -> None:
+    for v in out["verdicts"]:
+        tag = " (discounted)" if v.discounted else ""
+        print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()}{tag} — {v.summary}")
+        if v.discounted:
+            print(f"  discounted: {v.discounted}")
+        if v.next_step:
+            print(f"  next: {v.next_step}")
+    for line in out.get("arms_lines", ()):
+        print(line)
+    if not out["verdicts"]:
+        print("one engine measured: nothing to compare here (join runs with: enginemeter report --results A B)")
+    print(f"report: {out['report_md']}, {out['report_html']} and {out['verdict_json']}")

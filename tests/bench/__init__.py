@@ -1,0 +1,1 @@
+"""Tests of the bench wing (proxy/bench/, the bench, report and tune commands)."""

@@ -1,0 +1,1 @@
+"""Tests of GPU reading (proxy/gpu/) and the GPU harness (scripts/gpu/)."""

@@ -1,0 +1,1 @@
+"""Tests of the proxy server (proxy/server/)."""
