@@ -41,14 +41,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from proxy.process import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 ALIAS = "soak-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------------------ the proxy side
@@ -162,9 +160,8 @@ class Tally:
         self.outcomes: collections.Counter[str] = collections.Counter()
 
 
-async def scrape(session: Any, url: str) -> dict[str, float]:
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
+async def scrape(session: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await session.get(f"{url}/metrics")).text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(("enginemeter_requests_total{", "enginemeter_in_flight_requests{", "soak_")):
@@ -192,27 +189,26 @@ def summarize(metrics: dict[str, float]) -> dict[str, Any]:
     return {"requests_total": dict(sorted(requests.items())), "in_flight": in_flight, "event_loop_lag": lag}
 
 
-async def client(session: Any, url: str, tally: Tally, stop: asyncio.Event, hangup: float, rng: random.Random) -> None:
-    import aiohttp
-
+async def client(
+    session: httpx.AsyncClient, url: str, tally: Tally, stop: asyncio.Event, hangup: float, rng: random.Random
+) -> None:
     body = {"model": ALIAS, "messages": [{"role": "user", "content": "soak"}], "stream": True}
     while not stop.is_set():
         hang_after = rng.randint(1, 20) if rng.random() < hangup else None
         tally.sent += 1
         try:
-            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
-                if r.status != 200:
-                    await r.read()
-                    tally.outcomes[f"http_{r.status}"] += 1
+            async with session.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    tally.outcomes[f"http_{r.status_code}"] += 1
                     await asyncio.sleep(0.2)  # back off while the engine restarts (client pacing)
                     continue
                 chunks, last = 0, b""
-                async for chunk in r.content.iter_any():
+                async for chunk in r.aiter_raw():
                     chunks += 1
                     last = (last + chunk)[-400:]
                     if hang_after is not None and chunks >= hang_after:
-                        r.close()  # hang up mid-stream
-                        break
+                        break  # hang up mid-stream: leaving the block closes the response's connection
                 if hang_after is not None and chunks >= hang_after:
                     tally.outcomes["hung_up"] += 1
                 elif b'"error"' in last:
@@ -221,20 +217,17 @@ async def client(session: Any, url: str, tally: Tally, stop: asyncio.Event, hang
                     tally.outcomes["ok"] += 1
                 else:
                     tally.outcomes["cut_without_error"] += 1
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (httpx.HTTPError, TimeoutError) as exc:
             tally.outcomes[f"client_error:{type(exc).__name__}"] += 1
 
 
 async def drive(args: argparse.Namespace, proxy_url: str, proxy_pid: int, engine: Proc) -> dict[str, Any]:
-    import aiohttp
-
     rng = random.Random(16)
     tally = Tally()
     stop = asyncio.Event()
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=120)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "samples": []}
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=120, trust_env=False) as session:
         tasks = [
             asyncio.ensure_future(client(session, proxy_url, tally, stop, args.hangup, random.Random(rng.random())))
             for _ in range(args.streams)

@@ -11,9 +11,17 @@
         ├── UpstreamTimeout        504  connect/read/pool timeout
         └── UpstreamBroken         502  stream broke off or was malformed after it started
 
-Transport exceptions (httpx for probes and injected transports, aiohttp for the relay's streams) are translated
-to this tree at one seam (``from_transport_error``; ``TRANSPORT_ERRORS`` is what it accepts). Every body the
-proxy makes says so:
+The engines' connections fail in the relay's own HTTP/1.1 client (``proxy.server.h1``) with its own tree, as
+httpx's ``_exceptions.py`` draws its:
+
+    TransportError             a connection to an engine failed (``proxy.server.h1``, ``proxy.server.h1conn``)
+    ├── EngineUnreachable      the connection could not be made (refused, no route); ``os_error`` says why
+    ├── EngineDisconnected     the engine closed the connection before the response's head
+    └── EngineProtocolError    the response broke off mid-body, or was not HTTP/1.1
+    TimeoutError               (the built-in) connect, read or pool time ran out
+
+Those and httpx's (probes and injected transports) are translated to the first tree at one seam
+(``from_transport_error``; ``TRANSPORT_ERRORS`` is what it accepts). Every body the proxy makes says so:
 ``{"error": {"message", "type", "param", "code", "enginemeter": true}}`` — clients and dashboards can always tell
 a proxy error from an engine error, which passes through untouched (``enginemeter`` absent).
 """
@@ -25,11 +33,36 @@ import os
 import re
 import socket
 
-import aiohttp
 import httpx
 
 from proxy import engines
 from proxy.types import EngineKind, Outcome
+
+
+class TransportError(Exception):
+    """A connection to an engine failed in the relay's HTTP/1.1 client; ``from_transport_error`` maps it."""
+
+
+class EngineUnreachable(TransportError):
+    """The connection could not be made (refused, no route): ``connect_error``. ``os_error`` is the cause."""
+
+    def __init__(self, host: str, port: int, os_error: OSError) -> None:
+        super().__init__(host, port, os_error)
+        self.host, self.port, self.os_error = host, port, os_error
+
+    def __str__(self) -> str:
+        return f"Cannot connect to host {self.host}:{self.port} [{self.os_error.strerror or self.os_error}]"
+
+
+class EngineDisconnected(TransportError):
+    """The engine closed the connection before the response's head (a stale kept-alive connection, a crash)."""
+
+    def __str__(self) -> str:
+        return "Server disconnected without sending a response"
+
+
+class EngineProtocolError(TransportError):
+    """The response broke off mid-body, or was not HTTP/1.1; the message says which (no addresses in it)."""
 
 
 class ProxyError(Exception):
@@ -109,8 +142,8 @@ def error_body(message: str, type_: str, code: int, *, param: str | None = None)
     return {"error": {"message": message, "type": type_, "param": param, "code": code, "enginemeter": True}}
 
 
-#: every exception an upstream call can raise that ``from_transport_error`` maps (TimeoutError: aiohttp's timeouts)
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, aiohttp.ClientError, TimeoutError)
+#: every exception an upstream call can raise that ``from_transport_error`` maps (TimeoutError: the H1 client's)
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, TransportError, TimeoutError)
 
 
 def from_transport_error(exc: BaseException, engine: str) -> UpstreamError:
@@ -119,16 +152,9 @@ def from_transport_error(exc: BaseException, engine: str) -> UpstreamError:
     port, which a client has no business learning (``_reason``)."""
     if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return UpstreamTimeout(f"engine {engine!r} timed out ({type(exc).__name__})")
-    if isinstance(exc, httpx.ConnectError | aiohttp.ClientConnectorError):
+    if isinstance(exc, httpx.ConnectError | EngineUnreachable):
         return UpstreamConnectError(f"engine {engine!r} is unreachable: {_reason(exc)}")
-    if isinstance(
-        exc,
-        httpx.RemoteProtocolError
-        | httpx.ReadError
-        | aiohttp.ServerDisconnectedError
-        | aiohttp.ClientPayloadError
-        | aiohttp.ClientOSError,
-    ):
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | EngineDisconnected | EngineProtocolError):
         return UpstreamBroken(f"engine {engine!r} closed the connection: {_reason(exc)}")
     return UpstreamBroken(f"engine {engine!r} transport error: {_reason(exc)}")
 
@@ -137,15 +163,15 @@ def _reason(exc: BaseException) -> str:
     """What went wrong, without addresses: an OS error's errno text (``Connection refused``) from the exception or its
     causes, the HTTP client's words about a broken exchange, else the exception's type (never ``str()`` of a
     connect or TLS error: those hold host names)."""
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "Server disconnected without sending a response"
-    if isinstance(exc, aiohttp.ClientPayloadError | httpx.RemoteProtocolError) and str(exc):
+    if isinstance(exc, EngineDisconnected):
+        return str(exc)
+    if isinstance(exc, EngineProtocolError | httpx.RemoteProtocolError) and str(exc):
         return str(exc)  # h1.py's or httpcore's words about the HTTP exchange: no addresses in them
     seen: BaseException | None = exc
     for _ in range(5):  # httpx -> httpcore -> the OSError
         if seen is None:
             break
-        os_error = getattr(seen, "os_error", None)  # aiohttp's connector errors hold it here
+        os_error = seen.os_error if isinstance(seen, EngineUnreachable) else None
         for e in (os_error, seen):
             if isinstance(e, socket.gaierror) and e.strerror:
                 return str(e.strerror)  # "Name or service not known": the resolver's words, no name in them

@@ -12,9 +12,9 @@ output)``, the relay's: the parser hands every read to ``sink`` inside the conne
 so a stream's chunk goes from the engine's socket to the client's without a task switch (``proxy.server.output``).
 
 It is a ``StreamClient`` (``proxy.server.upstream``) and raises what the relay already maps
-(``proxy.errors.from_transport_error``): aiohttp's exception classes, so a refused connection is still a
-``connect_error``, a connection the engine closed before answering a ``ServerDisconnectedError``, a timeout still
-a ``TimeoutError``.
+(``proxy.errors.from_transport_error``): its own transport errors (``proxy.errors``), so a refused connection is a
+``connect_error`` (``EngineUnreachable``), a connection the engine closed before answering ``EngineDisconnected``,
+a timeout a ``TimeoutError``.
 
 Pool: at most ``max_connections`` requests in flight per engine (a semaphore; waiting for one counts against
 ``timeouts.pool``), idle connections kept LIFO for ``KEEPALIVE_EXPIRY_S`` and only when the engine's response
@@ -34,7 +34,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-from proxy.server.h1conn import Conn, EngineUnreachable
+from proxy.errors import EngineUnreachable
+from proxy.server.h1conn import Conn
 from proxy.settings import EngineSettings
 
 if TYPE_CHECKING:

@@ -8,9 +8,9 @@ httptools (llhttp) parser calls back into it.
   (``last_rx``), so a stream arms one timer per ``timeouts.read``, not one per read (``wait_read``).
 - Backpressure: reading pauses while more than ``HIGH_WATER`` bytes wait for the relay, or while the relay
   flushes to a slow client (``pause``/``resume``; time paused is no engine silence).
-- Failures are aiohttp's exception classes, which ``proxy.errors.from_transport_error`` maps: a refused
-  connection ``EngineUnreachable`` (``connect_error``), a close before the head ``ServerDisconnectedError``, a
-  cut body or a malformed response ``ClientPayloadError``.
+- Failures are the client's own (``proxy.errors``' transport tree, which ``from_transport_error`` maps): a refused
+  connection ``EngineUnreachable`` (``connect_error``), a close before the head ``EngineDisconnected``, a cut body
+  or a malformed response ``EngineProtocolError``.
 - A lost connection lets go of its parser (the parser holds the protocol: a reference cycle otherwise, which
   only the garbage collector would free).
 """
@@ -22,22 +22,12 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-import aiohttp
 import httptools
+
+from proxy.errors import EngineDisconnected, EngineProtocolError
 
 #: stop reading from the engine while this much is buffered and not yet taken by the relay
 HIGH_WATER = 1 << 20
-
-
-class EngineUnreachable(aiohttp.ClientConnectorError):
-    """The connection could not be made (refused, no route): ``connect_error``."""
-
-    def __init__(self, host: str, port: int, os_error: OSError) -> None:
-        OSError.__init__(self, os_error.errno, os_error.strerror)
-        self._host, self._port, self._os_error = host, port, os_error
-
-    def __str__(self) -> str:
-        return f"Cannot connect to host {self._host}:{self._port} [{self._os_error.strerror or self._os_error}]"
 
 
 class _NoCallbacks:
@@ -102,7 +92,7 @@ class Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(aiohttp.ClientPayloadError(f"malformed response from the engine: {exc}"))
+            self._fail(EngineProtocolError(f"malformed response from the engine: {exc}"))
             if self.transport is not None:
                 self.transport.close()
 
@@ -121,9 +111,9 @@ class Conn(asyncio.Protocol):
             self._wake()
         if not self.done:
             if not self.headers_done:
-                self._fail(aiohttp.ServerDisconnectedError())
+                self._fail(EngineDisconnected())
             else:
-                self._fail(aiohttp.ClientPayloadError(f"the engine closed the connection mid-body ({exc or 'EOF'})"))
+                self._fail(EngineProtocolError(f"the engine closed the connection mid-body ({exc or 'EOF'})"))
 
     # ---- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
