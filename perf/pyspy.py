@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "perf"))
-from overhead import descendants  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from perf.procs import descendants  # noqa: E402
 
 #: (layer, predicate on one frame "function (file:line)"), first match from the innermost frame wins
 LAYERS: list[tuple[str, tuple[str, ...]]] = [

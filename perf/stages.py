@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perf.overhead import free_port, wait_http  # noqa: E402
+from perf.procs import wait_http  # noqa: E402
+from proxy.process import free_port  # noqa: E402
 
 STAGES = [
     "received",  # the server parsed the request's head (loopwatch.accepted)

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,8 +39,11 @@ import httpx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(ROOT))
 
 import memcheck  # noqa: E402
+
+from proxy.process import free_port  # noqa: E402
 
 PROMPTS = [
     "Explain, step by step, how a transformer language model turns a prompt into its next token.",
@@ -53,12 +55,6 @@ PROMPTS = [
 
 def log(msg: str) -> None:
     print(f"[live {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def config(port: int, engines: dict[str, str], shadow: str | None, out: Path) -> str:

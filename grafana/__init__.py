@@ -1,0 +1,1 @@
+"""The Grafana dashboards' source: ``generate.py`` (the dashboards, the Kubernetes copies) over ``panels.py``."""

@@ -1,0 +1,176 @@
+"""The package's shape, held by its own imports: no import cycle anywhere in ``proxy/`` (an import inside a function
+or under ``TYPE_CHECKING`` counts: it only hides the cycle), the bench wing's layers (``run`` -> ``verdict`` <-
+``report``, ``live`` -> ``verdict``), the GPU package below the server, no module over 450 lines, every module
+named in its package's map, and no aiohttp."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_LINES = 450
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under ``root`` (a package's ``__init__`` is the package)."""
+    out = {}
+    for p in sorted(root.rglob("*.py")):
+        parts = p.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of ``root``'s package it imports, from every import statement in it."""
+    mods = modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t not in mods and "." in t:
+                    t = t.rpartition(".")[0]
+                if t in mods and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(graph.get(w, ()))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function_and_under_type_checking(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    (pkg / "sub" / "c.py").write_text("from ..a import f\nfrom . import d\n")
+    (pkg / "sub" / "d.py").write_text("import pkg.sub.c\n")
+    assert sorted(cycles(import_graph(pkg))) == [["pkg.a", "pkg.b"], ["pkg.sub.c", "pkg.sub.d"]]
+
+
+def test_proxy_has_no_import_cycle() -> None:
+    assert cycles(import_graph(REPO / "proxy")) == []
+
+
+#: package -> the packages it must never import (the layers: imports go down, never back up)
+LAYERS = {
+    "proxy.bench.verdict": ("proxy.bench.run", "proxy.bench.live", "proxy.bench.report", "proxy.cli", "proxy.server"),
+    "proxy.bench.run": ("proxy.bench.live", "proxy.bench.report", "proxy.cli", "proxy.server"),
+    "proxy.bench.live": ("proxy.bench.report", "proxy.cli", "proxy.server"),
+    "proxy.bench.report": ("proxy.bench.run", "proxy.cli", "proxy.server"),
+    "proxy.gpu": ("proxy.server", "proxy.bench", "proxy.cli"),
+    "proxy.server": ("proxy.bench", "proxy.cli"),
+    "proxy.engines": ("proxy.server", "proxy.bench", "proxy.cli", "proxy.gpu"),
+}
+
+
+def test_every_layer_imports_only_below_itself() -> None:
+    graph = import_graph(REPO / "proxy")
+    wrong = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        for layer, banned in LAYERS.items()
+        if m == layer or m.startswith(layer + ".")
+        for d in deps
+        if any(d == b or d.startswith(b + ".") for b in banned)
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("tree", ["proxy", "perf", "grafana", "fakes", "scripts"])
+def test_no_module_is_over_450_lines(tree: Path) -> None:
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / tree).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def test_every_package_map_names_each_of_its_modules() -> None:
+    """Each ``__init__`` docstring is its package's map: one line per module."""
+    missing = []
+    for init in sorted((REPO / "proxy").rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        words = {w.strip("`:,.()").rpartition(".")[2] for line in doc.splitlines() for w in line.split()}
+        for p in init.parent.glob("*.py"):
+            if p.name not in ("__init__.py", "__main__.py") and p.stem not in words:
+                missing.append(str(p.relative_to(REPO)))
+        for sub in init.parent.iterdir():
+            if (sub / "__init__.py").exists() and sub.name not in {w.rstrip("/") for w in words}:
+                missing.append(str(sub.relative_to(REPO)) + "/")
+    assert missing == []
+
+
+def test_the_package_does_not_depend_on_aiohttp() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.lower().startswith("aiohttp")]
+    users = [m for m, p in modules(REPO / "proxy").items() if "aiohttp" in import_names(p)]
+    assert users == []
+
+
+def import_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
