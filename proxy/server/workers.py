@@ -36,6 +36,21 @@ Each worker:
   ``SYNC_INTERVAL_S``. ``GET /admin/mirror`` counts (sent, in flight) are the answering worker's;
 - appends to the one comparison log: ``ComparisonLog`` holds an ``flock`` while it rotates and writes a line.
 
+No worker outlives its supervisor, however the supervisor ends (SIGKILL, the OOM killer, a crash): each worker
+asks Linux for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, ``die_with_parent``) and watches
+``getppid()`` besides (``watch_parent``: every ``PARENT_POLL_S``; the only guard off Linux). Either starts the
+worker's graceful shutdown: it stops listening at once (the port is free for the next ``serve``), lets the
+requests in progress finish within the shutdown timeout and exits. A worker whose supervisor died before it
+could ask exits at start.
+
+The multiprocess directory the supervisor makes (``enginemeter-metrics-*`` in the temporary directory) holds
+``owner.lock``, locked shared by the supervisor and every worker for their lives (``hold_directory``); a
+directory whose lock nobody holds any longer is left over from a run whose processes are all gone, and the next
+``serve`` removes it (``remove_stale_directories``). A directory named by ``PROMETHEUS_MULTIPROC_DIR`` is wiped
+at start as before, once no other run holds its lock (``claim_directory`` waits for the workers of an earlier
+run to finish, at most ``shutdown_timeout_s`` and a margin; then ``serve`` exits 1: two runs writing one
+directory would add up each other's figures).
+
 With ``--workers 1`` none of this runs: the proxy is one process as before.
 """
 
@@ -43,6 +58,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
+import fcntl
 import json
 import logging
 import multiprocessing
@@ -51,6 +69,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -77,6 +96,13 @@ MIRROR_FILE = "mirror.json"
 #: a worker that dies this soon after its start, this many times in a row, stops the whole server
 CRASH_WINDOW_S = 5.0
 MAX_QUICK_CRASHES = 3
+#: a worker checks this often whether its supervisor is still its parent (besides the parent-death signal)
+PARENT_POLL_S = 0.5
+#: the multiprocess directories the supervisor makes, and the lock file in each that says someone still uses it
+DIR_PREFIX = "enginemeter-metrics-"
+LOCK_FILE = "owner.lock"
+#: what a worker writes to its start-up pipe once it serves
+READY = b"ready"
 
 
 def default_workers() -> int:
@@ -100,6 +126,122 @@ def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.soc
         sock.listen(2048)
         sock.setblocking(False)
     return sock
+
+
+# ================================================================================================ lifetimes
+
+#: prctl(2) option: the signal this process gets when the thread that created it exits
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``); False where
+    that is not available. Linux sends it when the *thread* that started this process ends: the supervisor
+    starts every worker from its main thread."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(parent: int, on_gone: Callable[[], None], interval_s: float = PARENT_POLL_S) -> threading.Thread:
+    """A daemon thread that calls ``on_gone`` once ``parent`` is no longer this process's parent (it died: the
+    process was re-parented to init or a subreaper)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)  # the polling period, not a synchronisation
+        log.warning("the supervisor (pid %d) is gone: this worker stops listening and exits", parent)
+        on_gone()
+
+    t = threading.Thread(target=watch, name="enginemeter-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
+def hold_directory(directory: str | Path) -> int:
+    """A shared lock on ``directory``'s ``owner.lock``, held until this process closes the returned fd (or dies):
+    while any process holds it, the directory is in use."""
+    fd = os.open(Path(directory) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _lock_free(directory: Path) -> int | None:
+    """An exclusive lock on ``directory``'s ``owner.lock`` if nobody holds it (the fd, to close), else None."""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        return None
+    return fd
+
+
+def make_directory() -> tuple[str, int]:
+    """A new multiprocess directory, already locked by this process (the fd): made under another name and renamed,
+    so that no other ``serve`` ever sees it unlocked and takes it for a left-over."""
+    staging = tempfile.mkdtemp(prefix=".enginemeter-new-")
+    fd = hold_directory(staging)
+    final = os.path.join(os.path.dirname(staging), DIR_PREFIX + os.path.basename(staging).rsplit("-", 1)[-1])
+    os.rename(staging, final)
+    return final, fd
+
+
+def remove_stale_directories(parent: str | Path | None = None) -> list[Path]:
+    """Remove the multiprocess directories of earlier runs whose supervisor and workers are all gone (a supervisor
+    that was killed could not remove its own); the ones removed. A directory without a lock file (an older
+    version's) is left alone: nothing tells whether it is still in use."""
+    removed = []
+    for d in sorted(Path(parent or tempfile.gettempdir()).glob(DIR_PREFIX + "*")):
+        try:
+            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid() or not (d / LOCK_FILE).exists():
+                continue
+        except OSError:
+            continue
+        fd = _lock_free(d)
+        if fd is None:
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            os.close(fd)
+        log.info("removed %s: left by a run whose processes are all gone", d)
+        removed.append(d)
+    return removed
+
+
+def claim_directory(directory: str, wait_s: float) -> int:
+    """``PROMETHEUS_MULTIPROC_DIR``: wait until no other run holds it (the workers of a killed supervisor finish
+    their requests first, at most ``wait_s``), wipe the figures of the earlier run and hold it shared; the fd.
+    Raises ``RuntimeError`` if another run still holds it after ``wait_s``."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    said = False
+    while (fd := _lock_free(path)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"PROMETHEUS_MULTIPROC_DIR {directory} is in use by another enginemeter run (its processes hold "
+                f"{LOCK_FILE}): two runs in one directory add up each other's figures; give each its own"
+            )
+        if not said:
+            log.warning("PROMETHEUS_MULTIPROC_DIR %s is in use by another run's processes: waiting up to %.0f s "
+                        "for them to exit", directory, wait_s)  # fmt: skip
+            said = True
+        time.sleep(0.1)  # the polling period of a lock wait, not a synchronisation
+    for f in path.glob("*.db"):  # the figures of an earlier run would add up with ours
+        f.unlink()
+    fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive to shared: our workers take it shared too
+    return fd
 
 
 # ================================================================================================ in a worker
@@ -265,10 +407,17 @@ class WorkerSpec:
     directory: str
     log_level: str
     shutdown_timeout_s: float = 30.0
+    #: the supervisor's pid: a worker whose parent is no longer this one stops (module docstring)
+    supervisor_pid: int = 0
 
 
-def worker_main(spec: WorkerSpec, ready: Any) -> None:
-    """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT."""
+def worker_main(spec: WorkerSpec, ready: multiprocessing.connection.Connection) -> None:
+    """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT or its supervisor's
+    death."""
+    # first of all: from here on the supervisor's death reaches this process; if it died before, stop now
+    die_with_parent(signal.SIGTERM)
+    if spec.supervisor_pid and os.getppid() != spec.supervisor_pid:
+        return
     from proxy.server import build_app
     from proxy.server.guard import Server, server_config
 
@@ -277,10 +426,17 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    hold_directory(spec.directory)  # for this process's life: the directory is in use
     sock = reuseport_socket(spec.host, spec.port)
     role = WorkerRole(spec.index, Path(spec.directory))
     app = build_app(spec.settings, worker=role)
-    wrapped = role.wrap(app, app.state.gateway.mirror, on_started=ready.set)
+
+    def started() -> None:
+        with contextlib.suppress(OSError):  # the supervisor is gone: its watch stops this worker
+            ready.send_bytes(READY)
+        ready.close()
+
+    wrapped = role.wrap(app, app.state.gateway.mirror, on_started=started)
     # the single-process serve's configuration: connection limits, shutdown timeout (proxy/server/guard.py)
     config = server_config(
         wrapped,
@@ -288,8 +444,12 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
         shutdown_timeout_s=spec.shutdown_timeout_s,
         loop_watch=app.state.gateway.loop_watch,
     )
+    server = Server(config)
+    if spec.supervisor_pid:
+        # uvicorn's own shutdown, as on SIGTERM: stop listening, finish what is in progress, exit
+        watch_parent(spec.supervisor_pid, lambda: setattr(server, "should_exit", True))
     with contextlib.suppress(KeyboardInterrupt):
-        Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
 
 
 # ================================================================================================ supervisor
@@ -361,13 +521,19 @@ def serve_workers(
     from prometheus_client.multiprocess import mark_process_dead
 
     made_dir = None
+    remove_stale_directories()
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if directory:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        for f in Path(directory).glob("*.db"):  # the figures of an earlier run would add up with ours
-            f.unlink()
+        try:
+            lock = claim_directory(directory, shutdown_timeout_s + 5)
+        except RuntimeError as exc:
+            log.error("%s", exc)
+            for stop in on_shutdown:
+                stop()
+            return 1
     else:
-        directory = made_dir = tempfile.mkdtemp(prefix="enginemeter-metrics-")
+        directory, lock = make_directory()
+        made_dir = directory
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     # bound, never listening: holds the port (port 0 picks one) without taking connections
     reserve = reuseport_socket(settings.host, settings.port, listen=False)
@@ -376,19 +542,33 @@ def serve_workers(
     stopping = threading.Event()
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     started: dict[int, float] = {}
-    #: each worker's start-up Event, held while the worker runs: a restart's Event collected before the child
-    #: opened its semaphore made every restart die with FileNotFoundError
-    readies: dict[int, Any] = {}
+    #: each worker's start-up pipe (the reading end): the worker writes READY once it serves. Not a
+    #: multiprocessing Event: its set() waits for every waiter to wake, so a supervisor killed while waiting left
+    #: a starting worker blocked for ever, its event loop with it (a parent-death signal could not end it)
+    readies: dict[int, multiprocessing.connection.Connection] = {}
     counts = SupervisorCounts(Path(directory))
     crashes = 0
 
-    def start(i: int) -> Any:
-        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s)
-        ready = readies[i] = ctx.Event()
-        p = ctx.Process(target=worker_main, args=(spec, ready), name=f"enginemeter-worker-{i}", daemon=False)
+    def start(i: int) -> None:
+        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s, os.getpid())
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=worker_main, args=(spec, writer), name=f"enginemeter-worker-{i}", daemon=False)
         p.start()
+        writer.close()  # the child has its own copy: the pipe ends (EOF) when the child does
+        if i in readies:
+            readies[i].close()
+        readies[i] = reader
         procs[i], started[i] = p, time.monotonic()
-        return ready
+
+    def wait_ready(i: int) -> bool:
+        """Until worker ``i`` serves (True), exits or the supervisor is told to stop (False)."""
+        while procs[i].exitcode is None and not stopping.is_set():
+            if readies[i].poll(0.1):
+                try:
+                    return readies[i].recv_bytes() == READY
+                except (EOFError, OSError):
+                    return False
+        return False
 
     def on_signal(signum: int, frame: object) -> None:
         stopping.set()
@@ -400,11 +580,10 @@ def serve_workers(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
-        first = [start(i) for i in range(n)]
-        for i, ready in enumerate(first):
-            while not ready.wait(0.1) and procs[i].exitcode is None and not stopping.is_set():
-                pass  # waiting for worker i's startup, or its exit
-        if all(r.is_set() for r in first) and not stopping.is_set():
+        for i in range(n):
+            start(i)
+        up = [wait_ready(i) for i in range(n)]
+        if all(up) and not stopping.is_set():
             log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
             if announce is not None:
                 announce(port)
@@ -441,10 +620,13 @@ def serve_workers(
             p.join(10)
         for s, h in previous.items():
             signal.signal(s, h)
+        for r in readies.values():
+            r.close()
         reserve.close()
         counts.close()
         for stop in on_shutdown:
             stop()
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
+        os.close(lock)
     return status
