@@ -155,7 +155,8 @@ class ProcessServer:
     url + ready_path`` answered with a status in ``ready_status`` (any status if ``None``) before
     ``startup_timeout``; dying first raises with the log tail. Output goes to ``log_path``.
     The process is a ``proxy.process.EngineProcess`` (own process group; :meth:`stop` sends SIGTERM, then
-    SIGKILL after ``stop_timeout``), so the fixtures run processes the way the product does.
+    SIGKILL after ``stop_timeout``), so the fixtures run processes the way the product does. ``wrapper`` is a
+    command the interpreter runs under (``("prlimit", "--nofile=1024:1024")``: a hard open-file limit).
     """
 
     def __init__(
@@ -169,13 +170,14 @@ class ProcessServer:
         startup_timeout: float = 30.0,
         stop_timeout: float = 10.0,
         log_path: Path | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args_ = [a.replace("{port}", str(self.port)) for a in args]
         if not any("{port}" in a for a in args):
             args_ += ["--port", str(self.port)]
-        self.argv = [sys.executable, "-m", module, *args_]
+        self.argv = [*wrapper, sys.executable, "-m", module, *args_]
         self.ready_path = ready_path
         self.ready_status = ready_status
         pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

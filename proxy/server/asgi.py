@@ -33,7 +33,7 @@ from proxy.errors import NotFound, ProxyError, redact_url
 from proxy.server.admin import admin_routes
 from proxy.server.app import Gateway, make_engines
 from proxy.server.attempt import Attempts
-from proxy.server.guard import raise_fd_limit
+from proxy.server.guard import fd_budget, raise_fd_limit
 from proxy.server.loopwatch import LoopWatch
 from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.paths import route_path, upstream_path
@@ -135,7 +135,9 @@ def asgi_app(gw: Gateway) -> ProxyApp:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             soft, _ = raise_fd_limit()
-            log.info("open-file limit: %d", soft)
+            budget, headroom = fd_budget(soft)
+            log.info("open-file limit: %d, headroom %d: idle client connections are closed, oldest first, above %d "
+                     "open files", soft, headroom, budget)  # fmt: skip
             await probe_all(list(gw.engines.values()))
             gw.metrics.prime(
                 gw.engines,
