@@ -353,6 +353,10 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     if s.mirror.log_path and any(r.shadows for r in s.routes):
         lines.append(f"  comparison log:  {s.mirror.log_path}")
         lines.append(f"  report:          {report_command(s, base)}")
+        if s.api_keys and s.health == "key":
+            lines.append(
+                "                   (with ENGINEMETER_PROXY_KEY set to a client key: /health's detail needs one)"
+            )
     lines.append(
         f"  try: curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f"""-d '{{"model":"{model}","stream":true,"max_tokens":32,"messages":[{{"role":"user","content":"hello"}}]}}'"""

@@ -49,6 +49,14 @@ enginemeter: enginemeter.yaml:12: sampling_defaults.temprature: unknown key (did
   Environment: `ENGINEMETER_CONFIG`, `ENGINEMETER_LISTEN`, `ENGINEMETER_PRIMARY`, `ENGINEMETER_SHADOW`,
   `ENGINEMETER_SHADOW_RATE`, `ENGINEMETER_API_KEYS` (comma-separated, each non-blank: a blank one is an error,
   never "no keys"), `ENGINEMETER_ADMIN_KEY`, `ENGINEMETER_MAX_BODY_BYTES`. Flags: `enginemeter serve --help`.
+- **`/health` and `/metrics`**: with `api_keys` set, `/health` without a key answers `{"status", "version"}`
+  only (liveness: probes keep working, 200 either way); its detail (engine URLs with their user names, pids,
+  log, model and comparison-log paths) needs a client key or the admin key as a bearer token, unless `health:
+  public`. `/metrics` is public by default, as Prometheus expects (engine and model names and builds, no URL);
+  with `metrics: {access: key}` a scrape without a key gets a 401, so give Prometheus one
+  (`authorization: {credentials_file: ...}`: see `deploy/prometheus/prometheus.yml` and
+  `deploy/kubernetes/base/servicemonitor.yaml`); it needs `api_keys` or `admin_key` to check against.
+  `enginemeter report --proxy URL` sends the key in `ENGINEMETER_PROXY_KEY`.
 
 Every key is optional except `engines` (unless `--primary` is given) and the keys marked *required*.
 """

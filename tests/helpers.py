@@ -9,6 +9,7 @@
 - :class:`LlamaServerFactory`: the type of the ``llama_server_factory`` fixture (tests/conftest.py).
 - :func:`start_proxy` / :class:`ProxyUnderTest`: the proxy under test, fully wired (``build_app``) on a real
   socket; :class:`ProxyFactory` is the type of the ``proxy_factory`` fixture that starts one per call.
+- :func:`uncommented`: a shipped file with one of its commented-out recipes switched on, as its comment says.
 """
 
 from __future__ import annotations
@@ -286,3 +287,20 @@ def start_proxy(
     p = ProxyUnderTest(url=url, registry=registry, gateway=gateway, client=client)
     gateway.attempts.observers.append(p.results.append)
     return p
+
+
+def uncommented(text: str, first: str) -> str:
+    """``text`` with the commented block that starts with the line ``# {first}`` uncommented (the block: that line
+    and the commented lines after it indented deeper)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"# {first}")
+    indent = lines[start].index("#")
+    out = lines[:start]
+    i = start
+    while i < len(lines) and lines[i].strip().startswith("#") and lines[i].index("#") == indent:
+        body = lines[i][indent + 2 :]
+        if i > start and not body.startswith(" "):
+            break
+        out.append(" " * indent + body)
+        i += 1
+    return "\n".join(out + lines[i:]) + "\n"

@@ -63,7 +63,8 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--accept-quantization-difference", action="store_true", help=ACCEPT_HELP)
     r.add_argument("--blocks", type=int, default=5, help="log: consecutive blocks standing in for repeats")
     r.add_argument("--proxy", metavar="URL", help="log: read engine info (quantization, context, slots), GPU memory "
-                   "and GPU sharing from this running proxy's /health and /metrics")  # fmt: skip
+                   "and GPU sharing from this running proxy's /health and /metrics (a proxy with api_keys: its "
+                   "key in ENGINEMETER_PROXY_KEY)")  # fmt: skip
     r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
     r.add_argument("--min-effect", type=pct, metavar="PCT", help=MIN_EFFECT_HELP + "; default: the run's own")
     r.add_argument("--run", metavar="ID|all", help="log: the proxy run to report (an id or its prefix, as the "
