@@ -52,7 +52,7 @@ def add_commands(sub: Any) -> None:
     r = sub.add_parser("report", help="build the report from bench results or the proxy's comparison log")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (rotated x.jsonl.1 ...)"
+        "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (+ rotated x.jsonl.N)"
     )
     src.add_argument("--results", nargs="+", metavar="RESULTS", help="a bench results.jsonl; several: separate runs "
                      "joined when comparable (same suite, sampling, max tokens, GPU), else refused naming the "
@@ -259,8 +259,10 @@ def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
     for live in lives:
         # one report per primary: its own directory when the log mirrored from several
         out = write_live_report(live, Path(args.out) if len(lives) == 1 else Path(args.out) / live.primary)
-        for line in live.selection.notes:
+        for line in [f"comparison log: {live.selection.read}", *live.selection.notes]:
             print(f"note: {line}")
+        for line in live.selection.warnings:
+            print(f"warning: {line}", file=sys.stderr)
         for shadow, v in out["live"].items():
             for line in v.lines():
                 print(f"live {shadow} vs {live.primary}: {line}")

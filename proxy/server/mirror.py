@@ -128,6 +128,8 @@ class Mirror:
         self.live: dict[tuple[str, str], LiveVerdict] = {}
         self.pairs = PairTable(self.timeout + PAIR_GRACE_S, self._emit, lambda name: self._count(name, "unpaired"))
         self._facts_written: dict[str, tuple[Any, ...]] = {}
+        #: the last engine record written per engine: repeated at the top of each rotated-to file (``_header``)
+        self._facts_records: dict[str, dict[str, Any]] = {}
         self._streams: dict[str, StreamClient] = {}
         self._rng = random.Random()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -386,7 +388,10 @@ class Mirror:
             facts = tuple(getattr(st, f, None) for f in FACT_FIELDS)
             if self._facts_written.get(name) != facts:
                 self._facts_written[name] = facts
-                self.log.write(engine_record(self.run_id, name, dict(zip(FACT_FIELDS, facts, strict=True))))
+                rec = self._facts_records[name] = engine_record(
+                    self.run_id, name, dict(zip(FACT_FIELDS, facts, strict=True))
+                )
+                self.log.write(rec)
 
     # ----------------------------------------------------------------------------------- lifecycle
 
@@ -399,6 +404,12 @@ class Mirror:
         return run_record(self.run_id, listen=f"http://{host}:{s.port}", pairs=pairs, engines=engines,
                           version=__version__, ts=self.started)  # fmt: skip
 
+    def _header(self) -> list[dict[str, Any]]:
+        """What a file starts with after a rotation (on the log's thread): this run's record, marked ``continued``
+        (the run began in an earlier file), and the engine facts written so far, so that each file of the log says
+        which run and engines its pairs belong to after older files are gone."""
+        return [{**self._run_record(), "continued": True}, *dict(self._facts_records).values()]
+
     @asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
         """Held for the app's lifetime: opens the log (its run record first), sweeps expired pairs; on exit ends
@@ -406,8 +417,10 @@ class Mirror:
         ``end`` record and flushes the log."""
         s = self.settings.mirror
         if s.log_path:
-            self.log = ComparisonLog(s.log_path, max_bytes=s.log_max_bytes, backups=s.log_backups)
-            if any(r.shadows for r in self.settings.routes):
+            mirrored = any(r.shadows for r in self.settings.routes)
+            header = self._header if mirrored else None
+            self.log = ComparisonLog(s.log_path, max_bytes=s.log_max_bytes, backups=s.log_backups, header=header)
+            if mirrored:
                 self.log.write(self._run_record())
         sweeper = asyncio.ensure_future(self._sweep_forever())
         try:
