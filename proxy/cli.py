@@ -287,7 +287,9 @@ def _run(
     settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, shutdown_timeout_s: float
 ) -> int:
     from proxy.server import build_app
+    from proxy.server.workers import remove_stale_directories
 
+    remove_stale_directories()  # a killed `serve --workers` run's metrics directory, its processes all gone
     # the real port when --listen asked for port 0 (the run record says where this proxy listened)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the

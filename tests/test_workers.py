@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -285,18 +286,21 @@ def listening(port: int) -> bool:
     return False
 
 
-def _serve(engine_url: str, tmp_path: Path, port: int | None = None) -> ProcessServer:
-    """``serve --workers 2`` with its multiprocess directory made by itself, in ``tmp_path`` (TMPDIR)."""
+def _serve(engine_url: str, tmp_path: Path, port: int | None = None, workers: int = 2) -> ProcessServer:
+    """``serve --workers N`` with its multiprocess directory made by itself, in ``tmp_path`` (TMPDIR)."""
     return ProcessServer(
-        "proxy.cli", "serve", "--primary", engine_url, "--listen", "127.0.0.1:{port}", "--workers", "2",
+        "proxy.cli", "serve", "--primary", engine_url, "--listen", "127.0.0.1:{port}", "--workers", str(workers),
         "--log-level", "info", port=port, ready_path="/health", env={"TMPDIR": str(tmp_path)}, startup_timeout=60,
     )  # fmt: skip
 
 
-def test_a_killed_supervisor_leaves_no_worker_and_its_port_and_directory_to_the_next_serve(tmp_path: Path) -> None:
+@pytest.mark.parametrize("next_workers", [2, 1])
+def test_a_killed_supervisor_leaves_no_worker_and_its_port_and_directory_to_the_next_serve(
+    tmp_path: Path, next_workers: int
+) -> None:
     """Issue 35: after ``kill -9`` of the supervisor both workers (and the resource tracker) lived on under PID 1,
     listening with the old configuration; a new ``serve`` on the port failed "address already in use", and
-    /tmp/enginemeter-metrics-* stayed behind."""
+    /tmp/enginemeter-metrics-* stayed behind. The next ``serve``, one process or several, removes it."""
     with _engine() as engine:
         old = _serve(engine.url, tmp_path).start()
         try:
@@ -310,11 +314,12 @@ def test_a_killed_supervisor_leaves_no_worker_and_its_port_and_directory_to_the_
             assert not listening(old.port)
             gone_after = time.monotonic() - t0
             assert left.exists()  # its supervisor could not remove it
-            with _serve(engine.url, tmp_path, port=old.port) as new:  # the same port
+            with _serve(engine.url, tmp_path, port=old.port, workers=next_workers) as new:  # the same port
                 r = httpx.post(f"{new.url}/v1/chat/completions", json=BODY, headers={"connection": "close"})
                 assert r.status_code == 200
                 # the next start removed the left-over directory: nothing of the old run holds it
-                assert not left.exists() and len(list(tmp_path.glob("enginemeter-metrics-*"))) == 1
+                assert not left.exists()
+                assert len(list(tmp_path.glob("enginemeter-metrics-*"))) == (1 if next_workers > 1 else 0)
                 assert f"removed {left}: left by a run whose processes are all gone" in new.output()
         finally:
             old.stop()
