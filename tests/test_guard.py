@@ -140,3 +140,18 @@ def test_an_oversized_body_is_answered_at_once_then_drained_for_the_keep_alive_t
             assert KEEPALIVE_TIMEOUT_S - 0.5 <= closed_at - answered <= KEEPALIVE_TIMEOUT_S + 2, closed_at - answered
         # the proxy counted it once, as rejected
         wait_until(lambda: 'outcome="rejected"' in httpx.get(f"{proxy.url}/metrics").text, timeout=10)
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout() -> None:
+    """docs/reliability.md: a kept-alive connection with no next request is closed after 5 s."""
+    with engine_and_proxy("--workers", "1") as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            s.settimeout(KEEPALIVE_TIMEOUT_S + 5)
+            got = b""
+            while not _whole(got):
+                got += s.recv(65536)
+            answered = time.monotonic()
+            assert got.startswith(b"HTTP/1.1 200 ")
+            assert s.recv(65536) == b""  # blocks until the proxy closes it
+            assert KEEPALIVE_TIMEOUT_S - 0.5 <= time.monotonic() - answered <= KEEPALIVE_TIMEOUT_S + 2
