@@ -352,6 +352,12 @@ def load(
         raise SettingsError(f"{config}: no engines configured: add an engines: list, or give --primary URL")
     if not s.engines:
         raise SettingsError("no engines configured: give --primary URL, or a config file with an engines: list")
+    if s.metrics.access == "key" and not (s.api_keys or s.admin_key):
+        # checked here, after the environment: ENGINEMETER_API_KEYS may bring the keys a file does not hold
+        raise SettingsError(
+            f"{config or 'settings'}: metrics.access: key needs a key to check scrapes against: set api_keys (or "
+            "ENGINEMETER_API_KEYS) or admin_key"
+        )
     return s
 
 

@@ -260,8 +260,13 @@ Bounds = Annotated[tuple[float, ...], AfterValidator(_bounds)]
 
 @dataclass(frozen=True, config=_SECTION)
 class MetricsSettings:
-    """Prometheus histogram boundaries (docs/metrics.md#buckets)."""
+    """Who may scrape ``/metrics``, and the Prometheus histogram boundaries (docs/metrics.md#buckets)."""
 
+    access: Literal["public", "key"] = Field(
+        default="public",
+        description="public: anyone may scrape /metrics (Prometheus' default); key: a scrape needs a bearer key "
+        "(an api_keys key or the admin key; Prometheus: authorization.credentials_file)",
+    )
     buckets: dict[BucketKey, Bounds] = Field(
         default_factory=dict,
         description="histogram family -> strictly increasing boundaries; a family left out keeps its default",
@@ -278,7 +283,16 @@ class ConfigFile:
     listen: Listen = Field(default=DEFAULT_LISTEN, description="HOST:PORT the proxy binds ([::1]:8080 for IPv6)")
     api_keys: tuple[Key, ...] = Field(default=(), description="client bearer keys (each non-blank); none = no auth")
     admin_key: str | None = Field(default=None, description="bearer key for /admin/*; none = admin endpoints off")
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="larger request bodies get a 413")
+    health: Literal["key", "public"] = Field(
+        default="key",
+        description="key: with api_keys set, /health without a key (client or admin) answers only status and "
+        "version, the detail (engine URLs, pids, paths) needs one; public: the detail to anyone",
+    )
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1,
+        description="larger request bodies get a 413 at once (from the declared content-length; above: what follows)",
+    )
     engines: tuple[EngineSettings, ...] = Field(default=(), description="the engines behind the proxy")
     models: tuple[ModelAlias, ...] = Field(default=(), description="client-facing model aliases")
     routes: tuple[RouteSettings, ...] = Field(default=(), description="default: every model → the first engine")
@@ -291,7 +305,9 @@ class ConfigFile:
     pin_header: HeaderName = Field(default="x-enginemeter-engine", description="request header naming the engine")
     mirror: MirrorSettings = Field(default_factory=MirrorSettings, description="shadow copies, the comparison log")
     collectors: CollectorSettings = Field(default_factory=CollectorSettings, description="background pollers")
-    metrics: MetricsSettings = Field(default_factory=MetricsSettings, description="histogram boundaries")
+    metrics: MetricsSettings = Field(
+        default_factory=MetricsSettings, description="who may scrape /metrics, histogram boundaries"
+    )
     request_log: RequestLogSettings = Field(
         default_factory=RequestLogSettings, description="one JSON line per attempt; off unless path is set"
     )
@@ -342,6 +358,8 @@ class Settings:
     port: int = 8080
     api_keys: frozenset[str] = Field(default=frozenset(), repr=False)
     admin_key: str | None = Field(default=None, repr=False)
+    #: /health's detail without a key when ``api_keys`` are set: "key" (no) or "public" (proxy.server.access)
+    health: Literal["key", "public"] = "key"
     max_body_bytes: int = 4 * 1024 * 1024
     default_route: int | None = None
     sampling_defaults: Mapping[str, Any] = Field(default_factory=lambda: dict(DEFAULT_SAMPLING))

@@ -49,6 +49,28 @@ enginemeter: enginemeter.yaml:12: sampling_defaults.temprature: unknown key (did
   Environment: `ENGINEMETER_CONFIG`, `ENGINEMETER_LISTEN`, `ENGINEMETER_PRIMARY`, `ENGINEMETER_SHADOW`,
   `ENGINEMETER_SHADOW_RATE`, `ENGINEMETER_API_KEYS` (comma-separated, each non-blank: a blank one is an error,
   never "no keys"), `ENGINEMETER_ADMIN_KEY`, `ENGINEMETER_MAX_BODY_BYTES`. Flags: `enginemeter serve --help`.
+- **`/health` and `/metrics`**: with `api_keys` set, `/health` without a key answers `{"status", "version"}`
+  only (liveness: probes keep working, 200 either way); its detail (engine URLs with their user names, pids,
+  log, model and comparison-log paths) needs a client key or the admin key as a bearer token, unless `health:
+  public`. `/metrics` is public by default, as Prometheus expects (engine and model names and builds, no URL);
+  with `metrics: {access: key}` a scrape without a key gets a 401, so give Prometheus one
+  (`authorization: {credentials_file: ...}`: see `deploy/prometheus/prometheus.yml` and
+  `deploy/kubernetes/base/servicemonitor.yaml`); it needs `api_keys` or `admin_key` to check against.
+  `enginemeter report --proxy URL` sends the key in `ENGINEMETER_PROXY_KEY`.
+- **Request bodies over `max_body_bytes`** get a 413 at once: from the declared `Content-Length`, before a
+  byte of the body is read, or for a chunked body as soon as the bytes read pass the limit. The connection is
+  not closed with the answer: what the client still sends is read and dropped for at most 5 s (the keep-alive
+  timeout), then the connection is closed even if the client is still sending, whose next write then fails
+  (a reset). curl reads while it sends and sees the 413 at once; httpx sees it when its write fails
+  ([reliability.md](reliability.md)).
+
+**Upgrade notes.** A set but blank `ENGINEMETER_API_KEYS` (`""`, `" "`, `","`, `"a,,b"`) is now refused at
+start (exit 2, one line): it used to replace the file's `api_keys` with none and serve without
+authentication. A deployment that sets it empty (a placeholder `ENGINEMETER_API_KEYS=` in a Compose file, an
+env file or a systemd unit) stops starting: unset it to keep the file's keys, or give it keys; to run without
+keys, leave both `api_keys` and the variable out. With `api_keys` set, whatever read `/health`'s detail
+without a key (a script, `report --proxy`) now gets liveness only: send a key (`ENGINEMETER_PROXY_KEY` for
+`report`) or set `health: public`.
 
 Every key is optional except `engines` (unless `--primary` is given) and the keys marked *required*.
 """

@@ -9,6 +9,7 @@
 - :class:`LlamaServerFactory`: the type of the ``llama_server_factory`` fixture (tests/conftest.py).
 - :func:`start_proxy` / :class:`ProxyUnderTest`: the proxy under test, fully wired (``build_app``) on a real
   socket; :class:`ProxyFactory` is the type of the ``proxy_factory`` fixture that starts one per call.
+- :func:`uncommented`: a shipped file with one of its commented-out recipes switched on, as its comment says.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class ProcessServer:
     url + ready_path`` answered with a status in ``ready_status`` (any status if ``None``) before
     ``startup_timeout``; dying first raises with the log tail. Output goes to ``log_path``.
     The process is a ``proxy.process.EngineProcess`` (own process group; :meth:`stop` sends SIGTERM, then
-    SIGKILL after ``stop_timeout``), so the fixtures run processes the way the product does.
+    SIGKILL after ``stop_timeout``), so the fixtures run processes the way the product does. ``wrapper`` is a
+    command the interpreter runs under (``("prlimit", "--nofile=1024:1024")``: a hard open-file limit).
     """
 
     def __init__(
@@ -169,13 +171,14 @@ class ProcessServer:
         startup_timeout: float = 30.0,
         stop_timeout: float = 10.0,
         log_path: Path | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args_ = [a.replace("{port}", str(self.port)) for a in args]
         if not any("{port}" in a for a in args):
             args_ += ["--port", str(self.port)]
-        self.argv = [sys.executable, "-m", module, *args_]
+        self.argv = [*wrapper, sys.executable, "-m", module, *args_]
         self.ready_path = ready_path
         self.ready_status = ready_status
         pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
@@ -284,3 +287,20 @@ def start_proxy(
     p = ProxyUnderTest(url=url, registry=registry, gateway=gateway, client=client)
     gateway.attempts.observers.append(p.results.append)
     return p
+
+
+def uncommented(text: str, first: str) -> str:
+    """``text`` with the commented block that starts with the line ``# {first}`` uncommented (the block: that line
+    and the commented lines after it indented deeper)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"# {first}")
+    indent = lines[start].index("#")
+    out = lines[:start]
+    i = start
+    while i < len(lines) and lines[i].strip().startswith("#") and lines[i].index("#") == indent:
+        body = lines[i][indent + 2 :]
+        if i > start and not body.startswith(" "):
+            break
+        out.append(" " * indent + body)
+        i += 1
+    return "\n".join(out + lines[i:]) + "\n"

@@ -17,7 +17,7 @@ def add_command(sub: Any) -> None:
     r = sub.add_parser("report", help="build the report from bench results or the proxy's comparison log")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (rotated x.jsonl.1 ...)"
+        "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (+ rotated x.jsonl.N)"
     )
     src.add_argument("--results", nargs="+", metavar="RESULTS", help="a bench results.jsonl; several: separate runs "
                      "joined when comparable (same suite, sampling, max tokens, GPU), else refused naming the "
@@ -28,7 +28,8 @@ def add_command(sub: Any) -> None:
     r.add_argument("--accept-quantization-difference", action="store_true", help=ACCEPT_HELP)
     r.add_argument("--blocks", type=int, default=5, help="log: consecutive blocks standing in for repeats")
     r.add_argument("--proxy", metavar="URL", help="log: read engine info (quantization, context, slots), GPU memory "
-                   "and GPU sharing from this running proxy's /health and /metrics")  # fmt: skip
+                   "and GPU sharing from this running proxy's /health and /metrics (a proxy with api_keys: its "
+                   "key in ENGINEMETER_PROXY_KEY)")  # fmt: skip
     r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
     r.add_argument("--min-effect", type=pct, metavar="PCT", help=MIN_EFFECT_HELP + "; default: the run's own")
     r.add_argument("--run", metavar="ID|all", help="log: the proxy run to report (an id or its prefix, as the "
@@ -97,8 +98,10 @@ def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
     for live in lives:
         # one report per primary: its own directory when the log mirrored from several
         out = write_live_report(live, Path(args.out) if len(lives) == 1 else Path(args.out) / live.primary)
-        for line in live.selection.notes:
+        for line in [f"comparison log: {live.selection.read}", *live.selection.notes]:
             print(f"note: {line}")
+        for line in live.selection.warnings:
+            print(f"warning: {line}", file=sys.stderr)
         for shadow, v in out["live"].items():
             for line in v.lines():
                 print(f"live {shadow} vs {live.primary}: {line}")

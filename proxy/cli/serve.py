@@ -247,7 +247,9 @@ def _run(
     settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, shutdown_timeout_s: float
 ) -> int:
     from proxy.server import build_app
+    from proxy.server.lifetimes import remove_stale_directories
 
+    remove_stale_directories()  # a killed `serve --workers` run's metrics directory, its processes all gone
     # the real port when --listen asked for port 0 (the run record says where this proxy listened)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
@@ -313,6 +315,10 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     if s.mirror.log_path and any(r.shadows for r in s.routes):
         lines.append(f"  comparison log:  {s.mirror.log_path}")
         lines.append(f"  report:          {report_command(s, base)}")
+        if s.api_keys and s.health == "key":
+            lines.append(
+                "                   (with ENGINEMETER_PROXY_KEY set to a client key: /health's detail needs one)"
+            )
     lines.append(
         f"  try: curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f"""-d '{{"model":"{model}","stream":true,"max_tokens":32,"messages":[{{"role":"user","content":"hello"}}]}}'"""

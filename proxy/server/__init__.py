@@ -23,7 +23,7 @@
     mirror        shadow copies, bounded and isolated; pairs compared; the live verdict fed
     pairing       the mirror's table matching a primary's and its shadows' results
     compare       primary vs shadow: one ``PairComparison``, its metrics, the comparison log's records
-    jsonlog       a bounded, size-rotated JSONL file written by its own thread
+    runlog        a run's own records in the comparison log: run, engine facts, each rotated file's header
     requestlog    the opt-in per-request log
     tracing       the opt-in OpenTelemetry traces
     passthrough   every other ``/v1/*`` route and ``/tokenize``, unbuffered, never mirrored
@@ -31,8 +31,11 @@
     enginestate   what each engine says of its configuration and load, polled
     diagnosis     the live diagnosis of every llama.cpp engine on this machine
     admin         the admin endpoints (the admin key)
+    access        who may read /health's detail and /metrics (api_keys, health: public, metrics.access)
     tasks         a background loop held for the app's lifetime
     workers       ``serve --workers N``: the supervisor and its workers on one port
+    workerrole    one worker among several: worker 0's collectors and mirror settings shared through files
+    lifetimes     no worker outlives its supervisor; the metrics directory's owner lock
 """
 
 from __future__ import annotations
@@ -59,14 +62,14 @@ from proxy.server.mirror import Mirror
 from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
 from proxy.server.routing import Router
-from proxy.server.workers import snapshot_health
+from proxy.server.workerrole import snapshot_health
 from proxy.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from proxy.server.tracing import Tracing
-    from proxy.server.workers import WorkerRole
+    from proxy.server.workerrole import WorkerRole
 
 
 def build_app(

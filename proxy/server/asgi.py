@@ -30,10 +30,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy import __version__
 from proxy.errors import NotFound, ProxyError, redact_url
+from proxy.server.access import check_metrics, health_detail
 from proxy.server.admin import admin_routes
 from proxy.server.app import Gateway, make_engines
 from proxy.server.attempts import Attempts
-from proxy.server.guard import raise_fd_limit
+from proxy.server.guard import fd_budget, raise_fd_limit
 from proxy.server.loopwatch import LoopWatch
 from proxy.server.metrics import Metrics, configured_pairs
 from proxy.server.paths import route_path, upstream_path
@@ -112,8 +113,10 @@ def asgi_app(gw: Gateway) -> ProxyApp:
         status: dict[str, Any] = {
             "status": "ok" if all(c["up"] for c in checks) else "degraded",
             "version": __version__,
-            "engines": checks,
         }
+        if not health_detail(gw.settings, request):
+            return JSONResponse(status)  # liveness only: the detail lays out the host (proxy.server.access)
+        status["engines"] = checks
         if gw.mirror is not None:
             status["mirror"] = gw.mirror.state()
         if gw.gpu is not None:
@@ -127,6 +130,10 @@ def asgi_app(gw: Gateway) -> ProxyApp:
         return JSONResponse(status)
 
     async def metrics(request: Request) -> Response:
+        try:
+            check_metrics(gw.settings, request)
+        except ProxyError as exc:
+            return error_response(exc, "")
         # exposition is CPU work: run it off the event loop so a scrape never stalls a stream
         data = await anyio.to_thread.run_sync(generate_latest, gw.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
@@ -135,7 +142,9 @@ def asgi_app(gw: Gateway) -> ProxyApp:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             soft, _ = raise_fd_limit()
-            log.info("open-file limit: %d", soft)
+            budget, headroom = fd_budget(soft)
+            log.info("open-file limit: %d, headroom %d: idle client connections are closed, oldest first, above %d "
+                     "open files", soft, headroom, budget)  # fmt: skip
             await probe_all(list(gw.engines.values()))
             gw.metrics.prime(
                 gw.engines,

@@ -24,7 +24,7 @@ What is compared:
 The log record (``to_record``) says which proxy run (``run``) and which primary/shadow pair it belongs to, when
 the pair started and how many mirrored requests overlapped it (``concurrency``), and per side the sampling the
 engine actually got after normalization and which params were dropped or filled in (``run_record`` is the line a
-run starts with). ``ComparisonLog`` (``proxy.server.jsonlog``) writes them from its own thread.
+run starts with). ``ComparisonLog`` (``proxy.jsonlog``) writes them from its own thread.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.jsonlog import ComparisonLog as ComparisonLog  # the writer (re-exported: its old home)
 from proxy.normalize import Normalized
-from proxy.server.jsonlog import ComparisonLog as ComparisonLog  # the writer (re-exported: its old home)
 from proxy.server.metrics import Metrics
 from proxy.server.result import Result
 

@@ -11,8 +11,15 @@
 - a connection whose response is done while its request body is still arriving (an error answered early) is
   closed after the keep-alive timeout unless its next request has begun; a slow body trickling in after the
   answer used to hold it open forever.
-- a warning in the log when open client connections pass 80 % of half the file-descriptor limit (each stream
-  also holds an upstream socket); ``raise_fd_limit()`` raises the soft ``RLIMIT_NOFILE`` to the hard one at start.
+- **headroom below the open-file limit** (``fd_budget``): ``raise_fd_limit()`` raises the soft ``RLIMIT_NOFILE`` to
+  the hard one at start and the limit and headroom are logged. The headroom (an eighth of the limit, at least
+  ``MIN_FD_HEADROOM``) is for what a request needs besides its client socket: an upstream socket (two with a
+  shadow copy), the logs. When a new connection finds the process's open files above ``limit - headroom``, the
+  oldest *idle* client connections (no request in progress: nothing sent since they opened, or kept alive after
+  an answer) are closed until it is below again, so a real request still gets its sockets; with nothing idle to
+  close, a warning. Without this, 1,100 idle connections under ``ulimit -n 1024`` left the next real request a
+  connection reset. The open files are counted from ``/proc/self/fd`` (at most every ``FD_RECOUNT_S``, the
+  change in connections added in between), and only once the connections reach half the budget.
 
 The request *body* deadline is the app's (``Gateway.read_body``): it knows which routes read a body.
 
@@ -29,7 +36,9 @@ ends in its one outcome) and exits.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import os
 import resource
 import socket
 import time
@@ -49,6 +58,11 @@ SHUTDOWN_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 * 1024
 #: uvicorn's default; said here so the choice is visible (idle kept-alive client connections)
 KEEPALIVE_TIMEOUT_S = 5.0
+
+#: open files kept free below the limit: an eighth of it, at least this many (module docstring)
+MIN_FD_HEADROOM = 64
+#: the open-file count is read again at most this often; in between it moves with the connections
+FD_RECOUNT_S = 0.1
 
 _warned_at = 0.0
 
@@ -71,6 +85,47 @@ def _fd_soft_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def fd_budget(limit: int | None = None) -> tuple[int, int]:
+    """(open files allowed before idle connections are closed, headroom) under ``limit`` (the soft limit)."""
+    limit = _fd_soft_limit() if limit is None else limit
+    if limit == resource.RLIM_INFINITY or limit <= 0:
+        limit = 1 << 20
+    headroom = min(max(MIN_FD_HEADROOM, limit // 8), limit // 2)
+    return limit - headroom, headroom
+
+
+def open_fds() -> int | None:
+    """This process's open files (``/proc/self/fd``, else ``/dev/fd``); None where neither can be listed."""
+    for d in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(d)) - 1  # less the descriptor that lists the directory
+        except OSError:
+            continue
+    return None
+
+
+class _FdCount:
+    """The open-file count, read at most every ``FD_RECOUNT_S``; in between, moved by the change in client
+    connections since the last reading (each holds one)."""
+
+    def __init__(self) -> None:
+        self.at = -FD_RECOUNT_S
+        self.files = 0
+        self.connections = 0
+
+    def now(self, connections: int) -> int:
+        t = time.monotonic()
+        if t - self.at >= FD_RECOUNT_S:
+            counted = open_fds()
+            # no listing: every connection an fd and an upstream socket, as the old warning assumed
+            self.files = counted if counted is not None else 2 * connections
+            self.at, self.connections = t, connections
+        return self.files + connections - self.connections
+
+
+_fd_count = _FdCount()
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header-read deadline and a head size limit (module docstring)."""
 
@@ -87,23 +142,41 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._parsed_head = 0
         self._too_large = False
         self._linger: asyncio.TimerHandle | None = None
+        #: since when no request is in progress on this connection (None: one is); idle ones may be shed
+        self.idle_since: float | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.idle_since = time.monotonic()
         self._arm_head_timer()
+        self._keep_fd_headroom()
+
+    def _keep_fd_headroom(self) -> None:
+        """Close the oldest idle connections while the open files are above the budget (module docstring)."""
         n = len(self.connections)
-        limit = _fd_soft_limit() // 2
-        if n > 0.8 * limit:
-            global _warned_at
-            now = time.monotonic()
-            if now - _warned_at > 10:
-                _warned_at = now
-                log.warning(
-                    "%d open client connections: near the open-file limit (%d; each stream also holds an "
-                    "upstream socket)",
-                    n,
-                    _fd_soft_limit(),
-                )
+        budget, headroom = fd_budget()
+        if n < budget // 2:
+            return
+        conns: list[GuardedHttpToolsProtocol] = [c for c in self.connections if isinstance(c, GuardedHttpToolsProtocol)]
+        closing = sum(1 for c in conns if c.transport.is_closing())  # their fds are freed on the next loop turn
+        excess = _fd_count.now(n) - closing - budget
+        if excess <= 0:
+            return
+        idle = [c for c in conns if c is not self and c.idle_since is not None and not c.transport.is_closing()]
+        # a few more than the excess, so that the next connections do not each close one
+        shed = heapq.nsmallest(excess + max(1, headroom // 8), idle, key=lambda c: c.idle_since or 0.0)
+        for c in shed:
+            c.transport.close()
+        global _warned_at
+        now = time.monotonic()
+        if now - _warned_at > 10 or len(shed) < excess:
+            _warned_at = now
+            log.warning(
+                "%d open files, limit %d (headroom %d kept free): closed %d idle client connection(s), oldest "
+                "first%s",
+                budget + excess + closing, budget + headroom, headroom, len(shed),
+                "" if len(shed) >= excess else f"; {excess - len(shed)} over with no idle connection left to close",
+            )  # fmt: skip
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
@@ -127,6 +200,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        self.idle_since = None  # a request has begun (or goes on)
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -174,6 +248,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # keep-alive timeout (closing at once would reset the connection under the client's answer); a body
             # trickling in after that no longer holds the connection
             self._linger = self.loop.call_later(self.timeout_keep_alive, self._linger_over)
+        elif not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self.idle_since = time.monotonic()  # kept alive, waiting for its next request (none pipelined)
 
     def _linger_over(self) -> None:
         self._linger = None

@@ -50,7 +50,6 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from proxy import __version__
 from proxy.errors import BadRequest
 from proxy.sequential import LiveVerdict, regime_of
 from proxy.server.attempts import Attempts, drain
@@ -58,10 +57,8 @@ from proxy.server.compare import (
     ComparisonLog,
     compare,
     end_record,
-    engine_record,
     new_run_id,
     observe_comparison,
-    run_record,
     to_record,
 )
 from proxy.server.h1 import H1Streams
@@ -70,6 +67,7 @@ from proxy.server.pairing import PairTable, Pending
 from proxy.server.relay import Attempt
 from proxy.server.result import Result
 from proxy.server.routing import Dispatch
+from proxy.server.runlog import RunRecords
 from proxy.server.upstream import Engine, StreamClient
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
@@ -90,8 +88,6 @@ RESULTS = (
 )
 PAIR_GRACE_S = 60.0
 SWEEP_INTERVAL_S = 1.0
-#: what an ``engine`` record carries of the engine-state poller's facts
-FACT_FIELDS = ("kind", "model", "model_path", "context_length", "slots", "quantization", "weights_format", "kv_pool_tokens", "build")  # fmt: skip
 
 
 class Mirror:
@@ -108,8 +104,6 @@ class Mirror:
         s = settings.mirror
         #: engine -> GPU indices it holds memory on (the GPU monitor's cached attribution; None: no GPU data)
         self.gpus_of = gpus_of
-        #: engine -> its latest engine-state poll (an object with ``t_ok`` and ``FACT_FIELDS``; None: not polled)
-        self.facts_of = facts_of
         self.settings = settings
         self.engines = engines
         self.attempts = attempts
@@ -128,7 +122,8 @@ class Mirror:
         self.log: ComparisonLog | None = None
         self.live: dict[tuple[str, str], LiveVerdict] = {}
         self.pairs = PairTable(self.timeout + PAIR_GRACE_S, self._emit, lambda name: self._count(name, "unpaired"))
-        self._facts_written: dict[str, tuple[Any, ...]] = {}
+        #: the log's run and engine records (``facts_of``: engine -> its latest engine-state poll)
+        self.records = RunRecords(settings, engines, self.run_id, self.started, facts_of)
         self._streams: dict[str, StreamClient] = {}
         self._rng = random.Random()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -358,7 +353,8 @@ class Mirror:
                 gpus = None  # no attribution (no NVML, remote engines): say nothing rather than "not contended"
         if self.log is None:
             return
-        self._write_facts(primary.engine, shadow.engine)
+        for rec in self.records.new_facts(primary.engine, shadow.engine):
+            self.log.write(rec)
         text = self.record_text
         norms = {role: n for role, n in (("primary", e.norms.get(("primary", primary.engine))),
                                          ("shadow", e.norms.get(("shadow", shadow.engine)))) if n is not None}  # fmt: skip
@@ -376,29 +372,7 @@ class Mirror:
             )
         )
 
-    def _write_facts(self, *names: str) -> None:
-        """An ``engine`` record for each engine whose polled facts are new to this run's log."""
-        if self.facts_of is None or self.log is None:
-            return
-        for name in names:
-            st = self.facts_of(name)
-            if st is None or getattr(st, "t_ok", None) is None:
-                continue
-            facts = tuple(getattr(st, f, None) for f in FACT_FIELDS)
-            if self._facts_written.get(name) != facts:
-                self._facts_written[name] = facts
-                self.log.write(engine_record(self.run_id, name, dict(zip(FACT_FIELDS, facts, strict=True))))
-
     # ----------------------------------------------------------------------------------- lifecycle
-
-    def _run_record(self) -> dict[str, Any]:
-        s = self.settings
-        pairs = [(r.primary, sh) for r in s.routes for sh in r.shadows if sh != r.primary]
-        pairs += [(x, sh) for r in s.routes for x in (*r.split, *r.fallback) for sh in r.shadows if sh != x]
-        engines = {n: {"kind": e.kind, "model": e.model} for n, e in self.engines.items()}
-        host = f"[{s.host}]" if ":" in s.host else s.host
-        return run_record(self.run_id, listen=f"http://{host}:{s.port}", pairs=pairs, engines=engines,
-                          version=__version__, ts=self.started)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -407,9 +381,11 @@ class Mirror:
         ``end`` record and flushes the log."""
         s = self.settings.mirror
         if s.log_path:
-            self.log = ComparisonLog(s.log_path, max_bytes=s.log_max_bytes, backups=s.log_backups)
-            if any(r.shadows for r in self.settings.routes):
-                self.log.write(self._run_record())
+            mirrored = any(r.shadows for r in self.settings.routes)
+            header = self.records.header if mirrored else None
+            self.log = ComparisonLog(s.log_path, max_bytes=s.log_max_bytes, backups=s.log_backups, header=header)
+            if mirrored:
+                self.log.write(self.records.run())
         sweeper = asyncio.ensure_future(self._sweep_forever())
         try:
             yield

@@ -36,12 +36,14 @@ Each worker:
   ``SYNC_INTERVAL_S``. ``GET /admin/mirror`` counts (sent, in flight) are the answering worker's;
 - appends to the one comparison log: ``ComparisonLog`` holds an ``flock`` while it rotates and writes a line.
 
+No worker outlives its supervisor, and the directory is removed once nobody uses it: ``proxy.server.lifetimes``.
+What a worker shares with the others (worker 0's collectors, mirror settings): ``proxy.server.workerrole``.
+
 With ``--workers 1`` none of this runs: the proxy is one process as before.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -51,33 +53,35 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
     from starlette.applications import Starlette
-    from starlette.types import ASGIApp, Receive, Scope, Send
 
-    from proxy.server.mirror import Mirror
     from proxy.settings import Settings
+
+from proxy.server.lifetimes import (
+    claim_directory,
+    die_with_parent,
+    hold_directory,
+    make_directory,
+    remove_stale_directories,
+    watch_parent,
+)
+from proxy.server.workerrole import WorkerRole
 
 log = logging.getLogger("enginemeter.workers")
 
-SNAPSHOT_INTERVAL_S = 1.0
-SNAPSHOT_STALE_S = 10.0
-SYNC_INTERVAL_S = 0.5
-SNAPSHOT_FILE = "collectors.prom"
-HEALTH_FILE = "collectors-health.json"
-MIRROR_FILE = "mirror.json"
 #: a worker that dies this soon after its start, this many times in a row, stops the whole server
 CRASH_WINDOW_S = 5.0
 MAX_QUICK_CRASHES = 3
+#: what a worker writes to its start-up pipe once it serves
+READY = b"ready"
 
 
 def default_workers() -> int:
@@ -103,160 +107,6 @@ def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.soc
     return sock
 
 
-# ================================================================================================ in a worker
-
-
-@dataclass
-class WorkerRole:
-    """What ``build_app`` needs to know of the worker it runs in."""
-
-    index: int
-    directory: Path
-    #: worker 0's collectors (GPU, engine state), set by ``build_app``; written to the snapshot files
-    collectors: list[Any] = field(default_factory=list)
-
-    def registry(self) -> CollectorRegistry:
-        """The registry a scrape reads: every worker's files merged, plus the collectors (worker 0 adds its own
-        live ones; the others read worker 0's snapshot)."""
-        from prometheus_client import CollectorRegistry
-        from prometheus_client.multiprocess import MultiProcessCollector
-
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(self.directory))  # type: ignore[no-untyped-call]
-        if self.index != 0:
-            registry.register(SnapshotCollector(self.directory / SNAPSHOT_FILE))
-        return registry
-
-    def wrap(self, app: ASGIApp, mirror: Mirror | None, on_started: Callable[[], None] | None = None) -> ASGIApp:
-        """``app`` with this worker's background jobs started and stopped by the ASGI lifespan; ``on_started``
-        is called once the app's startup is complete."""
-        role = self
-
-        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "lifespan":
-                await app(scope, receive, send)
-                return
-            jobs: list[asyncio.Task[None]] = []
-            stop = threading.Event()
-            threads: list[threading.Thread] = []
-
-            async def send_(message: Any) -> None:
-                if message["type"] == "lifespan.startup.complete":
-                    if role.index == 0 and role.collectors:
-                        t = threading.Thread(target=role._write_snapshots, args=(stop,), daemon=True)
-                        t.start()
-                        threads.append(t)
-                    if mirror is not None:
-                        jobs.append(asyncio.ensure_future(sync_mirror(mirror, role.directory / MIRROR_FILE)))
-                    if on_started is not None:
-                        on_started()
-                elif message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
-                    stop.set()
-                    for job in jobs:
-                        job.cancel()
-                    await asyncio.gather(*jobs, return_exceptions=True)
-                await send(message)
-
-            await app(scope, receive, send_)
-
-        return wrapped
-
-    def _write_snapshots(self, stop: threading.Event) -> None:
-        from prometheus_client import CollectorRegistry, generate_latest
-
-        registry = CollectorRegistry()
-        for c in self.collectors:
-            registry.register(c)
-        path = self.directory / SNAPSHOT_FILE
-        while True:
-            try:
-                atomic_write(path, generate_latest(registry))
-                sections: dict[str, Any] = {}
-                for c in self.collectors:
-                    sections.update(c.health())
-                atomic_write(self.directory / HEALTH_FILE, json.dumps(sections, default=str).encode())
-            except Exception:  # a collector bug must not end the snapshots; say so and go on
-                log.exception("writing the collectors' snapshot failed")
-            if stop.wait(SNAPSHOT_INTERVAL_S):  # the interval between snapshots, not a synchronisation
-                return
-
-
-def snapshot_health(directory: Path) -> dict[str, Any]:
-    """Worker 0's collectors' /health sections, as its last snapshot says ({} when missing or stale)."""
-    path = directory / HEALTH_FILE
-    try:
-        if time.time() - path.stat().st_mtime > SNAPSHOT_STALE_S:
-            return {}
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-class SnapshotCollector:
-    """Worker 0's collectors, as its last snapshot says (nothing when the file is missing or stale)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        try:
-            st = self.path.stat()
-            if time.time() - st.st_mtime > SNAPSHOT_STALE_S:
-                return
-            text = self.path.read_text()
-        except OSError:
-            return
-        yield from text_string_to_metric_families(text)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _mirror_state(mirror: Mirror) -> dict[str, Any]:
-    return {"enabled": mirror.enabled, "rates": list(mirror.rates)}
-
-
-async def sync_mirror(mirror: Mirror, path: Path) -> None:
-    """Keep this worker's mirror settings and ``path`` in step: a change made here (admin) is published, a
-    change published by another worker is applied. The later one wins."""
-    applied = _mirror_state(mirror)
-    seen = _mtime(path)
-    while True:
-        await asyncio.sleep(SYNC_INTERVAL_S)  # the polling period, not a synchronisation
-        mtime = _mtime(path)
-        if mtime != seen:
-            seen = mtime
-            try:
-                doc = _read_json(path)  # a few hundred bytes on a local disk
-                mirror.set(enabled=bool(doc["enabled"]))
-                for i, rate in enumerate(doc["rates"][: len(mirror.rates)]):
-                    mirror.set(sample_rate=float(rate), route=i)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring %s: %s", path, exc)
-            applied = _mirror_state(mirror)
-        elif _mirror_state(mirror) != applied:
-            applied = _mirror_state(mirror)
-            atomic_write(path, json.dumps(applied).encode())
-            seen = _mtime(path)
-
-
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_bytes())
-
-
-def _mtime(path: Path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return 0
-
-
 #: builds a worker's app (``proxy.server.build_app``): given, not imported, so this module stays below the
 #: composition root that imports it; a module-level function, so it reaches a spawned worker by reference
 AppFactory = Callable[..., "Starlette"]
@@ -272,24 +122,37 @@ class WorkerSpec:
     log_level: str
     shutdown_timeout_s: float = 30.0
     app_factory: AppFactory | None = None
+    #: the supervisor's pid: a worker whose parent is no longer this one stops (module docstring)
+    supervisor_pid: int = 0
 
 
-def worker_main(spec: WorkerSpec, ready: Any) -> None:
-    """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT."""
-    from proxy.server.guard import Server, server_config
-
+def worker_main(spec: WorkerSpec, ready: multiprocessing.connection.Connection) -> None:
+    """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT or its supervisor's
+    death."""
+    # first of all: from here on the supervisor's death reaches this process; if it died before, stop now
+    die_with_parent(signal.SIGTERM)
+    if spec.supervisor_pid and os.getppid() != spec.supervisor_pid:
+        return
     if spec.app_factory is None:
         raise RuntimeError("a worker needs the app factory (serve_workers' app_factory)")
+    from proxy.server.guard import Server, server_config
 
     logging.basicConfig(
         level=getattr(logging, spec.log_level.upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    hold_directory(spec.directory)  # for this process's life: the directory is in use
     sock = reuseport_socket(spec.host, spec.port)
     role = WorkerRole(spec.index, Path(spec.directory))
     app = spec.app_factory(spec.settings, worker=role)
-    wrapped = role.wrap(app, app.state.gateway.mirror, on_started=ready.set)
+
+    def started() -> None:
+        with contextlib.suppress(OSError):  # the supervisor is gone: its watch stops this worker
+            ready.send_bytes(READY)
+        ready.close()
+
+    wrapped = role.wrap(app, app.state.gateway.mirror, on_started=started)
     # the single-process serve's configuration: connection limits, shutdown timeout (proxy/server/guard.py)
     config = server_config(
         wrapped,
@@ -297,8 +160,12 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
         shutdown_timeout_s=spec.shutdown_timeout_s,
         loop_watch=app.state.gateway.loop_watch,
     )
+    server = Server(config)
+    if spec.supervisor_pid:
+        # uvicorn's own shutdown, as on SIGTERM: stop listening, finish what is in progress, exit
+        watch_parent(spec.supervisor_pid, lambda: setattr(server, "should_exit", True))
     with contextlib.suppress(KeyboardInterrupt):
-        Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
 
 
 # ================================================================================================ supervisor
@@ -372,13 +239,19 @@ def serve_workers(
     from prometheus_client.multiprocess import mark_process_dead
 
     made_dir = None
+    remove_stale_directories()
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if directory:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        for f in Path(directory).glob("*.db"):  # the figures of an earlier run would add up with ours
-            f.unlink()
+        try:
+            lock = claim_directory(directory, shutdown_timeout_s + 5)
+        except RuntimeError as exc:
+            log.error("%s", exc)
+            for stop in on_shutdown:
+                stop()
+            return 1
     else:
-        directory = made_dir = tempfile.mkdtemp(prefix="enginemeter-metrics-")
+        directory, lock = make_directory()
+        made_dir = directory
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     # bound, never listening: holds the port (port 0 picks one) without taking connections
     reserve = reuseport_socket(settings.host, settings.port, listen=False)
@@ -387,19 +260,34 @@ def serve_workers(
     stopping = threading.Event()
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     started: dict[int, float] = {}
-    #: each worker's start-up Event, held while the worker runs: a restart's Event collected before the child
-    #: opened its semaphore made every restart die with FileNotFoundError
-    readies: dict[int, Any] = {}
+    #: each worker's start-up pipe (the reading end): the worker writes READY once it serves. Not a
+    #: multiprocessing Event: its set() waits for every waiter to wake, so a supervisor killed while waiting left
+    #: a starting worker blocked for ever, its event loop with it (a parent-death signal could not end it)
+    readies: dict[int, multiprocessing.connection.Connection] = {}
     counts = SupervisorCounts(Path(directory))
     crashes = 0
 
-    def start(i: int) -> Any:
-        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s, app_factory)
-        ready = readies[i] = ctx.Event()
-        p = ctx.Process(target=worker_main, args=(spec, ready), name=f"enginemeter-worker-{i}", daemon=False)
+    def start(i: int) -> None:
+        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s, app_factory,
+                          os.getpid())  # fmt: skip
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=worker_main, args=(spec, writer), name=f"enginemeter-worker-{i}", daemon=False)
         p.start()
+        writer.close()  # the child has its own copy: the pipe ends (EOF) when the child does
+        if i in readies:
+            readies[i].close()
+        readies[i] = reader
         procs[i], started[i] = p, time.monotonic()
-        return ready
+
+    def wait_ready(i: int) -> bool:
+        """Until worker ``i`` serves (True), exits or the supervisor is told to stop (False)."""
+        while procs[i].exitcode is None and not stopping.is_set():
+            if readies[i].poll(0.1):
+                try:
+                    return readies[i].recv_bytes() == READY
+                except (EOFError, OSError):
+                    return False
+        return False
 
     def on_signal(signum: int, frame: object) -> None:
         stopping.set()
@@ -411,11 +299,10 @@ def serve_workers(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
-        first = [start(i) for i in range(n)]
-        for i, ready in enumerate(first):
-            while not ready.wait(0.1) and procs[i].exitcode is None and not stopping.is_set():
-                pass  # waiting for worker i's startup, or its exit
-        if all(r.is_set() for r in first) and not stopping.is_set():
+        for i in range(n):
+            start(i)
+        up = [wait_ready(i) for i in range(n)]
+        if all(up) and not stopping.is_set():
             log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
             if announce is not None:
                 announce(port)
@@ -452,10 +339,13 @@ def serve_workers(
             p.join(10)
         for s, h in previous.items():
             signal.signal(s, h)
+        for r in readies.values():
+            r.close()
         reserve.close()
         counts.close()
         for stop in on_shutdown:
             stop()
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
+        os.close(lock)
     return status

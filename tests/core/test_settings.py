@@ -159,7 +159,7 @@ BAD = [
      "bad.yaml:1: engines[0].colour: unknown key; expected one of: name, url, kind, model, api_key, timeouts, "
      "max_connections, pid, pid_file, add_timings"),
     (ENGINE + "mirrors: {}\n", "bad.yaml:2: mirrors: unknown key (did you mean 'mirror'?); expected one of: listen, "
-     "api_keys, admin_key, max_body_bytes, engines, models, routes, default_route, sampling_defaults, pin_header, "
+     "api_keys, admin_key, health, max_body_bytes, engines, models, routes, default_route, sampling_defaults, pin_header, "
      "mirror, collectors, metrics, request_log, tracing, add_timings"),
     ("engines: [{name: a, url: 'http://x:1'}\n", "bad.yaml:2: not valid YAML: expected ',' or ']', but got '<stream end>'"),
     ("- a\n", "bad.yaml:1: expected a mapping of settings at the top level, got a list"),

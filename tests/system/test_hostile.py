@@ -334,7 +334,7 @@ def test_engine_url_secrets_never_surface(proxy_factory: ProxyFactory, caplog: p
         secret_url = engine_url.replace("http://", "http://user:hunter2@")
         caplog.set_level(logging.INFO)
         p = proxy_factory(settings_for(secret_url, api_keys=frozenset({"k"})))
-        health = p.client.get("/health").text
+        health = p.client.get("/health", headers={"authorization": "Bearer k"}).text  # the detail needs a key
         assert "hunter2" not in health and "user:***@" in health
         assert "hunter2" not in caplog.text
         assert "user:***@" in caplog.text

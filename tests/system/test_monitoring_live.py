@@ -35,7 +35,7 @@ import yaml
 from fakes import vllm_metrics as vllm_metrics_fake
 from proxy.configfile import load
 from proxy.gpu.nvml import DeviceReading, ProcReading
-from tests.helpers import free_port, start_proxy, wait_until
+from tests.helpers import free_port, start_proxy, uncommented, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -122,11 +122,13 @@ def sglang_shadow(llama_server_factory: Any, tiny_model_spm: Path) -> Iterator[s
             proc.wait()
 
 
-def start_prometheus(binary: str, tmp: Path, targets: dict[str, str]) -> tuple[subprocess.Popen[bytes], Prom]:
-    """deploy/prometheus/prometheus.yml with 1 s scrapes and 1 s rule evaluation; each job's target file is the
-    repository's loopback one (targets/host: its labels) with the address swapped. A job missing from ``targets``
-    gets no file, as in a deployment that does not run that engine kind."""
-    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+def start_prometheus(
+    binary: str, tmp: Path, targets: dict[str, str], *, text: str | None = None
+) -> tuple[subprocess.Popen[bytes], Prom]:
+    """deploy/prometheus/prometheus.yml (or ``text``, a variant of it) with 1 s scrapes and 1 s rule evaluation;
+    each job's target file is the repository's loopback one (targets/host: its labels) with the address swapped.
+    A job missing from ``targets`` gets no file, as in a deployment that does not run that engine kind."""
+    cfg = yaml.safe_load(text if text is not None else (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     cfg["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     jobs = {j["job_name"] for j in cfg["scrape_configs"]}
     assert set(targets) <= jobs and {"enginemeter", "llamacpp", "sglang", "vllm"} <= jobs
@@ -418,3 +420,44 @@ def test_gpu_queries_return_data_from_replayed_nvml(prometheus_bin: str, tmp_pat
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_the_shipped_key_recipe_scrapes_a_proxy_whose_metrics_need_a_key(prometheus_bin: str, tmp_path: Path) -> None:
+    """``metrics: {access: key}``: the commented ``authorization`` block of deploy/prometheus/prometheus.yml,
+    uncommented as its comment says, scrapes the proxy; the same Prometheus without it gets a 401 (target down)."""
+    from fakes.fault_engine import FaultEngineConfig, run_in_thread
+
+    shipped = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
+    key_file = tmp_path / "enginemeter-key"
+    key_file.write_text("sk-scrape\n")
+    variant = uncommented(shipped, "authorization:").replace("/etc/prometheus/enginemeter-key", str(key_file))
+    assert yaml.safe_load(variant)["scrape_configs"][0]["authorization"]["credentials_file"] == str(key_file)
+    with ExitStack() as stack:
+        engine = stack.enter_context(run_in_thread(FaultEngineConfig()))
+        cfg = tmp_path / "enginemeter.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "api_keys": ["sk-scrape"], "metrics": {"access": "key"},
+            "engines": [{"name": "llama", "url": engine, "kind": "llamacpp"}], "collectors": {"gpu": False},
+        }))  # fmt: skip
+        proxy = start_proxy(stack, load(config=str(cfg), env={})).url
+        assert httpx.get(f"{proxy}/metrics", timeout=10).status_code == 401
+        addr = proxy[len("http://") :]
+        assert scraped(prometheus_bin, tmp_path / "with-key", addr, variant) == 1.0
+        assert scraped(prometheus_bin, tmp_path / "shipped", addr, shipped) == 0.0
+
+
+def scraped(binary: str, run_dir: Path, addr: str, text: str) -> float:
+    """``up`` of the enginemeter job once a Prometheus configured by ``text`` has scraped ``addr``; when 1, also
+    waits for a series of the proxy's own."""
+    run_dir.mkdir()
+    proc, prom = start_prometheus(binary, run_dir, {"enginemeter": addr}, text=text)
+    try:
+        wait_until(lambda: prom.get("/api/v1/query", query='up{job="enginemeter"}')["result"], 30, 0.2)
+        up = prom.value('up{job="enginemeter"}')
+        if up:
+            wait_until(lambda: prom.value('enginemeter_build_info{job="enginemeter"}') == 1, 30, 0.2)
+        return up
+    finally:
+        prom.client.close()
+        proc.terminate()
+        proc.wait(15)

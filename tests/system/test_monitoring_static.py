@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.configfile import load
 from proxy.server.metrics import Metrics
+from tests.helpers import uncommented
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -463,6 +464,20 @@ def test_kustomize_renders_and_validates(path: Path, tmp_path: Path) -> None:
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         for ep in sm["spec"]["endpoints"]:
             assert isinstance(ep["port"], str) and re.fullmatch(r"\d+s", ep["interval"])
+
+
+def test_the_servicemonitor_key_recipe_reads_the_deployments_admin_key() -> None:
+    """``metrics: {access: key}``: the commented ``authorization`` block of the proxy's ServiceMonitor, uncommented,
+    is the Prometheus Operator's SafeAuthorization and names the Secret key the Deployment gives the proxy as its
+    admin key (which opens /metrics). The Prometheus side of the recipe is scraped live in test_monitoring_live."""
+    text = (ROOT / "deploy/kubernetes/base/servicemonitor.yaml").read_text()
+    monitor = next(yaml.safe_load_all(uncommented(text, "authorization:")))
+    auth = monitor["spec"]["endpoints"][0]["authorization"]
+    assert auth["type"] == "Bearer" and set(auth["credentials"]) == {"name", "key"}
+    deployment = yaml.safe_load((ROOT / "deploy/kubernetes/base/deployment.yaml").read_text())
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    admin = next(e for e in env if e["name"] == "ENGINEMETER_ADMIN_KEY")["valueFrom"]["secretKeyRef"]
+    assert (auth["credentials"]["name"], auth["credentials"]["key"]) == (admin["name"], admin["key"])
 
 
 def test_kubernetes_validate_can_fail(tmp_path: Path) -> None:

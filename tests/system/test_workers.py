@@ -6,12 +6,15 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -246,3 +249,124 @@ def test_every_worker_applies_the_connection_limits(tmp_path: Path) -> None:
             t.join(timeout=HEADER_TIMEOUT_S + 15)
         assert len(cut) == 4 and max(cut) < HEADER_TIMEOUT_S + 8, cut
         assert closed_after < HEADER_TIMEOUT_S + 8, closed_after
+
+
+# ------------------------------------------------------------------------------ the supervisor's death
+
+
+def children(parent: int, marker: bytes) -> list[int]:
+    """Processes whose parent is ``parent`` and whose command line holds ``marker``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and marker in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, waiting for a new parent to reap it, holds no socket and counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def listening(port: int) -> bool:
+    """Whether any socket listens on 127.0.0.1:``port`` (/proc/net/tcp: state 0A)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) == port:
+            return True
+    return False
+
+
+def _serve(engine_url: str, tmp_path: Path, port: int | None = None, workers: int = 2) -> ProcessServer:
+    """``serve --workers N`` with its multiprocess directory made by itself, in ``tmp_path`` (TMPDIR)."""
+    return ProcessServer(
+        "proxy.cli", "serve", "--primary", engine_url, "--listen", "127.0.0.1:{port}", "--workers", str(workers),
+        "--log-level", "info", port=port, ready_path="/health", env={"TMPDIR": str(tmp_path)}, startup_timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("next_workers", [2, 1])
+def test_a_killed_supervisor_leaves_no_worker_and_its_port_and_directory_to_the_next_serve(
+    tmp_path: Path, next_workers: int
+) -> None:
+    """Issue 35: after ``kill -9`` of the supervisor both workers (and the resource tracker) lived on under PID 1,
+    listening with the old configuration; a new ``serve`` on the port failed "address already in use", and
+    /tmp/enginemeter-metrics-* stayed behind. The next ``serve``, one process or several, removes it."""
+    with _engine() as engine:
+        old = _serve(engine.url, tmp_path).start()
+        try:
+            workers = worker_pids(old.pid)
+            family = children(old.pid, b"")  # its workers and multiprocessing's helpers (a resource tracker)
+            assert len(workers) == 2 and set(workers) <= set(family), (workers, family)
+            (left,) = tmp_path.glob("enginemeter-metrics-*")
+            os.kill(old.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_until(lambda: not any(alive(p) for p in family), timeout=3, message="no process of it left")
+            assert not listening(old.port)
+            gone_after = time.monotonic() - t0
+            assert left.exists()  # its supervisor could not remove it
+            with _serve(engine.url, tmp_path, port=old.port, workers=next_workers) as new:  # the same port
+                r = httpx.post(f"{new.url}/v1/chat/completions", json=BODY, headers={"connection": "close"})
+                assert r.status_code == 200
+                # the next start removed the left-over directory: nothing of the old run holds it
+                assert not left.exists()
+                assert len(list(tmp_path.glob("enginemeter-metrics-*"))) == (1 if next_workers > 1 else 0)
+                assert f"removed {left}: left by a run whose processes are all gone" in new.output()
+        finally:
+            old.stop()
+    assert gone_after < 3
+    assert "the supervisor (pid" in old.output() or "Shutting down" in old.output()
+
+
+def test_a_worker_whose_supervisor_dies_stops_listening_at_once_and_finishes_its_stream(tmp_path: Path) -> None:
+    """The port is free for the next ``serve`` within a second or two; a stream in progress is not cut off: the
+    orphaned worker drains it (its graceful shutdown), then exits."""
+    with _engine(tokens=300, cadence_ms=20) as engine:  # a 6 s stream
+        old = _serve(engine.url, tmp_path).start()
+        try:
+            workers = worker_pids(old.pid)
+            with ThreadPoolExecutor(1) as pool:
+                stream = pool.submit(stream_outcome, old.url)
+                directory = next(tmp_path.glob("enginemeter-metrics-*"))
+                wait_until(lambda: sum(in_flight_of(directory, p) for p in workers) == 1, timeout=20)
+                os.kill(old.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                wait_until(lambda: not listening(old.port), timeout=3, message="nothing listening on the port")
+                freed_after = time.monotonic() - t0
+                with _serve(engine.url, tmp_path, port=old.port) as new:
+                    r = httpx.post(f"{new.url}/v1/chat/completions", json=BODY, headers={"connection": "close"})
+                    assert r.status_code == 200
+                    assert stream.result(timeout=30) == "done"
+                    wait_until(lambda: not any(alive(p) for p in workers), timeout=10, message="the old workers gone")
+        finally:
+            old.stop()
+    assert freed_after < 2
+
+
+def test_a_second_run_never_wipes_a_metrics_directory_in_use(tmp_path: Path) -> None:
+    """``PROMETHEUS_MULTIPROC_DIR`` is wiped at start; a second ``serve`` on it while the first runs waits for
+    it (a killed supervisor's workers finishing), then exits 1: it would have wiped the first one's figures."""
+    directory = tmp_path / "metrics"
+    with _engine() as engine, _proxy(engine.url, directory, 2) as first:
+        r = httpx.post(f"{first.url}/v1/chat/completions", json=BODY, headers={"connection": "close"})
+        assert r.status_code == 200
+        t0 = time.monotonic()
+        second = subprocess.run(
+            [sys.executable, "-m", "proxy.cli", "serve", "--primary", engine.url, "--listen", "127.0.0.1:0",
+             "--workers", "2", "--shutdown-timeout", "1"],
+            env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}, capture_output=True, text=True,
+            timeout=60, check=False,
+        )  # fmt: skip
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert "is in use by another enginemeter run" in second.stderr and "waiting up to 6 s" in second.stderr
+        assert 5 < time.monotonic() - t0 < 30
+        assert scrape_sum(first.url, "enginemeter_requests_total", outcome="ok") == 1  # its figures intact

@@ -142,7 +142,8 @@ def load_live(
 ) -> list[Live]:
     log = paths if isinstance(paths, Log) else read_log([paths] if isinstance(paths, Path) else list(paths))
     sel = select(log, run=run, since=since, until=until, primary=primary, shadow=shadow)
-    notes = [f"source: proxy comparison log {', '.join(map(str, log.files))}", *sel.notes]
+    notes = [f"source: proxy comparison log, {sel.read}", *sel.notes,
+             *(f"warning: {w}" for w in sel.warnings)]  # fmt: skip
     # url "": facts handed in by the caller, not read from a proxy (they apply to whatever run is reported)
     same_run = proxy is not None and not proxy.error and (not proxy.url or any(r.id == proxy.run for r in sel.runs))
     if proxy is not None and proxy.error:

@@ -5,6 +5,7 @@ greedy outputs agreed. Pure but for ``proxy_info`` (two GETs to a running proxy)
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -38,6 +39,9 @@ def legacy_sampling(kind: str | None) -> tuple[dict[str, Any], tuple[str, ...] |
 
 # ---- a running proxy ---------------------------------------------------------------------------------
 
+#: the key ``proxy_info`` sends to a proxy with ``api_keys`` (an environment variable: a flag shows in ``ps``)
+PROXY_KEY_ENV = "ENGINEMETER_PROXY_KEY"
+
 
 @dataclass
 class ProxyInfo:
@@ -57,12 +61,21 @@ def proxy_info(url: str, timeout: float = 5.0) -> ProxyInfo:
     import httpx
 
     base = url.rstrip("/")
+    # a proxy with api_keys shows /health's detail (and /metrics, with metrics.access: key) only to a key
+    key = os.environ.get(PROXY_KEY_ENV)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        health = httpx.get(f"{base}/health", timeout=timeout, trust_env=False).json()
-        text = httpx.get(f"{base}/metrics", timeout=timeout, trust_env=False).text
+        health = httpx.get(f"{base}/health", headers=headers, timeout=timeout, trust_env=False).json()
+        scrape = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout, trust_env=False)
+        scrape.raise_for_status()
+        text = scrape.text
     except (httpx.HTTPError, ValueError) as exc:
-        return ProxyInfo(base, error=f"{type(exc).__name__}: {exc}")
+        hint = f" (a proxy with api_keys: set {PROXY_KEY_ENV} to one of its keys)" if "401" in str(exc) else ""
+        return ProxyInfo(base, error=f"{type(exc).__name__}: {exc}{hint}")
     health = health if isinstance(health, dict) else {}
+    if "engines" not in health:
+        return ProxyInfo(base, error=f"its /health answers only liveness without a key: set {PROXY_KEY_ENV} to one "
+                         "of its api_keys")  # fmt: skip
     states = (health.get("engine_state") or {}).get("engines") or {}
     mirror = health.get("mirror") or {}
     peaks: dict[str, float] = {}

@@ -1,7 +1,12 @@
 """The proxy's comparison log read as what it is: proxy runs, each holding pairs that were mirrored, each pair
 ended for a cause. Pure but for reading the files.
 
-- **Files**: paths or globs; a rotated family (``x.jsonl.2``, ``x.jsonl.1``, ``x.jsonl``) is read oldest first.
+- **Files**: paths or globs; a path (or a glob's hit) brings every rotated file of its log with it
+  (``x.jsonl.2``, ``x.jsonl.1``, ``x.jsonl``: the proxy's own rotation, ``proxy.jsonlog``), read oldest
+  first, all opened at one moment (no rotation in between). ``select`` says how many files and pairs were read and
+  warns when the selected run's records reach into files that were not read: rotated away (a file that starts
+  with the run's ``continued`` header, or a run whose start is in no file read), missing from the numbering,
+  unreadable, or left out by naming one rotated file alone.
 - **Runs**: a proxy run writes a ``run`` record when it starts, its id on every ``pair`` record, ``engine``
   records (what the engine-state poller learned) and an ``end`` record per worker. Pair records written before
   runs were recorded (no ``run``) form one *unlabelled* run. ``select`` takes the **latest run** unless told
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import glob as globmod
+import json
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from proxy.bench.verdict.data import read_jsonl
+from proxy.jsonlog import open_together, rotated_family
 
 Cause = Literal["ok", "client", "shutdown", "unreachable", "refused", "engine"]
 CAUSE_TEXT: Mapping[str, str] = {
@@ -48,8 +54,9 @@ def expand(paths: Sequence[str]) -> list[Path]:
         if not hits:
             raise ValueError(f"{p}: no such file")
         for h in hits:
-            if Path(h) not in out:
-                out.append(Path(h))
+            for f in rotated_family(h) or [h]:  # the log's rotated files with it; a missing one fails on reading
+                if Path(f) not in out:
+                    out.append(Path(f))
 
     def rank(q: Path) -> tuple[str, int]:
         stem, _, n = q.name.rpartition(".")
@@ -68,6 +75,10 @@ class Run:
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine -> latest engine record
     ends: list[dict[str, Any]] = field(default_factory=list)  # one per worker that stopped
     records: list[dict[str, Any]] = field(default_factory=list)  # its pair records, by time
+    #: the file where its records start in what was read, and whether that file holds its start (its first ``run``
+    #: record) or only a ``continued`` header (earlier files of the run are gone)
+    first_file: Path | None = None
+    began: bool = False
 
     @property
     def first(self) -> float | None:
@@ -84,6 +95,9 @@ class Run:
 class Log:
     files: list[Path]
     runs: list[Run]  # oldest first
+    pairs_read: int = 0
+    #: files that were given but could not be read, and gaps in a rotated family: one sentence each
+    unread: list[str] = field(default_factory=list)
 
 
 def start_of(rec: Mapping[str, Any]) -> float:
@@ -100,14 +114,63 @@ def _is_pair(r: Mapping[str, Any]) -> bool:
     return r.get("type", "pair") == "pair" and isinstance(r.get("primary"), dict) and isinstance(r.get("shadow"), dict)
 
 
+def _lines(f: Any) -> list[dict[str, Any]]:
+    """``read_jsonl`` of an open binary file."""
+    recs: list[dict[str, Any]] = []
+    for line in f:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue  # a blank line, or one cut by Ctrl-C
+        if isinstance(obj, dict):
+            recs.append(obj)
+    return recs
+
+
+def _family_gaps(files: Sequence[Path]) -> list[str]:
+    """Rotated files missing from a family that was read (``x.3`` and ``x.1`` but no ``x.2``), and rotated files
+    named alone whose log's other files were not given."""
+    out = []
+    for f in files:
+        stem, _, n = f.name.rpartition(".")
+        if n.isdigit() and stem:
+            base = f.with_name(stem)
+            left = [x for x in map(Path, rotated_family(str(base))) if x not in files]
+            if left and base not in files:
+                out.append(f"{f} is one rotated file of {base}: {', '.join(map(str, left))} not read (give --log "
+                           f"{base} for all of them)")  # fmt: skip
+    for f in files:
+        numbers = sorted(int(x.name.rpartition(".")[2]) for x in files
+                         if x.parent == f.parent and x.name.rpartition(".")[0] == f.name and x.name.rpartition(".")[2].isdigit())  # fmt: skip
+        missing = [n for n in range(1, numbers[-1]) if n not in numbers] if numbers else []
+        if missing:
+            out.append(f"{f}: rotated file(s) {', '.join(f'{f}.{n}' for n in missing)} missing between those read")
+    return out
+
+
 def read_log(files: Sequence[Path]) -> Log:
     runs: dict[str | None, Run] = {}
-    for f in files:
-        for r in read_jsonl(f):
+    unread = _family_gaps(files)
+    read: list[Path] = []
+    pairs_read = 0
+    with open_together([str(f) for f in files]) as opened:
+        contents = [(Path(name), h if isinstance(h, OSError) else _lines(h)) for name, h in opened]
+    errors = [h for _, h in contents if isinstance(h, OSError)]
+    if len(errors) == len(contents) and errors:
+        raise errors[0]  # nothing could be read: the error itself, as before
+    for f, recs in contents:
+        if isinstance(recs, OSError):
+            unread.append(f"could not read {f}: {recs.strerror or recs}")
+            continue
+        read.append(f)
+        for r in recs:
             rid = r.get("run") if isinstance(r.get("run"), str) else None
             run = runs.setdefault(rid, Run(rid))
             kind = r.get("type", "pair")
+            if run.first_file is None and kind in ("run", "pair"):
+                run.first_file = f
             if kind == "run" and rid is not None:
+                run.began = run.began or (run.first_file == f and not r.get("continued"))
                 ts = r.get("ts")
                 if isinstance(ts, int | float) and (run.started is None or ts < run.started):
                     run.started = float(ts)
@@ -120,13 +183,30 @@ def read_log(files: Sequence[Path]) -> Log:
                 run.ends.append(r)
             elif _is_pair(r):
                 run.records.append(r)
+                pairs_read += 1
     out = [x for x in runs.values() if x.records or x.id is not None]
     for x in out:
         x.records.sort(key=lambda y: float(y.get("ts") or 0))
     out.sort(key=lambda x: (x.first is None, x.first or 0.0))
     if not any(x.records for x in out):
         raise ValueError(f"{', '.join(map(str, files))}: no comparison records (pairs the proxy mirrored)")
-    return Log(list(files), out)
+    return Log(read, out, pairs_read, unread)
+
+
+def coverage(log: Log, runs: Sequence[Run]) -> tuple[str, list[str]]:
+    """What was read (one sentence), and a warning for each way the ``runs``' records reach into files that were
+    not read (module docstring)."""
+    names = ", ".join(map(str, log.files)) if len(log.files) <= 6 else f"{log.files[0]} … {log.files[-1]}"
+    read = f"{len(log.files)} file(s) read, oldest first ({names}): {log.pairs_read} pairs"
+    warnings = list(log.unread)
+    for run in runs:
+        if run.id is None or run.began:
+            continue
+        compared = sum(int(e.get("compared") or 0) for e in run.ends)
+        held = f"; its workers compared {compared} pairs, the files read hold {len(run.records)}" if compared else ""
+        warnings.append(f"run {run.id} began before the oldest file read ({run.first_file}): the files with its first "
+                        f"pairs were rotated away (mirror.log_backups, log_max_bytes) or not given{held}")  # fmt: skip
+    return read, warnings
 
 
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
@@ -161,8 +241,12 @@ class Selection:
     runs: list[Run]
     #: (primary, shadow) -> its pair records, by compare time
     pairs: dict[tuple[str, str], list[dict[str, Any]]]
-    #: what was left out, and why (one sentence each)
+    #: what was read, what was left out, and why (one sentence each)
     notes: list[str]
+    #: records of the selected runs that may be in files not read (``coverage``)
+    warnings: list[str] = field(default_factory=list)
+    #: how many files and pairs were read (``coverage``)
+    read: str = ""
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -239,7 +323,8 @@ def select(
             for a, b in everything if (a, b) not in pairs))  # fmt: skip
     for v in pairs.values():
         v.sort(key=lambda x: float(x.get("ts") or 0))
-    return Selection(runs, pairs, notes)
+    read, warnings = coverage(log, runs)
+    return Selection(runs, pairs, notes, warnings, read)
 
 
 # ---- causes ------------------------------------------------------------------------------------------

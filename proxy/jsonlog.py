@@ -3,6 +3,12 @@
 The event loop only puts a dict on a bounded queue (``write`` never blocks and never serializes); a full queue
 drops the record and counts it. ``serve --workers N``: every worker appends to the same file; a lock on its
 directory keeps one worker's rotation and another's line apart.
+
+Rotation is by size, ``path`` -> ``path.1`` -> ... -> ``path.<backups>`` (the oldest deleted). A log may give a
+``header``: the lines every new file after a rotation starts with (the comparison log: its run's ``run`` and
+``engine`` records), so that each file says what it belongs to even after older ones are gone. Readers use
+``rotated_family`` (a log's files, oldest first) and ``open_together`` (every file opened under a shared lock on
+its directory: no rotation in between can make one be read twice or missed).
 """
 
 from __future__ import annotations
@@ -14,20 +20,70 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any
 
 log = logging.getLogger("enginemeter.compare")
 
 
 @contextlib.contextmanager
-def _dir_locked(path: str) -> Iterator[None]:
+def _dir_locked(path: str, how: int = fcntl.LOCK_EX) -> Iterator[None]:
     fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, how)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def rotated_family(path: str) -> list[str]:
+    """The log ``path`` and its rotated copies that exist, oldest first: ``path.N``, ..., ``path.1``, ``path``
+    (whatever ``backups`` wrote them: the directory is listed)."""
+    d, name = os.path.split(path)
+    try:
+        entries = os.listdir(d or ".")
+    except OSError:
+        entries = []
+    numbered = []
+    for e in entries:
+        stem, dot, n = e.rpartition(".")
+        if dot and stem == name and n.isdigit() and int(n) > 0:
+            numbered.append((int(n), os.path.join(d, e)))
+    family = [p for _, p in sorted(numbered, reverse=True)]
+    return [*family, path] if os.path.exists(path) else family
+
+
+@contextlib.contextmanager
+def open_together(paths: Sequence[str]) -> Iterator[list[tuple[str, IO[bytes] | OSError]]]:
+    """``paths`` opened for reading, each with the name it had (or the error that stopped it), all while their
+    directories are locked shared: a writer (``ComparisonLog``) takes the lock exclusively to rotate, so the files
+    are one state of the log, not a rotation's before and after. A log's rotated files are listed again under the
+    lock (``rotated_family``: a rotation since they were listed renamed every one of them); a rotated file named
+    without its log is read alone. The files stay open, and readable, after the locks go."""
+    given = list(dict.fromkeys(paths))
+    opened: list[tuple[str, IO[bytes] | OSError]] = []
+    with contextlib.ExitStack() as locks:
+        for d in sorted({os.path.dirname(p) or "." for p in given}):
+            with contextlib.suppress(OSError):  # a directory we cannot lock: read without it
+                locks.enter_context(_dir_locked(d, fcntl.LOCK_SH))
+        names: list[str] = []
+        for p in given:
+            stem, dot, n = p.rpartition(".")
+            rotated = bool(dot and n.isdigit())
+            if rotated and stem in given:
+                continue  # one of a log's rotated files, the log named too: listed afresh with it below
+            names += [f for f in ([p] if rotated else rotated_family(p) or [p]) if f not in names]
+        for p in names:
+            try:
+                opened.append((p, open(p, "rb")))  # noqa: SIM115 - closed below, after the caller read them
+            except OSError as exc:
+                opened.append((p, exc))
+    try:
+        yield opened
+    finally:
+        for _, f in opened:
+            if not isinstance(f, OSError):
+                f.close()
 
 
 class ComparisonLog:
@@ -49,8 +105,11 @@ class ComparisonLog:
         queue_size: int = 10_000,
         mode: int = 0o600,
         name: str = "enginemeter-compare-log",
+        header: Callable[[], Sequence[dict[str, Any]]] | None = None,
     ) -> None:
         self.path = path
+        #: the records each file after a rotation starts with (module docstring); called on the writer thread
+        self.header = header
         #: permission bits of the log and its rotated files: 0o600 (both logs may hold prompts and answers). A
         #: file that already exists with other bits (an older run's 0644) is set to these when opened
         #: (``_enforce_mode``); one this user cannot chmod is not written to (counted in ``errors``)
@@ -103,6 +162,16 @@ class ComparisonLog:
                 os.replace(src, f"{self.path}.{i + 1}")
         os.replace(self.path, f"{self.path}.1")
 
+    def _header_lines(self) -> bytes:
+        if self.header is None:
+            return b""
+        try:
+            records = self.header()
+        except Exception:  # the header is a courtesy to readers: never a reason to lose the line
+            log.exception("the header of the log %s failed", self.path)
+            return b""
+        return b"".join((json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n").encode() for r in records)
+
     def _enforce_mode(self, fd: int, path: str) -> None:
         """The file open as ``fd`` gets ``self.mode``, whatever it had (O_CREAT's mode only applies to new files)."""
         st = os.fstat(fd)
@@ -141,6 +210,7 @@ class ComparisonLog:
                     size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
                     if size and size + len(line) > self.max_bytes:
                         self._rotate()
+                        line = self._header_lines() + line
                     # 0600 by default: with record_text the log holds prompts and answers; only the proxy's user may read it
                     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
                     with os.fdopen(fd, "ab") as f:
