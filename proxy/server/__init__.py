@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from proxy.server.app import Gateway, make_engines
 from proxy.server.asgi import asgi_app
 from proxy.server.attempt import Attempts
+from proxy.server.compare import new_run_id
 from proxy.server.context import RequestContextMiddleware, forward_trace_headers
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
@@ -27,6 +28,7 @@ from proxy.server.mirror import Mirror
 from proxy.server.nvml import PynvmlReader
 from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
+from proxy.server.rollout import Rollouts
 from proxy.server.routing import Router
 from proxy.server.workers import snapshot_health
 from proxy.settings import Settings, SettingsError
@@ -65,7 +67,9 @@ def build_app(
         metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
-    router = Router(settings)
+    # one run id for every worker of one `serve` (a restart of the proxy is a new run: the rollouts say so)
+    rollouts = Rollouts.of(settings, settings.run_id or new_run_id())
+    router = Router(settings, rollouts=rollouts)
     shutdown = list(on_shutdown)
     # attempt hooks, in order: the client's trace headers, then the proxy's own span (it replaces traceparent)
     attempts.on_new.append(forward_trace_headers)
@@ -101,8 +105,13 @@ def build_app(
     state = engine_state
     mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None,
                     facts_of=(lambda name: state.states.get(name)) if state is not None else None)  # fmt: skip
+    if rollouts is not None:
+        # before the mirror's: a candidate's attempt is counted before the pair it completes is written
+        attempts.observers.append(rollouts.on_result)
+        mirror.pair_observers.append(rollouts.on_pair)
+        registry.register(rollouts)  # reads the shared state file: every worker's scrape says the same
     attempts.observers.append(mirror.on_result)
-    if any(r.shadows for r in settings.routes):
+    if any(r.shadows or r.rollout is not None for r in settings.routes):
         attempts.on_new.append(mirror.on_attempt)
     gw = Gateway(
         settings=settings,
@@ -112,6 +121,7 @@ def build_app(
         engines=engines,
         attempts=attempts,
         mirror=mirror,
+        rollouts=rollouts,
         gpu=gpu,
         engine_state=engine_state,
         diagnosis=diagnosis,

@@ -35,6 +35,10 @@ counts. ``enginemeter report --log`` reads the latest run unless told otherwise.
 **Opt-out.** A request with ``x-enginemeter-mirror: off`` (``Decision.mirror``) is served and not copied
 (``dropped_header``): the bench sends it, so its requests stay out of the shadow and the log.
 
+**Rollouts.** A route's rollout (``proxy.server.rollout``) adds the other engine of its pair to
+``Decision.shadows``; the entry carries the request's ``Decision.rollout`` and ``pair_observers`` get every
+comparable pair, so the rollout judges its own pairs with the same figures.
+
 **Live verdict.** Every comparable pair feeds its engine pair's ``proxy.sequential.LiveVerdict`` (anytime-valid
 intervals per regime); ``state()["live"]`` (in ``/health`` and ``/admin/mirror``) says what is decided so far.
 With ``serve --workers`` each worker's is its own share of the traffic.
@@ -52,9 +56,10 @@ from typing import Any
 
 from proxy import __version__
 from proxy.errors import BadRequest
-from proxy.sequential import LiveVerdict, regime_of
+from proxy.sequential import LiveVerdict, Regime, regime_of
 from proxy.server.attempt import Attempts, drain
 from proxy.server.compare import (
+    Comparison,
     ComparisonLog,
     compare,
     engine_record,
@@ -126,6 +131,8 @@ class Mirror:
         self.compared = 0
         self.log: ComparisonLog | None = None
         self.live: dict[tuple[str, str], LiveVerdict] = {}
+        #: called with every comparable pair (its entry, comparison, regime): the rollouts' statistics
+        self.pair_observers: list[Callable[[Pending, Comparison, Regime | None], None]] = []
         self.pairs = PairTable(self.timeout + PAIR_GRACE_S, self._emit, lambda name: self._count(name, "unpaired"))
         self._facts_written: dict[str, tuple[Any, ...]] = {}
         self._streams: dict[str, StreamClient] = {}
@@ -237,6 +244,7 @@ class Mirror:
                 expected=set(sent),
                 prompt=(body.get("messages", body.get("prompt")) if self.record_text else None),
                 t_start=time.time(),
+                rollout=decision.rollout,
             ),
         )
         for name in sent:
@@ -347,6 +355,11 @@ class Mirror:
             for stream, cs in live.streams.items():
                 if stream.regime == regime:
                     self.metrics.observe_live(*key, stream, cs.state())
+            for observe in self.pair_observers:
+                try:
+                    observe(e, c, regime)
+                except Exception:
+                    log.exception("pair observer failed")
         gpus: dict[str, Sequence[int]] | None = None
         if self.gpus_of is not None:
             gpus = {"primary": self.gpus_of(primary.engine), "shadow": self.gpus_of(shadow.engine)}
@@ -394,6 +407,11 @@ class Mirror:
         s = self.settings
         pairs = [(r.primary, sh) for r in s.routes for sh in r.shadows if sh != r.primary]
         pairs += [(x, sh) for r in s.routes for x in (*r.split, *r.fallback) for sh in r.shadows if sh != x]
+        for r in s.routes:  # a rollout mirrors both ways between its baseline and its candidate
+            if r.rollout is not None:
+                pairs += [
+                    p for p in ((r.primary, r.rollout.candidate), (r.rollout.candidate, r.primary)) if p not in pairs
+                ]
         engines = {n: {"kind": e.kind, "model": e.model} for n, e in self.engines.items()}
         host = f"[{s.host}]" if ":" in s.host else s.host
         return run_record(self.run_id, listen=f"http://{host}:{s.port}", pairs=pairs, engines=engines,
