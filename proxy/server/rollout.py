@@ -18,14 +18,15 @@ the chance of rolling back a candidate that is not slower is at most ``ALPHA`` o
   the rollout is ``complete`` (the candidate serves the route);
 - **hold** otherwise; the cause says what the step waits for (``pairs``, ``not_yet``, ``requests``, ``dwell``).
 
-**One truth for every worker and every restart.** The state lives in a JSON file (``rollout.state_file``),
-replaced atomically under an ``flock``; beside it a memory-mapped 8-byte generation counter (``.gen``, also the
-lock) changes with every write. A request reads the counter (one 8-byte compare) and re-reads the file only when
-it changed, so a rollback made by any worker routes the next request of every worker to the baseline. Pairs and
-failures update the file under the lock where they are recorded (once per pair, not per chunk); successful
-attempts are counted locally and written with the next update or once a second. A worker that restarts reads
-the current state; a proxy that restarts finds it too, carries on at the step it was at (the step's test and
-dwell start again) and records ``restored``; a changed plan (candidate, baseline, steps) starts from step 0.
+**One truth for every worker and every restart.** The state lives in a memory-mapped file beside
+``rollout.state_file`` (``StateFile``): every process of the proxy maps it, writes it under an ``flock`` and bumps
+its generation. A request reads the 8-byte generation and parses the state only after it changed, so a rollback
+made by any worker routes the next request of every worker to the baseline. Pairs and failures update it where
+they are recorded (once per pair, ~50 µs, never per chunk); successful attempts are counted locally and written
+with the next update or once a second. Each transition also replaces ``state_file`` itself, a JSON copy for people
+(and for a lost map). A worker that restarts maps the current state; a proxy that restarts finds it too, carries
+on at the step it was at (the step's test and dwell start again) and records ``restored``; a changed plan
+(candidate, baseline, steps) starts from step 0.
 
 Commands (``POST /admin/rollout`` or ``rollout.state`` in the config at start): ``start`` (from step 0),
 ``pause`` (the share holds; a rollback still happens), ``resume``, ``abort`` (share 0). Requests pinned to an
@@ -42,8 +43,9 @@ import logging
 import math
 import mmap
 import os
+import struct
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -73,9 +75,15 @@ COUNTING: frozenset[str] = frozenset({"running", "paused"})
 #: says nothing about the engine)
 FAILED = frozenset({"connect_error", "timeout", "upstream_broken"})
 DOC_VERSION = 1
-MAX_EVENTS = 50
+MAX_EVENTS = 30
 TICK_S = 1.0
-GEN_BYTES = 8
+#: the shared map: header (magic, active slot, generation), then two slots of (length, JSON)
+MAGIC = b"EMR1"
+_ACTIVE = 4
+_GEN = 8
+HEADER_BYTES = 64
+SLOT_BYTES = 64 * 1024
+MAP_BYTES = HEADER_BYTES + 2 * SLOT_BYTES
 
 
 class Conflict(ProxyError):
@@ -123,23 +131,31 @@ def default_state_file(route: int, env: Mapping[str, str] | None = None) -> Path
 
 
 class StateFile:
-    """The JSON state, replaced atomically, and its generation counter (a shared 8-byte map, also the lock)."""
+    """A rollout's shared state: a memory-mapped file (``<state_file>.shm``, also the lock) every process of the
+    proxy maps, and a JSON copy (``state_file``) written at each transition, for people and for a lost map.
+
+    The map holds a header (magic, generation, which slot is current) and two slots of JSON. A write (under the
+    ``flock``) fills the slot that is not current, makes it current, then bumps the generation: a process killed
+    mid-write leaves the current slot whole, and a reader (no lock) that sees the generation move by two or more
+    while it copied a slot copies again. The request path reads the 8-byte generation only.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(f"{path}.gen", os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(f"{path}.shm", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             with self.locked():
-                if os.fstat(self._fd).st_size < GEN_BYTES:
-                    os.ftruncate(self._fd, GEN_BYTES)
-            self._mm = mmap.mmap(self._fd, GEN_BYTES)
+                if os.fstat(self._fd).st_size != MAP_BYTES:
+                    os.ftruncate(self._fd, 0)  # not ours, or another layout: start empty
+                    os.ftruncate(self._fd, MAP_BYTES)
+            self._mm = mmap.mmap(self._fd, MAP_BYTES)
         except BaseException:
             os.close(self._fd)
             raise
 
     def gen(self) -> bytes:
-        return self._mm[:GEN_BYTES]
+        return self._mm[_GEN : _GEN + 8]
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -150,25 +166,61 @@ class StateFile:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def read(self) -> dict[str, Any] | None:
+    def _slot(self) -> bytes | None:
+        mm = self._mm
+        if mm[:4] != MAGIC:
+            return None
+        active = mm[_ACTIVE]
+        at = HEADER_BYTES + active * SLOT_BYTES
+        (n,) = struct.unpack_from("<I", mm, at)
+        return mm[at + 4 : at + 4 + min(n, SLOT_BYTES - 4)]
+
+    def read(self) -> tuple[bytes, dict[str, Any] | None]:
+        """(generation, document) without the lock: copied again if two writes overlapped the copy."""
+        for _ in range(100):
+            g1 = self.gen()
+            raw = self._slot()
+            g2 = self.gen()
+            if (int.from_bytes(g2, "little") - int.from_bytes(g1, "little")) % 2**64 < 2:
+                break
+        # the copy is at least as new as g1 (labelled g1, a write that overlapped it is read again next time)
+        if raw is None:
+            return g1, None
+        doc = json.loads(raw)
+        return g1, doc if isinstance(doc, dict) else None
+
+    def read_copy(self) -> dict[str, Any] | None:
+        """The JSON copy (the map is gone or was not ours)."""
         try:
             doc = json.loads(self.path.read_bytes())
         except FileNotFoundError:
             return None
         return doc if isinstance(doc, dict) else None
 
-    def write(self, doc: Mapping[str, Any], *, durable: bool = False) -> None:
-        """Replace the file (readers see the old or the new one, never a mix), then bump the counter. Under
-        ``locked()``. ``durable``: fsync first (transitions; a pair's update is not worth a disk flush)."""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(doc, separators=(",", ":")).encode())
-            if durable:
+    def write(self, doc: dict[str, Any], *, durable: bool = False) -> bytes:
+        """Under ``locked()``: the document into the spare slot, current, generation + 1 (returned). ``durable``
+        (a transition): the map flushed to disk and the JSON copy replaced."""
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        while len(data) > SLOT_BYTES - 4 and doc["events"]:
+            doc["events"] = doc["events"][len(doc["events"]) // 2 :]
+            data = json.dumps(doc, separators=(",", ":")).encode()
+        mm = self._mm
+        spare = 1 - mm[_ACTIVE] if mm[:4] == MAGIC else 0
+        at = HEADER_BYTES + spare * SLOT_BYTES
+        mm[at : at + 4 + len(data)] = struct.pack("<I", len(data)) + data
+        mm[:4] = MAGIC
+        mm[_ACTIVE] = spare
+        gen = ((int.from_bytes(self.gen(), "little") + 1) % 2**64).to_bytes(8, "little")
+        mm[_GEN : _GEN + 8] = gen
+        if durable:
+            mm.flush()
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            with open(tmp, "wb") as f:
+                f.write(json.dumps(doc, indent=1).encode())
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        n = int.from_bytes(self._mm[:GEN_BYTES], "little")
-        self._mm[:GEN_BYTES] = ((n + 1) % 2**64).to_bytes(GEN_BYTES, "little")
+            os.replace(tmp, self.path)
+        return gen
 
     def close(self) -> None:
         self._mm.close()
@@ -240,13 +292,11 @@ class Rollout:
             return None
         gen = f.gen()
         if gen != self._gen:
-            self._gen = gen
             try:
-                doc = f.read()
-            except (OSError, ValueError) as exc:
-                log.error(
-                    "rollout of route %d: cannot read %s (%s): keeping the last state", self.route, self.path, exc
-                )
+                self._gen, doc = f.read()
+            except ValueError as exc:
+                self._gen = gen
+                log.error("rollout of route %d: unreadable state (%s): keeping the last one", self.route, exc)
                 return self._ticket
             if doc is not None:
                 self._seen(doc)
@@ -259,31 +309,42 @@ class Rollout:
 
     # ------------------------------------------------------------------------------- updates
 
-    def _update(self, change: Any, *, now: float | None = None) -> dict[str, Any]:
-        """Read, ``change(doc, now) -> bool`` (True: a transition), evaluate, write; under the lock."""
-        assert self.file is not None
+    def _update(self, change: Callable[[dict[str, Any], float], bool], *, now: float | None = None) -> dict[str, Any]:
+        """Under the lock: read, ``change(doc, now)`` (True: it changed something), evaluate, and write if
+        anything changed (a transition is flushed to disk)."""
+        f = self.file
+        assert f is not None
         now = time.time() if now is None else now
-        with self.file.locked():
-            doc = self.file.read()
+        with f.locked():
+            gen = f.gen()
+            # the document this process read or wrote last is current unless another one wrote since
+            doc = self._doc if gen == self._gen and self._doc is not None else f.read()[1]
             if doc is None or doc.get("plan") != self.plan:
                 raise StateUnavailable(f"{self.path} no longer holds this rollout (another proxy's?)")
-            before = (doc["state"], doc["step"])
-            self._flush(doc)
-            change(doc, now)
-            if doc["state"] == "running" or doc["state"] == "paused":
-                self._evaluate(doc, now)
-            moved = (doc["state"], doc["step"]) != before
-            self.file.write(doc, durable=moved)
+            try:
+                before = (doc["state"], doc["step"], doc["cause"], doc["detail"])
+                dirty = self._flush(doc)
+                dirty = change(doc, now) or dirty
+                if doc["state"] in COUNTING:
+                    self._evaluate(doc, now)
+                after = (doc["state"], doc["step"], doc["cause"], doc["detail"])
+                if dirty or after != before:
+                    gen = f.write(doc, durable=after[:2] != before[:2])
+            except BaseException:
+                self._gen = b""  # the cached document may be half-changed: read it again
+                raise
+        self._gen = gen
         self._seen(doc)
-        self._gen = b""  # our own write: re-read the counter next time, so another worker's next one is seen
         return doc
 
-    def _flush(self, doc: dict[str, Any]) -> None:
+    def _flush(self, doc: dict[str, Any]) -> bool:
         attempts, served = self._unwritten
         self._unwritten = [0, 0]
-        if doc["state"] in COUNTING:
-            doc["attempts"] += attempts
-            doc["served"] += served
+        if doc["state"] not in COUNTING or not attempts:
+            return False
+        doc["attempts"] += attempts
+        doc["served"] += served
+        return True
 
     def on_pair(self, ticket: Ticket, c: Comparison, regime: Regime | None) -> None:
         """A comparable pair of a request this rollout routed: one observation per stream of its regime."""
@@ -294,13 +355,14 @@ class Rollout:
             return
         base, cand = (p, s) if p.engine == self.baseline else (s, p)
 
-        def add(doc: dict[str, Any], now: float) -> None:
+        def add(doc: dict[str, Any], now: float) -> bool:
             if doc["epoch"] != ticket.epoch or doc["state"] not in COUNTING:
-                return  # routed under an earlier step
+                return False  # routed under an earlier step
             v = _cs_load(self._verdict(), doc["verdict"])
             v.add(regime, _figures(base), _figures(cand))
             doc["verdict"] = _cs_dump(v)
             doc["pairs"][regime] = doc["pairs"].get(regime, 0) + 1
+            return True
 
         self._update(add)
 
@@ -316,12 +378,14 @@ class Rollout:
         if self.file is None:
             return
 
-        def fail(doc: dict[str, Any], now: float) -> None:
-            if doc["state"] in COUNTING:
-                doc["attempts"] += 1
-                doc["served"] += r.role == "primary"
-                doc["errors"] += 1
-                doc["last_error"] = f"{r.role} attempt: {r.outcome} {r.error or ''}".strip()[:300]
+        def fail(doc: dict[str, Any], now: float) -> bool:
+            if doc["state"] not in COUNTING:
+                return False
+            doc["attempts"] += 1
+            doc["served"] += r.role == "primary"
+            doc["errors"] += 1
+            doc["last_error"] = f"{r.role} attempt: {r.outcome} {r.error or ''}".strip()[:300]
+            return True
 
         self._update(fail)
 
@@ -333,11 +397,12 @@ class Rollout:
             return
         if self._unwritten == [0, 0] and doc["state"] == "paused":
             return
-        self._update(lambda doc, now: None, now=now)
+        self._update(lambda doc, now: False, now=now)
 
     def command(self, action: Action, who: Literal["admin", "config"]) -> dict[str, Any]:
-        def apply(doc: dict[str, Any], now: float) -> None:
+        def apply(doc: dict[str, Any], now: float) -> bool:
             _command(doc, action, who, now)
+            return True
 
         return self._update(apply)
 
@@ -393,7 +458,7 @@ class Rollout:
         if doc["share"] > 0 and doc["served"] < s.min_requests:
             return "requests", f"{doc['served']} of {s.min_requests} requests served by {s.candidate}"
         if now - doc["since"] < s.min_dwell_s:
-            return "dwell", f"{now - doc['since']:.0f} of {s.min_dwell_s:g} s at this step"
+            return "dwell", f"each step lasts {s.min_dwell_s:g} s at least"
         return None, ""
 
     # ------------------------------------------------------------------------------- start, state
@@ -405,6 +470,9 @@ class Rollout:
         self.file = f = StateFile(self.path)
         with f.locked():
             doc = self._read_quietly(f)
+            if doc is None:
+                with contextlib.suppress(ValueError):
+                    doc = f.read_copy()
             if doc is None or doc.get("v") != DOC_VERSION or doc.get("plan") != self.plan:
                 old = doc.get("plan") if isinstance(doc, dict) else None
                 doc = _fresh(self.plan, self.run, config_state, now)
@@ -430,16 +498,15 @@ class Rollout:
                     doc["config_state"] = config_state
                 if doc["state"] in COUNTING:
                     self._evaluate(doc, now)
-            f.write(doc, durable=True)
+            self._gen = f.write(doc, durable=True)
         self._seen(doc)
-        self._gen = b""
 
     @staticmethod
     def _read_quietly(f: StateFile) -> dict[str, Any] | None:
         try:
-            return f.read()
+            return f.read()[1]
         except ValueError:
-            log.error("rollout state %s is not valid JSON: starting a new rollout", f.path)
+            log.error("rollout state %s.shm is not valid: starting from the JSON copy", f.path)
             return None
 
     def close(self) -> None:
