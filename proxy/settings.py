@@ -154,6 +154,7 @@ class ModelAlias:
 #: the rollout's default steps: the candidate's share of the route's live traffic, shadow first
 DEFAULT_STEPS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0)
 RolloutState = Literal["running", "paused", "aborted"]
+RolloutGate = Literal["not_slower", "not_worse"]
 
 
 def _steps(value: tuple[float, ...]) -> tuple[float, ...]:
@@ -177,6 +178,11 @@ class RolloutSettings:
     state: RolloutState = Field(
         default="running",
         description="running, paused or aborted; applied at start when it differs from what the last start applied",
+    )
+    gate: RolloutGate = Field(
+        default="not_slower",
+        description="what a step needs to advance, with its pairs: not_slower (no stream decided slower) or "
+        "not_worse (every stream's interval below +mirror.min_effect: shown, not only not refuted)",
     )
     min_pairs: int = Field(
         default=30, ge=30, description="paired requests a regime needs at a step before it can pass (30 at least)"

@@ -26,14 +26,11 @@ from typing import Any
 
 import httpx
 import yaml
+from prometheus_client.mmap_dict import MmapedDict
 
 from proxy.configfile import parse_file
-from proxy.settings import (
-    EngineSettings,
-    RouteSettings,
-    Settings,
-)
-from tests.helpers import ProcessServer, ProxyFactory, wait_until
+from proxy.settings import EngineSettings, RouteSettings, Settings
+from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, wait_until
 
 ADMIN_KEY = "rollout-admin"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -90,6 +87,8 @@ class Traffic:
     url: str
     concurrency: int = 4
     max_tokens: int = 8
+    #: a connection per request (``serve --workers``: the kernel spreads connections, not requests)
+    close: bool = False
     served: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -109,7 +108,8 @@ class Traffic:
             self.failures.append(repr(exc))
 
     def _loop(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=60) as client:
+        headers = {"connection": "close"} if self.close else {}
+        with httpx.Client(base_url=self.url, timeout=60, headers=headers) as client:
             while not self._stop.is_set():
                 self.one(client)
 
@@ -323,3 +323,135 @@ def test_a_restarted_proxy_carries_on_at_its_step_and_says_so(tmp_path: Path) ->
         with ProcessProxy(cfg, tmp_path) as proxy:
             doc = rollout(proxy.url)
             assert (doc["step"], doc["share"], doc["steps"]) == (0, 0.0, [0.0, 0.25, 1.0]), doc
+
+
+# ============================================================================================ --workers 2
+
+
+def worker_pids(supervisor: int) -> list[int]:
+    """The supervisor's worker processes (multiprocessing's spawn children; not its resource tracker)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == supervisor and b"spawn_main" in cmdline:
+            pids.append(int(d.name))
+    return sorted(pids)
+
+
+def served_by_worker(directory: Path, pid: int) -> dict[str, float]:
+    """engine -> primary requests worker ``pid`` counted in its own multiprocess file."""
+    out: dict[str, float] = {}
+    path = directory / f"counter_{pid}.db"
+    if path.exists():
+        for key, value, *_ in MmapedDict.read_all_values_from_file(str(path)):  # type: ignore[no-untyped-call]
+            name, _, labels, _ = json.loads(key)
+            if name == "enginemeter_requests" and labels.get("role") == "primary" and value:
+                out[labels["engine"]] = out.get(labels["engine"], 0) + value
+    return out
+
+
+def fresh(url: str, n: int) -> set[str]:
+    """The engines that served ``n`` requests, each on a connection of its own (so both workers get some)."""
+    engines = set()
+    for _ in range(n):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": MSGS},
+                       headers={"connection": "close"}, timeout=30)  # fmt: skip
+        assert r.status_code == 200, r.text
+        engines.add(r.headers["x-enginemeter-engine"])
+    return engines
+
+
+def test_two_workers_keep_one_share_and_a_restarted_worker_takes_it_up(tmp_path: Path) -> None:
+    directory = tmp_path / "metrics-2"
+    with fault_engine(ttft_ms=30, cadence_ms=4) as base, fault_engine(ttft_ms=5, cadence_ms=1) as cand:
+        with ProcessProxy(config(base.url, cand.url, tmp_path), tmp_path, workers=2) as proxy:
+            workers = worker_pids(proxy.pid)
+            assert len(workers) == 2, workers
+            # clients on connections of their own: both workers route, pair and count, into one state
+            with Traffic(proxy.url, close=True) as t:
+                done = wait_state(proxy.url, lambda d: d["state"] == "complete", 120, "the rollout to complete")
+            assert not t.failures, t.failures
+            assert [e["event"] for e in done["events"]] == ["started", "advanced", "advanced", "completed"]
+            assert all("base" in served_by_worker(directory, w) for w in workers), "both workers served"
+            assert fresh(proxy.url, 12) == {"cand"}
+            # a worker killed and restarted routes by the current share (all to the candidate), not from step 0
+            victim = workers[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda: len(w := worker_pids(proxy.pid)) == 2 and victim not in w, timeout=30)
+            [new] = set(worker_pids(proxy.pid)) - set(workers)
+            wait_until(lambda: fresh(proxy.url, 4) == {"cand"} and served_by_worker(directory, new), timeout=30)
+            assert served_by_worker(directory, new).keys() == {"cand"}
+            assert rollout(proxy.url)["state"] == "complete"
+            # an abort that one worker takes applies to the next request of every worker
+            httpx.post(f"{proxy.url}/admin/rollout", json={"action": "abort"}, headers={**ADMIN, "connection": "close"})
+            assert fresh(proxy.url, 12) == {"base"}
+            text = httpx.get(f"{proxy.url}/metrics", headers={"connection": "close"}).text
+            assert 'enginemeter_rollout_rollbacks_total{cause="admin",route="0"} 1.0' in text
+            assert 'enginemeter_rollout_state{route="0",state="aborted"} 1.0' in text
+
+
+# ============================================================================================ llama-server
+
+
+def llama_config(base: str, cand: str, tmp: Path, **rollout: Any) -> dict[str, Any]:
+    cfg = config(base, cand, tmp, **{"steps": [0.0, 0.1, 0.5, 1.0], "min_requests": 3, **rollout})
+    cfg["models"] = [{"alias": "m", "engines": {"base": "tiny", "cand": "tiny"}}]
+    return cfg
+
+
+def test_llama_np4_candidate_takes_the_route_by_itself_at_concurrency_4(
+    llama_server_factory: LlamaServerFactory, tmp_path: Path
+) -> None:
+    base, cand = llama_server_factory(np=1), llama_server_factory(np=4)
+    with ProcessProxy(llama_config(base.url, cand.url, tmp_path), tmp_path) as proxy:
+        with Traffic(proxy.url, max_tokens=64) as t:
+            done = wait_state(proxy.url, lambda d: d["state"] != "running", 240, "the rollout to end")
+        assert not t.failures, t.failures[:3]
+        assert done["state"] == "complete", json.dumps(done, indent=1)
+        assert [(e["event"], e["share"]) for e in done["events"]] == [
+            ("started", 0.0), ("advanced", 0.1), ("advanced", 0.5), ("advanced", 1.0), ("completed", 1.0)
+        ]  # fmt: skip
+        assert set(t.served) == {"base", "cand"} and fresh(proxy.url, 4) == {"cand"}
+        shares = {r["rollout"]["share"] for r in log_records(tmp_path) if r["role"] == "primary"}
+        assert shares == {0.0, 0.1, 0.5, 1.0}
+
+
+def test_llama_np1_candidate_is_slower_at_concurrency_4_and_rolls_back(
+    llama_server_factory: LlamaServerFactory, tmp_path: Path
+) -> None:
+    base, cand = llama_server_factory(np=4), llama_server_factory(np=1)
+    with ProcessProxy(llama_config(base.url, cand.url, tmp_path), tmp_path) as proxy:
+        with Traffic(proxy.url, max_tokens=64) as t:
+            back = wait_state(proxy.url, lambda d: d["state"] != "running", 240, "the rollout to end")
+        assert not t.failures, t.failures[:3]
+        assert back["state"] == "rolled_back" and back["cause"] == "slower" and back["step"] <= 1, back
+        assert "cand slower than base" in back["detail"] and "under load" in back["detail"], back["detail"]
+        assert fresh(proxy.url, 4) == {"base"}
+        assert "ROLLED BACK" in proxy.output()
+
+
+def test_llama_candidate_killed_mid_rollout_sends_its_share_back(
+    llama_server_factory: LlamaServerFactory, tmp_path: Path
+) -> None:
+    base, cand = llama_server_factory(np=1), llama_server_factory(np=4)
+    cfg = llama_config(base.url, cand.url, tmp_path, steps=[0.0, 0.5, 1.0], min_requests=10**6)
+    with ProcessProxy(cfg, tmp_path) as proxy:
+        with Traffic(proxy.url, max_tokens=64) as t:
+            wait_state(
+                proxy.url, lambda d: d["step"] == 1 and d["served"] >= 8, 240, "half the traffic on the candidate"
+            )
+            os.kill(cand.pid, signal.SIGKILL)
+            back = wait_state(proxy.url, lambda d: d["state"] != "running", 60, "the rollout to end")
+            n = len(t.served) + len(t.failures)
+            wait_until(lambda: len(t.served) + len(t.failures) >= n + 12, timeout=120)
+        assert back["state"] == "rolled_back" and back["cause"] == "errors" and back["step"] == 1, back
+        # the streams the candidate held when it died fail (at most one per client); nothing else does
+        assert len(t.failures) <= t.concurrency, t.failures
+        assert set(t.served[-12:]) == {"base"}
+        print(f"\nkilled llama candidate: {len(t.failures)} client errors, rolled back after {back['errors']} errors")

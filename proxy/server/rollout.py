@@ -13,9 +13,10 @@ the chance of rolling back a candidate that is not slower is at most ``ALPHA`` o
   ``candidate / baseline − 1`` lies wholly above ``+mirror.min_effect`` (``slower``), or the candidate's failed
   attempts exceed ``error_budget`` of its attempts with at least ``min_errors`` of them (``errors``);
 - **advance** once the step has lasted ``min_dwell_s``, the candidate served ``min_requests`` (share > 0), and every
-  regime with at least ``regime_share`` of the step's pairs has ``min_pairs`` pairs and an interval whose upper
-  end is below ``+min_effect`` in every stream it measures (not worse beyond the noise floor); after the last step
-  the rollout is ``complete`` (the candidate serves the route);
+  regime with at least ``regime_share`` of the step's pairs has ``min_pairs`` pairs in every stream it measures
+  and none of them slower (``gate: not_slower``: not worse beyond the noise floor), or — ``gate: not_worse`` —
+  every such interval's upper end below ``+min_effect`` (shown not worse); after the last step the rollout is
+  ``complete`` (the candidate serves the route);
 - **hold** otherwise; the cause says what the step waits for (``pairs``, ``not_yet``, ``requests``, ``dwell``).
 
 **One truth for every worker and every restart.** The state lives in a memory-mapped file beside
@@ -450,7 +451,7 @@ class Rollout:
                     continue  # the metric is missing for most of the regime's pairs (e.g. TPOT of non-streams)
                 if cs.n < s.min_pairs:
                     return "pairs", f"{cs.n} of {s.min_pairs} pairs {st.regime} ({st.label})"
-                if not cs.hi < e:
+                if s.gate == "not_worse" and not cs.hi < e:
                     return "not_yet", self._sentence(st, cs.state())
                 checked += 1
         if checked == 0:
