@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 import yaml
 from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.configfile import parse_file
 from proxy.settings import EngineSettings, RouteSettings, Settings
@@ -296,6 +298,23 @@ def test_admin_endpoint_without_rollouts_or_key_is_a_404(proxy_factory: ProxyFac
         r = httpx.get(f"{p.url}/admin/rollout", headers=ADMIN)
         assert r.status_code == 404 and r.json()["error"]["enginemeter"] is True
         assert "rollout" not in p.client.get("/health").json()
+
+
+def test_every_rollout_metric_is_documented_and_exported(proxy_factory: ProxyFactory, tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    section = doc[doc.index("## Rollout") :]
+    section = section[: section.index("\n## ")]
+    documented = set(re.findall(r"^\| `(enginemeter_[a-z_]+)`", section, re.M))
+    assert len(documented) >= 8
+    with fault_engine(ttft_ms=5, cadence_ms=1) as base, fault_engine(ttft_ms=5, cadence_ms=1) as cand:
+        p = proxy_factory(settings_of(config(base.url, cand.url, tmp_path), tmp_path))
+        text = p.client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("enginemeter_rollout")}
+    exported = {f"{f.name}_total" if f.type == "counter" else f.name for f in families.values()}
+    assert exported == documented
+    # every closed label set is there from the start (0 rollbacks, not "no data")
+    rollbacks = {s.labels["cause"]: s.value for s in families["enginemeter_rollout_rollbacks"].samples}
+    assert rollbacks == {"slower": 0, "errors": 0, "admin": 0, "config": 0}
 
 
 def test_a_restarted_proxy_carries_on_at_its_step_and_says_so(tmp_path: Path) -> None:
