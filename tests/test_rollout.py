@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.configfile import parse_file
-from proxy.settings import EngineSettings, RouteSettings, Settings
+from proxy.settings import EngineSettings, RouteSettings, Settings, SettingsError
 from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, wait_until
 
 ADMIN_KEY = "rollout-admin"
@@ -156,6 +157,41 @@ def wait_state(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
 
 def log_records(tmp: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (tmp / "requests.jsonl").read_text().splitlines()]
+
+
+# ============================================================================================ the config
+
+
+def test_config_mistakes_in_a_rollout_are_one_line_each(tmp_path: Path) -> None:
+    cfg = config("http://127.0.0.1:1", "http://127.0.0.1:2", tmp_path)
+    assert settings_of(cfg, tmp_path).routes[0].rollout is not None
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"steps": [0, 0.5, 0.5, 1]}, "routes[0].rollout.steps: shares must be within [0, 1] and strictly increasing"),
+        ({"steps": [0, 0.5]}, "routes[0].rollout.steps: the last step must be 1"),
+        ({"steps": []}, "routes[0].rollout.steps: expected a non-empty list"),
+        ({"candidate": "nope"}, "routes[0].rollout.candidate: unknown engine 'nope'"),
+        ({"candidate": "base"}, "routes[0].rollout.candidate: the candidate 'base' is the route's primary"),
+        ({"state": "stopped"}, "routes[0].rollout.state: expected one of"),
+        ({"gate": "tie"}, "routes[0].rollout.gate: expected one of"),
+        ({"min_pairs": 10}, "routes[0].rollout.min_pairs"),
+        ({"error_budget": 1.5}, "routes[0].rollout.error_budget"),
+        ({"min_dwel_s": 1}, "routes[0].rollout.min_dwel_s: unknown key (did you mean 'min_dwell_s'?)"),
+    ]
+    for change, expected in bad:
+        doc = json.loads(json.dumps(cfg))
+        doc["routes"][0]["rollout"].update(change)
+        with pytest.raises(SettingsError) as err:
+            settings_of(doc, tmp_path)
+        assert any(expected in line for line in err.value.problems), (change, err.value.problems)
+    doc = json.loads(json.dumps(cfg))
+    doc["routes"][0]["split"] = {"base": 1, "cand": 1}
+    doc["routes"].append({"models": ["other"], "primary": "cand", "rollout": {**doc["routes"][0]["rollout"],
+                                                                               "candidate": "base"}})  # fmt: skip
+    with pytest.raises(SettingsError) as err:
+        settings_of(doc, tmp_path)
+    problems = err.value.problems
+    assert any("routes[0].split: a route with a rollout has no split" in p for p in problems), problems
+    assert any("routes[1].rollout.state_file: another route's rollout uses" in p for p in problems), problems
 
 
 # ============================================================================================ fault engines
@@ -428,7 +464,11 @@ def test_llama_np4_candidate_takes_the_route_by_itself_at_concurrency_4(
     llama_server_factory: LlamaServerFactory, tmp_path: Path
 ) -> None:
     base, cand = llama_server_factory(np=1), llama_server_factory(np=4)
-    with ProcessProxy(llama_config(base.url, cand.url, tmp_path), tmp_path) as proxy:
+    cfg = llama_config(base.url, cand.url, tmp_path)
+    # half the requests mirrored: on two shared cores np4's batching gains little throughput over np1, and a
+    # shadow sent every request at the primary's pace sat near saturation and queued (it read as slower)
+    cfg["routes"][0]["sample_rate"] = 0.5
+    with ProcessProxy(cfg, tmp_path) as proxy:
         with Traffic(proxy.url, max_tokens=64) as t:
             done = wait_state(proxy.url, lambda d: d["state"] != "running", 240, "the rollout to end")
         assert not t.failures, t.failures[:3]

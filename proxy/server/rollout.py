@@ -299,8 +299,12 @@ class Rollout:
                 self._gen = gen
                 log.error("rollout of route %d: unreadable state (%s): keeping the last one", self.route, exc)
                 return self._ticket
-            if doc is not None:
+            if doc is not None and doc.get("plan") == self.plan:
                 self._seen(doc)
+            elif doc is not None and self._ticket is not None:
+                log.error(
+                    "rollout of route %d: %s.shm holds another plan: keeping the last state", self.route, self.path
+                )
         return self._ticket
 
     def _seen(self, doc: dict[str, Any]) -> None:
