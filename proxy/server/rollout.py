@@ -553,9 +553,14 @@ class Rollout:
         }
 
     def sample(self) -> RolloutSample | None:
-        self.ticket()
-        doc = self._doc
-        if doc is None:
+        """What a scrape shows. Runs in a scrape's thread: reads its own copy of the map, never this process's
+        cached document (the event loop changes that one in place) nor the cache itself."""
+        f = self.file
+        try:
+            doc = f.read()[1] if f is not None else None
+        except ValueError:
+            return None
+        if doc is None or doc.get("plan") != self.plan:
             return None
         return RolloutSample(
             route=str(self.route), baseline=self.baseline, candidate=self.settings.candidate, step=int(doc["step"]),
@@ -713,7 +718,11 @@ class Rollouts:
         for i, ro in self.by_route.items():
             r = self.settings.routes[i].rollout
             assert r is not None
-            ro.open(r.state)
+            try:
+                ro.open(r.state)
+            except OSError as exc:  # the proxy does not start: a rollout it cannot keep must not run unguarded
+                log.error("rollout of route %d: cannot open its state at %s: %s", i, ro.path, exc)
+                raise
         try:
             async with held(self._tick_forever):
                 yield
