@@ -20,7 +20,7 @@ the chance of rolling back a candidate that is not slower is at most ``ALPHA`` o
 - **hold** otherwise; the cause says what the step waits for (``pairs``, ``not_yet``, ``requests``, ``dwell``).
 
 **One truth for every worker and every restart.** The state lives in a memory-mapped file beside
-``rollout.state_file`` (``StateFile``): every process of the proxy maps it, writes it under an ``flock`` and bumps
+``rollout.state_file`` (``proxy.server.sharedstate.StateFile``): every process of the proxy maps it, writes it under an ``flock`` and bumps
 its generation. A request reads the 8-byte generation and parses the state only after it changed, so a rollback
 made by any worker routes the next request of every worker to the baseline. Pairs and failures update it where
 they are recorded (once per pair, ~50 µs, never per chunk); successful attempts are counted locally and written
@@ -38,15 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import json
 import logging
 import math
-import mmap
 import os
-import struct
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -58,6 +54,7 @@ from proxy.sequential import ALPHA, MIN_EFFECT, Interval, LiveVerdict, Regime, S
 from proxy.server.context import current
 from proxy.server.metrics import ROLLBACK_CAUSES, RolloutSample, rollout_families
 from proxy.server.result import Result
+from proxy.server.sharedstate import StateFile
 from proxy.server.tasks import held
 from proxy.settings import RolloutSettings, Settings
 
@@ -78,13 +75,6 @@ FAILED = frozenset({"connect_error", "timeout", "upstream_broken"})
 DOC_VERSION = 1
 MAX_EVENTS = 30
 TICK_S = 1.0
-#: the shared map: header (magic, active slot, generation), then two slots of (length, JSON)
-MAGIC = b"EMR1"
-_ACTIVE = 4
-_GEN = 8
-HEADER_BYTES = 64
-SLOT_BYTES = 64 * 1024
-MAP_BYTES = HEADER_BYTES + 2 * SLOT_BYTES
 
 
 class Conflict(ProxyError):
@@ -126,106 +116,6 @@ def default_state_file(route: int, env: Mapping[str, str] | None = None) -> Path
     env = os.environ if env is None else env
     state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state) / "enginemeter" / f"rollout-route{route}.json"
-
-
-# ============================================================================================== the state file
-
-
-class StateFile:
-    """A rollout's shared state: a memory-mapped file (``<state_file>.shm``, also the lock) every process of the
-    proxy maps, and a JSON copy (``state_file``) written at each transition, for people and for a lost map.
-
-    The map holds a header (magic, generation, which slot is current) and two slots of JSON. A write (under the
-    ``flock``) fills the slot that is not current, makes it current, then bumps the generation: a process killed
-    mid-write leaves the current slot whole, and a reader (no lock) that sees the generation move by two or more
-    while it copied a slot copies again. The request path reads the 8-byte generation only.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(f"{path}.shm", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            with self.locked():
-                if os.fstat(self._fd).st_size != MAP_BYTES:
-                    os.ftruncate(self._fd, 0)  # not ours, or another layout: start empty
-                    os.ftruncate(self._fd, MAP_BYTES)
-            self._mm = mmap.mmap(self._fd, MAP_BYTES)
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    def gen(self) -> bytes:
-        return self._mm[_GEN : _GEN + 8]
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        # held for one read-modify-write (tens of microseconds); the kernel frees it if the process dies
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def _slot(self) -> bytes | None:
-        mm = self._mm
-        if mm[:4] != MAGIC:
-            return None
-        active = mm[_ACTIVE]
-        at = HEADER_BYTES + active * SLOT_BYTES
-        (n,) = struct.unpack_from("<I", mm, at)
-        return mm[at + 4 : at + 4 + min(n, SLOT_BYTES - 4)]
-
-    def read(self) -> tuple[bytes, dict[str, Any] | None]:
-        """(generation, document) without the lock: copied again if two writes overlapped the copy."""
-        for _ in range(100):
-            g1 = self.gen()
-            raw = self._slot()
-            g2 = self.gen()
-            if (int.from_bytes(g2, "little") - int.from_bytes(g1, "little")) % 2**64 < 2:
-                break
-        # the copy is at least as new as g1 (labelled g1, a write that overlapped it is read again next time)
-        if raw is None:
-            return g1, None
-        doc = json.loads(raw)
-        return g1, doc if isinstance(doc, dict) else None
-
-    def read_copy(self) -> dict[str, Any] | None:
-        """The JSON copy (the map is gone or was not ours)."""
-        try:
-            doc = json.loads(self.path.read_bytes())
-        except FileNotFoundError:
-            return None
-        return doc if isinstance(doc, dict) else None
-
-    def write(self, doc: dict[str, Any], *, durable: bool = False) -> bytes:
-        """Under ``locked()``: the document into the spare slot, current, generation + 1 (returned). ``durable``
-        (a transition): the map flushed to disk and the JSON copy replaced."""
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        while len(data) > SLOT_BYTES - 4 and doc["events"]:
-            doc["events"] = doc["events"][len(doc["events"]) // 2 :]
-            data = json.dumps(doc, separators=(",", ":")).encode()
-        mm = self._mm
-        spare = 1 - mm[_ACTIVE] if mm[:4] == MAGIC else 0
-        at = HEADER_BYTES + spare * SLOT_BYTES
-        mm[at : at + 4 + len(data)] = struct.pack("<I", len(data)) + data
-        mm[:4] = MAGIC
-        mm[_ACTIVE] = spare
-        gen = ((int.from_bytes(self.gen(), "little") + 1) % 2**64).to_bytes(8, "little")
-        mm[_GEN : _GEN + 8] = gen
-        if durable:
-            mm.flush()
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.write(json.dumps(doc, indent=1).encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        return gen
-
-    def close(self) -> None:
-        self._mm.close()
-        os.close(self._fd)
 
 
 # ============================================================================================== one route
