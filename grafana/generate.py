@@ -126,6 +126,24 @@ def engine_comparison() -> Json:
                target("max by (primary, shadow, regime, metric) (enginemeter_live_pairs)", "pairs {{shadow}} vs {{primary}} · {{regime}} {{metric}}")],
               "short", w=8),
     ]  # fmt: skip
+    rollout = [
+        panel("Rollout share", "Share of each rollout route's unpinned traffic sent to its candidate (routes[].rollout, docs/routing.md#rollout): it climbs through the steps while the live verdict on the step's pairs finds the candidate not slower and its errors within budget; 0 after a rollback or an abort, 1 once complete.",
+              [target("max by (route, baseline, candidate) (enginemeter_rollout_share)", "route {{route}}: {{candidate}} (from {{baseline}})")],
+              "percentunit", w=8, min_=0, max_=1),
+        panel("Rollout state and cause", "The current state (running, paused, rolled_back, aborted, complete) and its cause: what a running step waits for (pairs, not_yet, requests, dwell), why it rolled back (slower, errors), who paused or aborted it (admin, config). /admin/rollout and /health say more, in words.",
+              [target("max by (route, state) (enginemeter_rollout_state) == 1", "route {{route}}: {{state}}"),
+               target("max by (route, cause) (enginemeter_rollout_cause) == 1", "route {{route}} cause: {{cause}}"),
+               target("max by (route) (enginemeter_rollout_step)", "route {{route}} step")], "short", w=8, min_=0),
+        panel("Rollbacks", "Rollbacks per route and cause since the rollout's state file began: slower and errors are the rollout's own (alert EnginemeterRolloutRolledBack), admin and config are aborts.",
+              [target("max by (route, cause) (enginemeter_rollout_rollbacks_total)", "route {{route}}: {{cause}}")],
+              "short", w=8, min_=0),
+        panel("Rollout step: pairs and the candidate's attempts", "What the current step has judged: comparable pairs per regime (the test needs rollout.min_pairs in each exercised one), and the candidate's attempts there (served and mirrored) by result, against rollout.error_budget.",
+              [target("max by (route, regime) (enginemeter_rollout_step_pairs)", "route {{route}} pairs · {{regime}}"),
+               target("max by (route, result) (enginemeter_rollout_step_attempts)", "route {{route}} attempts · {{result}}")],
+              "short", w=16, min_=0),
+        panel("Time at the step", "Seconds since the current step (or state) began; a step advances after rollout.min_dwell_s at least.",
+              [target("max by (route) (enginemeter_rollout_step_seconds)", "route {{route}}")], "s", w=8, min_=0),
+    ]  # fmt: skip
     loop = [
         panel("Event-loop lag p50 / p99", "How late the proxy's 0.1 s timer fired, per replica (its workers merged): how long its event loop was busy elsewhere, and so how long every stream's next chunk waited. An idle loop shows 0–1 ms (libuv's timer grain); EnginemeterEventLoopSaturated fires above 50 ms (p99 over 5 minutes).",
               [target(q(x, "enginemeter_event_loop_lag_seconds", "instance", sel=""), f"p{int(x * 100)} {{{{instance}}}}") for x in (0.5, 0.99)],
@@ -234,6 +252,8 @@ def engine_comparison() -> Json:
             *thr,
             row("Primary vs shadow"),
             *mirror,
+            row("Rollout"),
+            *rollout,
             row("Engine internals"),
             *engine,
             row("Distributions · $engine", repeat="engine"),

@@ -286,6 +286,8 @@ def _cross_check(s: Settings, problems: _Problems) -> None:
                     problems.add(("routes", i, key), f"unknown engine {ref!r} (engines: {known})")
         if r.split and sum(r.split.values()) <= 0:
             problems.add(("routes", i, "split"), "expected at least one weight above 0")
+        if r.rollout is not None:
+            _check_rollout(s, i, problems)
     aliases = [m.alias for m in s.models]
     for i, m in enumerate(s.models):
         if m.alias in aliases[:i]:
@@ -297,6 +299,22 @@ def _cross_check(s: Settings, problems: _Problems) -> None:
         problems.add(("tracing", "enabled"), "needs the OpenTelemetry packages: pip install 'enginemeter[otel]'")
     if s.default_route is not None and s.default_route >= len(s.routes):
         problems.add(("default_route",), f"expected an index below {len(s.routes)} (the number of routes)")
+
+
+def _check_rollout(s: Settings, i: int, problems: _Problems) -> None:
+    r = s.routes[i]
+    assert r.rollout is not None
+    where = ("routes", i, "rollout", "candidate")
+    candidate = r.rollout.candidate
+    if candidate not in [e.name for e in s.engines]:
+        problems.add(where, f"unknown engine {candidate!r} (engines: {', '.join(e.name for e in s.engines) or 'none'})")
+    elif candidate == r.primary:
+        problems.add(where, f"the candidate {candidate!r} is the route's primary: a rollout moves to another engine")
+    if r.split:  # the rollout sets the candidate's share
+        problems.add(("routes", i, "split"), "a route with a rollout has no split: the rollout sets the share")
+    files = [x.rollout.state_file for x in s.routes[:i] if x.rollout is not None]
+    if r.rollout.state_file is not None and r.rollout.state_file in files:
+        problems.add(("routes", i, "rollout", "state_file"), "another route's rollout uses this state file")
 
 
 # --------------------------------------------------------------------------------------------- load

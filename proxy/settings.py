@@ -151,6 +151,54 @@ class ModelAlias:
     )
 
 
+#: the rollout's default steps: the candidate's share of the route's live traffic, shadow first
+DEFAULT_STEPS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0)
+RolloutState = Literal["running", "paused", "aborted"]
+RolloutGate = Literal["not_slower", "not_worse"]
+
+
+def _steps(value: tuple[float, ...]) -> tuple[float, ...]:
+    if not value:
+        raise ValueError("expected a non-empty list of shares")
+    if any(not 0.0 <= v <= 1.0 for v in value) or any(a >= b for a, b in itertools.pairwise(value)):
+        raise ValueError("shares must be within [0, 1] and strictly increasing")
+    if value[-1] != 1.0:
+        raise ValueError("the last step must be 1 (a rollout ends with the candidate serving the whole route)")
+    return value
+
+
+@dataclass(frozen=True, config=_SECTION)
+class RolloutSettings:
+    """A guarded switch of the route from its primary to a candidate engine, step by step; docs/routing.md#rollout."""
+
+    candidate: Name = Field(description="the engine the route moves to (the primary is the baseline)")
+    steps: Annotated[tuple[float, ...], AfterValidator(_steps)] = Field(
+        default=DEFAULT_STEPS, description="the candidate's share of the route's traffic at each step; 0 = shadow only"
+    )
+    state: RolloutState = Field(default="running", description="running, paused or aborted; applied at start when it "
+                                "differs from what the last start applied")  # fmt: skip
+    gate: RolloutGate = Field(
+        default="not_slower",
+        description="what a step needs to advance, with its pairs: not_slower (no stream decided slower) or "
+        "not_worse (every stream's interval below +mirror.min_effect: shown, not only not refuted)",
+    )
+    min_pairs: int = Field(
+        default=30, ge=30, description="paired requests a regime needs at a step before it can pass (30 at least)"
+    )
+    min_requests: int = Field(default=20, ge=0, description="requests the candidate must serve at a step (share "
+                              "above 0) before it may advance")  # fmt: skip
+    min_dwell_s: float = Field(default=60.0, ge=0, allow_inf_nan=False, description="seconds at a step, at least")
+    regime_share: float = Field(
+        default=0.1, gt=0, le=1, description="a regime with this share of a step's pairs must be not worse to advance"
+    )
+    error_budget: float = Field(
+        default=0.02, ge=0, lt=1, description="share of the candidate's requests at a step that may fail"
+    )
+    min_errors: int = Field(default=3, ge=1, description="failures before the error budget can roll back")
+    state_file: str | None = Field(default=None, description="the rollout's state, shared by workers and restarts; "
+                                   "none = $XDG_STATE_HOME/enginemeter/rollout-route<N>.json")  # fmt: skip
+
+
 @dataclass(frozen=True, config=_SECTION, kw_only=True)
 class RouteSettings:
     """Which engine serves which model aliases; see docs/routing.md."""
@@ -169,6 +217,9 @@ class RouteSettings:
     )
     fallback: tuple[str, ...] = Field(default=(), description="engines tried in turn when one fails before any byte")
     sample_rate: float = Field(default=1.0, ge=0, le=1, description="fraction of requests mirrored to the shadows")
+    rollout: RolloutSettings | None = Field(
+        default=None, description="move the route to a candidate engine step by step, rolling back by itself"
+    )
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -144,7 +144,8 @@ def render(schema: dict[str, Any]) -> str:
         required = set(node.get("required", []))
         nested: list[tuple[str, str]] = []
         for key, prop in node["properties"].items():
-            ref = _ref(prop) or _ref(prop.get("items", {}))
+            optional = next(filter(None, map(_ref, prop.get("anyOf", []))), None)  # a section or null
+            ref = _ref(prop) or _ref(prop.get("items", {})) or optional
             if ref:
                 path = f"{title}.{key}" if title else key
                 nested.append((path + ("[]" if prop.get("type") == "array" else ""), ref))

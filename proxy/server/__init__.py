@@ -24,6 +24,9 @@
     pairing       the mirror's table matching a primary's and its shadows' results
     compare       primary vs shadow: one ``PairComparison``, its metrics, the comparison log's records
     runlog        a run's own records in the comparison log: run, engine facts, each rotated file's header
+    rollout       the guarded switch: a route's share moves to a candidate step by step, rolls back by itself
+    rolloutstate  a rollout's state document and its transitions (pure)
+    sharedstate   a rollout's state shared by every worker: a two-slot memory map under flock
     requestlog    the opt-in per-request log
     tracing       the opt-in OpenTelemetry traces
     passthrough   every other ``/v1/*`` route and ``/tokenize``, unbuffered, never mirrored
@@ -52,6 +55,7 @@ from proxy.gpu.nvml import Opener, PynvmlReader
 from proxy.server.app import Gateway, make_engines
 from proxy.server.asgi import asgi_app
 from proxy.server.attempts import Attempts
+from proxy.server.compare import new_run_id
 from proxy.server.context import RequestContextMiddleware, forward_trace_headers
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
@@ -61,6 +65,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
+from proxy.server.rollout import Rollouts
 from proxy.server.routing import Router
 from proxy.server.workerrole import snapshot_health
 from proxy.settings import Settings, SettingsError
@@ -99,7 +104,9 @@ def build_app(
         metrics = Metrics(registry, settings.metrics)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
-    router = Router(settings)
+    # one run id for every worker of one `serve` (a restart of the proxy is a new run: the rollouts say so)
+    rollouts = Rollouts.of(settings, settings.run_id or new_run_id())
+    router = Router(settings, rollouts=rollouts)
     shutdown = list(on_shutdown)
     # attempt hooks, in order: the client's trace headers, then the proxy's own span (it replaces traceparent)
     attempts.on_new.append(forward_trace_headers)
@@ -135,8 +142,13 @@ def build_app(
     state = engine_state
     mirror = Mirror(settings, engines, attempts, metrics, gpus_of=gpu.gpus_of if gpu is not None else None,
                     facts_of=(lambda name: state.states.get(name)) if state is not None else None)  # fmt: skip
+    if rollouts is not None:
+        # before the mirror's: a candidate's attempt is counted before the pair it completes is written
+        attempts.observers.append(rollouts.on_result)
+        mirror.pair_observers.append(rollouts.on_pair)
+        registry.register(rollouts)  # reads the shared state file: every worker's scrape says the same
     attempts.observers.append(mirror.on_result)
-    if any(r.shadows for r in settings.routes):
+    if any(r.shadows or r.rollout is not None for r in settings.routes):
         attempts.on_new.append(mirror.on_attempt)
     gw = Gateway(
         settings=settings,
@@ -146,6 +158,7 @@ def build_app(
         engines=engines,
         attempts=attempts,
         mirror=mirror,
+        rollouts=rollouts,
         gpu=gpu,
         engine_state=engine_state,
         diagnosis=diagnosis,

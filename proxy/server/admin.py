@@ -4,6 +4,12 @@
   sent/dropped counts, pending pairs, comparison log).
 - ``POST /admin/mirror`` with ``{"enabled": bool?, "sample_rate": float?, "route": int?}`` -> changes it at run
   time and answers with the new state. ``sample_rate`` without ``route`` applies to every route.
+- ``GET /admin/rollout`` -> every route's rollout (``Rollout.state()``: state, step, share, cause, the step's pairs
+  and verdict, recent events).
+- ``POST /admin/rollout`` with ``{"action": "start"|"pause"|"resume"|"abort", "route": int?}`` -> applies it to the
+  shared state (every worker follows at its next request) and answers with that route's rollout. ``route`` may be
+  left out when one route has a rollout. A command the state does not allow (``resume`` a rolled-back rollout)
+  is a 409.
 
 No admin key configured -> 404 (the endpoints do not exist); a wrong or missing key -> 401. Every error is the
 OpenAI-style envelope marked ``"enginemeter": true``.
@@ -22,6 +28,7 @@ from starlette.routing import Route
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.server.mirror import Mirror
 from proxy.server.responses import error_response
+from proxy.server.rollout import Rollouts
 
 MAX_ADMIN_BODY = 64 * 1024
 
@@ -35,7 +42,7 @@ def _authorize(key: object, request: Request) -> None:
         raise Unauthorized("missing or invalid admin key")
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
+def _object(raw: bytes, fields: set[str]) -> dict[str, Any]:
     if len(raw) > MAX_ADMIN_BODY:
         raise BadRequest("request body too large")
     try:
@@ -44,9 +51,24 @@ def _parse(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
-    unknown = set(doc) - {"enabled", "sample_rate", "route"}
+    unknown = set(doc) - fields
     if unknown:
         raise BadRequest(f"unknown field(s) {sorted(unknown)}", param=sorted(unknown)[0])
+    return doc
+
+
+def _parse_rollout(raw: bytes) -> tuple[int | None, str]:
+    doc = _object(raw, {"action", "route"})
+    action, route = doc.get("action"), doc.get("route")
+    if not isinstance(action, str):
+        raise BadRequest("`action` is required: start, pause, resume or abort", param="action")
+    if route is not None and (isinstance(route, bool) or not isinstance(route, int)):
+        raise BadRequest("`route` must be an integer", param="route")
+    return route, action
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    doc = _object(raw, {"enabled", "sample_rate", "route"})
     enabled, rate, route = doc.get("enabled"), doc.get("sample_rate"), doc.get("route")
     if enabled is not None and not isinstance(enabled, bool):
         raise BadRequest("`enabled` must be a boolean", param="enabled")
@@ -57,7 +79,7 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return doc
 
 
-def admin_routes(admin_key: str | None, mirror: Mirror | None) -> list[Route]:
+def admin_routes(admin_key: str | None, mirror: Mirror | None, rollouts: Rollouts | None = None) -> list[Route]:
     async def mirror_state(request: Request) -> Response:
         try:
             _authorize(admin_key, request)
@@ -75,4 +97,19 @@ def admin_routes(admin_key: str | None, mirror: Mirror | None) -> list[Route]:
             return error_response(exc, "")
         return JSONResponse(mirror.state())
 
-    return [Route("/admin/mirror", mirror_state, methods=["GET", "POST"])]
+    async def rollout_state(request: Request) -> Response:
+        try:
+            _authorize(admin_key, request)
+            if rollouts is None:
+                raise NotFound("no route has a rollout (routes[].rollout in the config)")
+            if request.method == "POST":
+                route, action = _parse_rollout(await request.body())
+                return JSONResponse(rollouts.command(route, action))
+        except ProxyError as exc:
+            return error_response(exc, "")
+        return JSONResponse({"rollouts": rollouts.state()})
+
+    return [
+        Route("/admin/mirror", mirror_state, methods=["GET", "POST"]),
+        Route("/admin/rollout", rollout_state, methods=["GET", "POST"]),
+    ]

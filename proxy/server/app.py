@@ -43,6 +43,7 @@ from proxy.errors import (
 )
 from proxy.gpu.monitor import GpuMonitor
 from proxy.server.attempts import Attempts, Failed, Streaming, run_attempt
+from proxy.server.context import current
 from proxy.server.diagnosis import LiveDiagnosis
 from proxy.server.enginestate import EngineStatePoller
 from proxy.server.loopwatch import LoopWatch
@@ -50,6 +51,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.mirror import Mirror
 from proxy.server.responses import RelayResponse, error_response, scope_timer, server_timing
 from proxy.server.result import new_request_id
+from proxy.server.rollout import Rollouts
 from proxy.server.routing import Dispatch, Router
 from proxy.server.upstream import Engine, make_client
 from proxy.settings import Settings
@@ -106,6 +108,8 @@ class Gateway:
     attempts: Attempts
     #: the mirroring stage; None: no shadow copies, /admin/mirror answers 404
     mirror: Mirror | None = None
+    #: the routes' rollouts (``proxy.server.rollout``); None: no route has one, /admin/rollout answers 404
+    rollouts: Rollouts | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
     #: the live diagnosis of local llama.cpp engines (``proxy.server.diagnosis``)
@@ -213,6 +217,8 @@ class Gateway:
             self.rejected(endpoint, body, "rejected")
             await error_response(exc, request_id, headers=echo, timer=timer)(scope, receive, send)
             return
+        if decision.rollout is not None and (ctx := current()) is not None:
+            ctx.rollout = decision.rollout  # the request's attempts, copies included, count for its rollout
         mirrored = False
         if self.mirror is not None and decision.shadows:
             mirrored = self.mirror.submit(decision, body, endpoint, request_id, client_id)

@@ -119,6 +119,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
         status["engines"] = checks
         if gw.mirror is not None:
             status["mirror"] = gw.mirror.state()
+        if gw.rollouts is not None:
+            status["rollout"] = gw.rollouts.state()
         if gw.gpu is not None:
             status.update(gw.gpu.health())
         if gw.engine_state is not None:
@@ -161,6 +163,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
                     await stages.enter_async_context(gw.loop_watch.running())
                 if gw.mirror is not None:
                     await stages.enter_async_context(gw.mirror.lifespan())
+                if gw.rollouts is not None:  # before the first request: it routes by the rollout's state
+                    await stages.enter_async_context(gw.rollouts.running())
                 if gw.gpu is not None:
                     await stages.enter_async_context(gw.gpu.running())
                 if gw.engine_state is not None:
@@ -188,7 +192,7 @@ def asgi_app(gw: Gateway) -> ProxyApp:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            *admin_routes(gw.settings.admin_key, gw.mirror),
+            *admin_routes(gw.settings.admin_key, gw.mirror, gw.rollouts),
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},

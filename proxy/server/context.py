@@ -9,6 +9,8 @@ context when they are made, so a shadow attempt sees its request's context too, 
   client's; with tracing on (``proxy.server.tracing``) the proxy's attempt span replaces ``traceparent``.
 - ``span``: the request's server span when tracing is on, else None.
 - ``prompt``: the client's messages / prompt, kept only while the request log records text.
+- ``rollout``: the rollout state that routed the request (``proxy.server.rolloutstate.Ticket``), for the rollout's
+  own count of the candidate's attempts and the request log.
 
 Cost per request: one scan of the request headers; nothing per chunk.
 """
@@ -44,6 +46,7 @@ class RequestContext:
     trace_headers: dict[str, str] = field(default_factory=dict)
     span: Any = None
     prompt: Any = None
+    rollout: Any = None
 
 
 _current: ContextVar[RequestContext | None] = ContextVar("enginemeter_request", default=None)

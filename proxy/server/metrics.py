@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import os
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from proxy import __version__
 from proxy.sequential import DECISIONS, STREAMS, Interval, Stream
@@ -79,6 +80,13 @@ PARAM_ACTIONS = ("dropped", "defaulted", "renamed", "changed", "unknown")
 FINISH_REASONS = ("stop", "length", "tool_calls", "other")
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
 
+#: a route's rollout (proxy/server/rollout.py): its states, the cause of the current one (what a running step
+#: waits for, why it rolled back, who paused or aborted it), and what a rollback was for (an abort counts as one)
+ROLLOUT_STATES = ("running", "paused", "rolled_back", "aborted", "complete")
+ROLLOUT_CAUSES = ("none", "pairs", "not_yet", "requests", "dwell", "slower", "errors", "admin", "config")
+ROLLBACK_CAUSES = ("slower", "errors", "admin", "config")
+ROLLOUT_REGIMES = ("decode", "load", "long")
+
 REQ = ("engine", "model", "role", "stream")
 #: the help texts of the two counters the ``--workers`` supervisor writes (``proxy.server.workers.SupervisorCounts``)
 WORKER_LOST_HELP = "Requests in flight in a worker process that died (serve --workers N), counted by the supervisor."
@@ -103,7 +111,57 @@ def configured_pairs(routes: Iterable[RouteSettings]) -> list[tuple[str, str]]:
             for s in route.shadows:
                 if s != p and (p, s) not in pairs:
                     pairs.append((p, s))
+        if route.rollout is not None:  # mirrored both ways while it runs
+            for pair in ((route.primary, route.rollout.candidate), (route.rollout.candidate, route.primary)):
+                if pair not in pairs:
+                    pairs.append(pair)
     return pairs
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One route's rollout as a scrape shows it (read from its shared state file)."""
+
+    route: str
+    baseline: str
+    candidate: str
+    step: int
+    share: float
+    state: str
+    cause: str
+    step_seconds: float
+    pairs: Mapping[str, int]
+    attempts: int
+    errors: int
+    rollbacks: Mapping[str, int]
+
+
+def rollout_families(samples: Iterable[RolloutSample]) -> list[Metric]:
+    """The rollouts' metrics, built at scrape time from their state (every worker reads the same file)."""
+    r = ("route",)
+    share = GaugeMetricFamily(f"{PREFIX}_rollout_share", "Share of the route's traffic the rollout sends to its candidate (0 after a rollback or abort, 1 once complete).", labels=(*r, "baseline", "candidate"))  # fmt: skip
+    step = GaugeMetricFamily(f"{PREFIX}_rollout_step", "Index of the rollout's current step (0 = the first of rollout.steps).", labels=r)  # fmt: skip
+    state = GaugeMetricFamily(f"{PREFIX}_rollout_state", "1 for the rollout's current state (running|paused|rolled_back|aborted|complete), 0 for the others.", labels=(*r, "state"))  # fmt: skip
+    cause = GaugeMetricFamily(f"{PREFIX}_rollout_cause", "1 for the cause of the current state: what a running step waits for (pairs|not_yet|requests|dwell), why it rolled back (slower|errors), who paused or aborted it (admin|config); none once complete.", labels=(*r, "cause"))  # fmt: skip
+    seconds = GaugeMetricFamily(f"{PREFIX}_rollout_step_seconds", "Seconds since the rollout's current step (or state) began.", labels=r)  # fmt: skip
+    pairs = GaugeMetricFamily(f"{PREFIX}_rollout_step_pairs", "Comparable pairs judged at the current step, per regime (decode|load|long).", labels=(*r, "regime"))  # fmt: skip
+    attempts = GaugeMetricFamily(f"{PREFIX}_rollout_step_attempts", "The candidate's attempts (served and mirrored) at the current step, by result (ok|error).", labels=(*r, "result"))  # fmt: skip
+    rollbacks = CounterMetricFamily(f"{PREFIX}_rollout_rollbacks", "Rollbacks of the rollout, by cause: slower|errors (by itself), admin|config (aborted). Kept in the state file across restarts.", labels=(*r, "cause"))  # fmt: skip
+    for s in samples:
+        share.add_metric((s.route, s.baseline, s.candidate), s.share)
+        step.add_metric((s.route,), s.step)
+        for st in ROLLOUT_STATES:
+            state.add_metric((s.route, st), 1 if st == s.state else 0)
+        for c in ROLLOUT_CAUSES:
+            cause.add_metric((s.route, c), 1 if c == s.cause else 0)
+        seconds.add_metric((s.route,), s.step_seconds)
+        for g in ROLLOUT_REGIMES:
+            pairs.add_metric((s.route, g), s.pairs.get(g, 0))
+        attempts.add_metric((s.route, "ok"), s.attempts - s.errors)
+        attempts.add_metric((s.route, "error"), s.errors)
+        for c in ROLLBACK_CAUSES:
+            rollbacks.add_metric((s.route, c), s.rollbacks.get(c, 0))
+    return [share, step, state, cause, seconds, pairs, attempts, rollbacks]
 
 
 @dataclass

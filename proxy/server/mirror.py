@@ -35,6 +35,10 @@ counts. ``enginemeter report --log`` reads the latest run unless told otherwise.
 **Opt-out.** A request with ``x-enginemeter-mirror: off`` (``Dispatch.mirror``) is served and not copied
 (``dropped_header``): the bench sends it, so its requests stay out of the shadow and the log.
 
+**Rollouts.** A route's rollout (``proxy.server.rollout``) adds the other engine of its pair to
+``Dispatch.shadows``; the entry carries the request's ``Dispatch.rollout`` and ``pair_observers`` get every
+comparable pair, so the rollout judges its own pairs with the same figures.
+
 **Live verdict.** Every comparable pair feeds its engine pair's ``proxy.sequential.LiveVerdict`` (anytime-valid
 intervals per regime); ``state()["live"]`` (in ``/health`` and ``/admin/mirror``) says what is decided so far.
 With ``serve --workers`` each worker's is its own share of the traffic.
@@ -51,10 +55,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from proxy.errors import BadRequest
-from proxy.sequential import LiveVerdict, regime_of
+from proxy.sequential import LiveVerdict, Regime, regime_of
 from proxy.server.attempts import Attempts, drain
 from proxy.server.compare import (
     ComparisonLog,
+    PairComparison,
     compare,
     end_record,
     new_run_id,
@@ -121,6 +126,8 @@ class Mirror:
         self.compared = 0
         self.log: ComparisonLog | None = None
         self.live: dict[tuple[str, str], LiveVerdict] = {}
+        #: called with every comparable pair (its entry, comparison, regime): the rollouts' statistics
+        self.pair_observers: list[Callable[[Pending, PairComparison, Regime | None], None]] = []
         self.pairs = PairTable(self.timeout + PAIR_GRACE_S, self._emit, lambda name: self._count(name, "unpaired"))
         #: the log's run and engine records (``facts_of``: engine -> its latest engine-state poll)
         self.records = RunRecords(settings, engines, self.run_id, self.started, facts_of)
@@ -233,6 +240,7 @@ class Mirror:
                 expected=set(sent),
                 prompt=(body.get("messages", body.get("prompt")) if self.record_text else None),
                 t_start=time.time(),
+                rollout=decision.rollout,
             ),
         )
         for name in sent:
@@ -343,6 +351,11 @@ class Mirror:
             for stream, cs in live.streams.items():
                 if stream.regime == regime:
                     self.metrics.observe_live(*key, stream, cs.state())
+            for observe in self.pair_observers:
+                try:
+                    observe(e, c, regime)
+                except Exception:
+                    log.exception("pair observer failed")
         gpus: dict[str, Sequence[int]] | None = None
         if self.gpus_of is not None:
             gpus = {"primary": self.gpus_of(primary.engine), "shadow": self.gpus_of(shadow.engine)}

@@ -42,6 +42,8 @@ class Pending:
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: (role, engine) -> the normalized request that engine got (what sampling it really ran)
     norms: dict[tuple[str, str], Normalized] = field(default_factory=dict)
+    #: the rollout state that routed the request (``proxy.server.rolloutstate.Ticket``); None: no rollout
+    rollout: Any = None
 
 
 def primary_is_final(r: Result, engines: tuple[str, ...]) -> bool:

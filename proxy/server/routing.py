@@ -5,7 +5,10 @@ Order of decisions for one request:
    the ``default_route`` or 404;
 2. a pin header naming an engine allowed on that route wins (primary, split, pinnable and fallback
    engines are allowed); a pin to any other engine is a 400;
-3. otherwise a weighted ``split`` picks, sticky by hashing the sticky header or the OpenAI ``user`` field
+3. otherwise a route's ``rollout`` (``proxy.server.rollout``) sends its current share to the candidate, the
+   rest to the primary, sticky the same way; the other engine of the two gets a mirrored copy while the rollout
+   runs, and a candidate-served request falls back to the primary (``Dispatch.rollout`` says which state routed
+   it); otherwise a weighted ``split`` picks, sticky by hashing the sticky header or the OpenAI ``user`` field
    (random when neither is present); without a split the route's primary serves;
 4. ``fallback`` engines follow the chosen one, used only when it fails before the first byte;
 5. shadows are the route's shadow engines other than the serving one; a request that says
@@ -18,10 +21,19 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proxy.errors import BadRequest, NotFound
 from proxy.settings import MIRROR_HEADER, RouteSettings, Settings
+
+if TYPE_CHECKING:
+    from proxy.server.rolloutstate import Ticket
+
+
+class Tickets(Protocol):
+    """The rollouts' state per route (``proxy.server.rollout.Rollouts``)."""
+
+    def ticket(self, route: int) -> Ticket | None: ...
 
 
 class Dispatch(NamedTuple):
@@ -32,6 +44,8 @@ class Dispatch(NamedTuple):
     pinned: bool
     #: False: the request asked not to be mirrored (``MIRROR_HEADER: off``)
     mirror: bool = True
+    #: the rollout state that routed the request (None: no rollout on the route, or the request was pinned)
+    rollout: Ticket | None = None
 
     @property
     def engine(self) -> str:
@@ -59,8 +73,11 @@ def pick_weighted(split: Mapping[str, float], key: str | None, rng: random.Rando
 
 
 class Router:
-    def __init__(self, settings: Settings, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, rng: random.Random | None = None, rollouts: Tickets | None = None
+    ) -> None:
         self._settings = settings
+        self._rollouts = rollouts
         self._rng = rng or random.Random()
         self._by_alias: dict[str, int] = {}
         self._wildcard: int | None = None
@@ -82,7 +99,10 @@ class Router:
     def decide(self, model: str | None, headers: Mapping[str, str], user: str | None) -> Dispatch:
         i, route = self.route_for(model)
         allowed = {route.primary, *route.split, *route.pinnable, *route.fallback}
+        if route.rollout is not None:
+            allowed.add(route.rollout.candidate)
         pin = headers.get(self._settings.pin_header)
+        ticket = None
         if pin:
             if pin not in allowed:
                 raise BadRequest(
@@ -90,6 +110,10 @@ class Router:
                     param=self._settings.pin_header,
                 )
             chosen, pinned = pin, True
+        elif route.rollout is not None and self._rollouts is not None and (ticket := self._rollouts.ticket(i)):
+            sticky = headers.get(route.sticky_header) or user
+            x = _unit(sticky) if sticky else self._rng.random()
+            chosen, pinned = (ticket.candidate if x < ticket.share else ticket.baseline), False
         elif route.split:
             sticky = headers.get(route.sticky_header) or user
             chosen, pinned = pick_weighted(route.split, sticky, self._rng), False
@@ -97,8 +121,14 @@ class Router:
             chosen, pinned = route.primary, False
         engines = (chosen, *(f for f in route.fallback if f != chosen))
         shadows = tuple(s for s in route.shadows if s != chosen)
+        if ticket is not None:
+            if chosen == ticket.candidate:  # what fails before its first byte goes back to the baseline
+                engines = (chosen, ticket.baseline, *(f for f in engines[1:] if f != ticket.baseline))
+            other = ticket.baseline if chosen == ticket.candidate else ticket.candidate
+            if ticket.counting and other not in shadows:
+                shadows = (*shadows, other)
         return Dispatch(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned,
-                        mirror=mirror_wanted(headers))  # fmt: skip
+                        mirror=mirror_wanted(headers), rollout=ticket)  # fmt: skip
 
 
 def mirror_wanted(headers: Mapping[str, str]) -> bool:

@@ -43,6 +43,11 @@ class RunRecords:
         s = self.settings
         pairs = [(r.primary, sh) for r in s.routes for sh in r.shadows if sh != r.primary]
         pairs += [(x, sh) for r in s.routes for x in (*r.split, *r.fallback) for sh in r.shadows if sh != x]
+        for r in s.routes:  # a rollout mirrors both ways between its baseline and its candidate
+            if r.rollout is not None:
+                pairs += [
+                    p for p in ((r.primary, r.rollout.candidate), (r.rollout.candidate, r.primary)) if p not in pairs
+                ]
         engines = {n: {"kind": e.kind, "model": e.model} for n, e in self.engines.items()}
         host = f"[{s.host}]" if ":" in s.host else s.host
         return run_record(self.run_id, listen=f"http://{host}:{s.port}", pairs=pairs, engines=engines,

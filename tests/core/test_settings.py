@@ -142,7 +142,7 @@ BAD = [
     (ENGINE + "routes:\n  - {primary: b}\n", "bad.yaml:3: routes[0].primary: unknown engine 'b' (engines: a)"),
     (ENGINE + "routes:\n  - {primary: a, shadow: a}\n",
      "bad.yaml:3: routes[0].shadow: unknown key (did you mean 'shadows'?); expected one of: models, primary, "
-     "shadows, split, sticky_header, pinnable, fallback, sample_rate"),
+     "shadows, split, sticky_header, pinnable, fallback, sample_rate, rollout"),
     (ENGINE + "routes:\n  - {models: [x]}\n", "bad.yaml:3: routes[0].primary: required key missing"),
     (ENGINE + "routes:\n  - {primary: a, sample_rate: 1.5}\n",
      "bad.yaml:3: routes[0].sample_rate: expected a value less than or equal to 1, got 1.5"),

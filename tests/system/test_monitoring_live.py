@@ -287,8 +287,11 @@ def test_every_dashboard_and_rule_query_returns_data(
             {"name": "sglang", "url": sglang_shadow, "kind": "sglang", "model": SHADOW_MODEL},
         ],
         "models": [{"alias": ALIAS, "engines": {"llama": "tiny", "sglang": SHADOW_MODEL}}],
-        "routes": [{"models": [ALIAS], "primary": "llama", "shadows": ["sglang"]}],
-    }
+        # a rollout to the shadow that stays at its first step (share 0: the traffic is what the mirror alone makes)
+        # so the rollout row and its alert have series; 8 pairs decide nothing
+        "routes": [{"models": [ALIAS], "primary": "llama", "shadows": ["sglang"],
+                    "rollout": {"candidate": "sglang", "state_file": str(tmp_path / "rollout.json")}}],
+    }  # fmt: skip
     (tmp_path / "enginemeter.yaml").write_text(yaml.safe_dump(config))
     settings = load(config=str(tmp_path / "enginemeter.yaml"), env={})
     start = time.time() - 5

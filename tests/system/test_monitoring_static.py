@@ -151,7 +151,12 @@ def test_units_titles_descriptions(dash: Json) -> None:
 def defined_metric_names() -> set[str]:
     """Every enginemeter_* family the proxy can export: the Metrics registry plus the collectors' families."""
     names = {m.name for m in Metrics(CollectorRegistry()).registry.collect()}
-    for mod in ("gpu/monitor.py", "server/enginestate.py", "server/diagnosis.py"):
+    for mod in (
+        "gpu/monitor.py",
+        "server/enginestate.py",
+        "server/diagnosis.py",
+        "server/metrics.py",
+    ):  # metrics: rollout
         text = (ROOT / "proxy" / mod).read_text()
         names |= {f"enginemeter_{n}" for n in re.findall(r'f"\{PREFIX\}_(\w+)"', text)}
     return names
