@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.run.options import Targets, UsageError, add_workload, build_config, fail_on_of, pairs
-from proxy.cli.common import print_summary, run_to_report
+from proxy.cli.common import add_traffic, print_summary, run_to_report, traffic_of, with_traffic
 
 ACCEPT_HELP = (
     "a quantization difference between the engines is declared, not a mistake: the parity gate passes with a "
@@ -34,6 +34,7 @@ def add_command(sub: Any) -> None:
     b.add_argument("--quantization", action="append", metavar="NAME=QUANT", help="declare an engine's quantization")
     b.add_argument("--accept-quantization-difference", action="store_true", default=None, help=ACCEPT_HELP)
     add_workload(b)
+    add_traffic(b)
     b.set_defaults(func=_bench)
 
 
@@ -88,7 +89,8 @@ def _bench(args: argparse.Namespace) -> int:
         targets = targets_of(args, file)
         cfg = build_config(args, file, targets)
         _check(cfg)
-    except (UsageError, SettingsError) as exc:
+        traffic = traffic_of(args)  # read now: a mistake in it must not wait for the end of the run
+    except (UsageError, SettingsError, ValueError) as exc:
         print(f"enginemeter bench: {exc}", file=sys.stderr)
         return 2
 
@@ -107,7 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
 
     def report(results: Path) -> dict[str, Any]:
-        out = write_report(load_bench(results, baseline=cfg.baseline), cfg.out)
+        out = write_report(with_traffic(load_bench(results, baseline=cfg.baseline), traffic), cfg.out)
         print_summary(out)
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from proxy.bench.run.options import EXIT_VERDICT
 
 if TYPE_CHECKING:
     from proxy.bench.run.config import BenchConfig
+    from proxy.bench.verdict.data import Data
+    from proxy.bench.verdict.model import Traffic
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -66,6 +69,36 @@ def run_to_report(
     return verdict_status(out, fail_on)
 
 
+TRAFFIC_HELP = (
+    "decide for this traffic: shares of busy time at each concurrency (c1=30,c16=70; prompt-length "
+    "shares may follow: short=90,16k=10), or the proxy's own record of it: its comparison or request log "
+    "(a path), its /metrics URL, or a Prometheus server's URL (the last --traffic-window)"
+)
+
+
+def add_traffic(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--traffic", metavar="SPEC|PATH|URL", help=TRAFFIC_HELP)
+    p.add_argument("--traffic-window", default="7d", metavar="DURATION",
+                   help="with --traffic PROMETHEUS_URL: the window to take the profile over (default %(default)s)")  # fmt: skip
+
+
+def traffic_of(args: argparse.Namespace) -> Traffic | None:
+    """``--traffic``'s profile (a ``ValueError`` names a bad spec); None without one."""
+    spec = getattr(args, "traffic", None)
+    if not spec:
+        return None
+    from proxy.bench.live.traffic import traffic_from
+
+    return traffic_from(spec, window=getattr(args, "traffic_window", "7d"))
+
+
+def with_traffic(data: Data, traffic: Traffic | None) -> Data:
+    """``data`` to be decided for ``traffic`` (unchanged without one)."""
+    if traffic is not None:
+        data.results = dataclasses.replace(data.results, traffic=traffic)
+    return data
+
+
 def verdict_status(out: dict[str, Any], fail_on: frozenset[str] | None) -> int:
     hit = [v for v in out["verdicts"] if fail_on and v.decision in fail_on]
     if hit:
@@ -76,15 +109,20 @@ def verdict_status(out: dict[str, Any], fail_on: frozenset[str] | None) -> int:
 
 
 def print_summary(out: dict[str, Any]) -> None:
+    """Each verdict in a line, then the answer — the headline, as the report's first screen has it — then the
+    files."""
     for v in out["verdicts"]:
         tag = " (discounted)" if v.discounted else ""
         print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()}{tag} — {v.summary}")
         if v.discounted:
             print(f"  discounted: {v.discounted}")
-        if v.next_step:
-            print(f"  next: {v.next_step}")
     for line in out.get("arms_lines", ()):
         print(line)
-    if not out["verdicts"]:
+    h = out.get("headline")
+    if h is not None and out["verdicts"]:
+        print()
+        for line in h.lines():
+            print(line)
+    elif not out["verdicts"]:
         print("one engine measured: nothing to compare here (join runs with: enginemeter report --results A B)")
     print(f"report: {out['report_md']}, {out['report_html']} and {out['verdict_json']}")

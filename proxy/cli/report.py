@@ -8,9 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.run.options import EXIT_VERDICT, MAX_ERROR_RATE_HELP, MIN_EFFECT_HELP, fail_on, pairs, pct, size_bytes
+from proxy.bench.run.options import (
+    EXIT_VERDICT,
+    MAX_ERROR_RATE_HELP,
+    MIN_EFFECT_HELP,
+    fail_on,
+    pairs,
+    percent_arg,
+    size_bytes,
+)
 from proxy.cli.bench import ACCEPT_HELP
-from proxy.cli.common import print_summary, verdict_status
+from proxy.cli.common import add_traffic, print_summary, traffic_of, verdict_status, with_traffic
 
 
 def add_command(sub: Any) -> None:
@@ -31,7 +39,7 @@ def add_command(sub: Any) -> None:
                    "and GPU sharing from this running proxy's /health and /metrics (a proxy with api_keys: its "
                    "key in ENGINEMETER_PROXY_KEY)")  # fmt: skip
     r.add_argument("--memory-budget", help="log: GPU memory the candidate must fit in (e.g. 80GiB)")
-    r.add_argument("--min-effect", type=pct, metavar="PCT", help=MIN_EFFECT_HELP + "; default: the run's own")
+    r.add_argument("--min-effect", type=percent_arg, metavar="PCT", help=MIN_EFFECT_HELP + "; default: the run's own")
     r.add_argument("--run", metavar="ID|all", help="log: the proxy run to report (an id or its prefix, as the "
                    "serve banner prints it; all: every run in the log); default: the latest run")  # fmt: skip
     r.add_argument("--since", metavar="TIME", help="log: pairs started at or after TIME (Unix s, ISO 8601, or "
@@ -39,10 +47,11 @@ def add_command(sub: Any) -> None:
     r.add_argument("--until", metavar="TIME", help="log: pairs started at or before TIME")
     r.add_argument("--primary", metavar="NAME", help="log: only pairs mirrored from this primary engine")
     r.add_argument("--shadow", metavar="NAME", help="log: only pairs mirrored to this shadow engine")
-    r.add_argument("--max-error-rate", type=pct, metavar="PCT", help=MAX_ERROR_RATE_HELP + "; default: the run's "
+    r.add_argument("--max-error-rate", type=percent_arg, metavar="PCT", help=MAX_ERROR_RATE_HELP + "; default: the run's "
                    "own (a log: 2)")  # fmt: skip
     r.add_argument("--fail-on", type=fail_on, metavar="stay,partial,inconclusive",
                    help=f"exit {EXIT_VERDICT} on these verdicts (inconclusive includes partial)")  # fmt: skip
+    add_traffic(r)
     r.set_defaults(func=_report)
 
 
@@ -57,6 +66,7 @@ def _report(args: argparse.Namespace) -> int:
         data = load_runs([Path(p) for p in args.results], baseline=args.baseline, quantization=quant,
                          min_effect=args.min_effect, max_error_rate=args.max_error_rate,
                          accept_quantization_difference=args.accept_quantization_difference)  # fmt: skip
+        data = with_traffic(data, traffic_of(args))
     except (ValueError, OSError, KeyError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2

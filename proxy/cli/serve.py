@@ -271,7 +271,26 @@ def _run(
         signal.signal(signal.SIGTERM, previous)
         sock.close()
         _stop(embedded)
+        if server.started:
+            _traffic_said(app.state.gateway.traffic)
     return 0 if server.started else 3
+
+
+def _traffic_said(traffic: Any) -> None:
+    """serve's last words: the traffic it carried, as a profile ``--traffic`` takes (the proxy's /metrics is gone)."""
+    from proxy.levels import representative
+
+    if traffic is None:
+        return
+    shares = traffic.health()["traffic"]["busy_shares"]
+    if not shares:
+        return
+    spec = ",".join(f"c{representative(k):g}={v * 100:.0f}" for k, v in shares.items() if round(v * 100) > 0)
+    print(
+        f"enginemeter: traffic served: {traffic.text()}; to weigh a bench's answer by it: --traffic {spec}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class _Terminated(Exception):
@@ -311,6 +330,7 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
         f"  OpenAI base_url: {base}/v1",
         f"  metrics:         {base}/metrics",
         f"  health:          {base}/health",
+        f"  traffic profile: {base}/metrics (--traffic {base}/metrics weighs a bench answer by it)",
     ]
     if s.mirror.log_path and any(r.shadows for r in s.routes):
         lines.append(f"  comparison log:  {s.mirror.log_path}")

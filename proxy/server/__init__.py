@@ -36,6 +36,7 @@
     admin         the admin endpoints (the admin key)
     access        who may read /health's detail and /metrics (api_keys, health: public, metrics.access)
     tasks         a background loop held for the app's lifetime
+    traffic       time at each number of requests in flight: the profile ``--traffic`` weighs a decision by
     workers       ``serve --workers N``: the supervisor and its workers on one port
     workerrole    one worker among several: worker 0's collectors and mirror settings shared through files
     lifetimes     no worker outlives its supervisor; the metrics directory's owner lock
@@ -67,6 +68,7 @@ from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
 from proxy.server.rollout import Rollouts
 from proxy.server.routing import Router
+from proxy.server.traffic import TrafficProfile
 from proxy.server.workerrole import snapshot_health
 from proxy.settings import Settings, SettingsError
 
@@ -163,6 +165,7 @@ def build_app(
         engine_state=engine_state,
         diagnosis=diagnosis,
         loop_watch=LoopWatch(metrics),
+        traffic=TrafficProfile(metrics.traffic),
         on_shutdown=shutdown,
         health_sections=(
             functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None

@@ -53,6 +53,7 @@ from proxy.server.responses import RelayResponse, error_response, scope_timer, s
 from proxy.server.result import new_request_id
 from proxy.server.rollout import Rollouts
 from proxy.server.routing import Dispatch, Router
+from proxy.server.traffic import TrafficProfile
 from proxy.server.upstream import Engine, make_client
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
@@ -116,6 +117,8 @@ class Gateway:
     diagnosis: LiveDiagnosis | None = None
     #: the event loop's lag, queue and GC pauses (``proxy.server.loopwatch``); None: not watched
     loop_watch: LoopWatch | None = None
+    #: time at each number of requests in flight (``proxy.server.traffic``); None: not recorded
+    traffic: TrafficProfile | None = None
     #: /health sections of collectors that run in another process (``serve --workers``: worker 0's snapshot)
     health_sections: Callable[[], dict[str, Any]] | None = None
     #: called once the app has shut down (``enginemeter serve`` stops its embedded engines here)
@@ -243,6 +246,8 @@ class Gateway:
         watch = Watch(receive)
         response: Response | RelayResponse | None = None
         answered = False
+        if self.traffic is not None:
+            self.traffic.enter()
         try:
             response = await self.serve(
                 request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
@@ -266,6 +271,8 @@ class Gateway:
                 await error_response(err, request_id, timer=timer)(scope, receive, send)
         finally:
             watch.stop(answered)
+            if self.traffic is not None:
+                self.traffic.leave()
 
     async def serve(
         self,

@@ -121,6 +121,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
             status["mirror"] = gw.mirror.state()
         if gw.rollouts is not None:
             status["rollout"] = gw.rollouts.state()
+        if gw.traffic is not None:
+            status.update(gw.traffic.health())
         if gw.gpu is not None:
             status.update(gw.gpu.health())
         if gw.engine_state is not None:

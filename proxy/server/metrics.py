@@ -200,6 +200,8 @@ class Metrics:
             b["e2e"],
             r,
         )
+        # seconds at each number of generation requests in flight (proxy.server.traffic: --traffic's profile)
+        self.traffic = Counter(f"{PREFIX}_traffic_seconds", "Seconds this process ran with this many generation requests in flight (level: 0, 1, 2, 3-4, 5-8, ..., 129+); counted when the number changes.", ("level",), registry=r)  # fmt: skip
         self.prompt_tokens_h = _h("request_prompt_tokens", "Prompt tokens per request (engine usage).", b["tokens"], r)
         self.completion_tokens_h = _h("request_completion_tokens", "Completion tokens per request (engine usage).", b["tokens"], r)  # fmt: skip
         self.prefill_tps = _h("prefill_tokens_per_second", "(prompt tokens - cached prompt tokens) / upstream TTFT: the engine's prefill rate, queueing included.", b["prefill_tps"], r)  # fmt: skip

@@ -2,7 +2,8 @@
 ``verdict.json``, from the verdict's decisions. docs/bench.md.
 
     blocks      the document model: a list of blocks, rendered twice so both say the same
-    document    ``Data`` -> the report: verdict, parity, tables, percentiles, cache phases; writes the files
+    document    ``Data`` -> the report: the answer first, verdict, parity, tables, percentiles; writes the files
+    render      the blocks as Markdown and as self-contained HTML
     charts      the charts (SVG, logarithmic latency axes)
     agreement   greedy-output agreement between two engines
     arms        one candidate on the baseline's own weights and on its best format

@@ -6,11 +6,7 @@ built once as a list of blocks and rendered twice (Markdown, HTML), so both say 
 
 from __future__ import annotations
 
-import base64
-import html
 import json
-import math
-import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,13 +17,15 @@ from proxy.bench.report import arms as arms_mod
 from proxy.bench.report import launch as launchreport
 from proxy.bench.report.blocks import Block
 from proxy.bench.report.charts import CHART_FILES, make_charts
+from proxy.bench.report.render import render_html, render_md
 from proxy.bench.suite import length_rank
 from proxy.bench.verdict.checks import summary as protocol_checks
 from proxy.bench.verdict.data import Data, load_bench, read_jsonl
 from proxy.bench.verdict.decide import Verdict, decide_all
 from proxy.bench.verdict.gates import cache_flags
+from proxy.bench.verdict.headline import Headline, headline
 from proxy.bench.verdict.model import Cell
-from proxy.bench.verdict.notation import band, pct
+from proxy.bench.verdict.notation import band, faster, faster_interval
 from proxy.bench.verdict.regimes import GATES
 from proxy.bench.verdict.workload import meets_slo, percentile
 
@@ -75,13 +73,14 @@ def _cell_order(c: Cell) -> tuple[Any, ...]:
 
 def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdicts: Sequence[Verdict],
              lead: Sequence[Block] = (), agreements: Mapping[str, agreement_mod.Agreement] | None = None,
-             arms: Sequence[arms_mod.Arms] = ()) -> list[Block]:  # fmt: skip
+             arms: Sequence[arms_mod.Arms] = (), h: Headline | None = None) -> list[Block]:  # fmt: skip
     r = d.results
     out: list[Block] = [Block("h1", d.title)]
     if d.stopped:
         out.append(Block("p", f"**Stopped early** — {d.stopped}; the report covers only what finished."))
     elif d.interrupted:
         out.append(Block("p", "**Interrupted run** — the report covers only what finished."))
+    out += answer_blocks(h or make_headline(d, verdicts))
     out += lead
     out.append(Block("h2", "Verdict"))
     for v in verdicts:
@@ -143,28 +142,60 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
     return out
 
 
+def answer_blocks(h: Headline) -> list[Block]:
+    """The report's first screen: the decision in one sentence, the regimes with their figures, the trade-offs, the
+    caveats and what to run next — the same lines the console ends with (``Headline.lines``)."""
+    out = [Block("h2", "The answer"), Block("p", f"**{h.decision.upper()}** — {h.sentence}")]
+    if h.traffic:
+        out.append(Block("p", f"*For the traffic given:* {h.traffic}"))
+    items = list(h.regimes) + [f"*trade-off:* {t}" for t in h.tradeoffs] + [f"*caveat:* {c}" for c in h.caveats]
+    items += list(h.others) + [f"*note:* {n}" for n in h.notes]
+    if items:
+        out.append(Block("ul", items=items))
+    if h.next_step:
+        out.append(Block("p", f"**Next:** `{h.next_step}`" if h.next_step.startswith("enginemeter ") else
+                         f"**Next:** {h.next_step}"))  # fmt: skip
+    return out
+
+
 def _verdict_blocks(v: Verdict) -> list[Block]:
     tag = " (discounted)" if v.discounted else ""
     out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**{tag}"),
            Block("p", v.summary)]  # fmt: skip
     if v.discounted:
         out.append(Block("p", f"**Discounted:** this answer {v.discounted}."))
+    for c in v.caveats:
+        out.append(Block("p", f"**Caveat:** {c}"))
     if v.next_step:
         out.append(Block("p", f"**Next:** `{v.next_step}`" if v.next_step.startswith("enginemeter ") else
                          f"**Next:** {v.next_step}"))  # fmt: skip
     rows = []
     for a in v.regimes:
         if not a.comparisons:
-            rows.append([a.title, "–", "–", "–", "–", "–", a.answer + (f" ({a.fix})" if a.fix else "")])
+            rows.append([a.title, f"**{a.answer}**" + (f" ({a.fix})" if a.fix else ""), "–", "–", "–", "–", "–", "–"])
             continue
-        for c in a.comparisons:
-            fb, fc = c.figures()
-            g, lo, hi = (math.expm1(x) for x in c.log_gain)
-            rows.append([a.title if c.primary else "", c.what + ("" if c.primary else " (beside)"), fb, fc,
-                         f"{pct(g)} [{pct(lo)} … {pct(hi)}]", f"±{band(c.win_band)}",
-                         (f"**{a.answer}**" if c.primary else c.outcome)])  # fmt: skip
-    out.append(Block("table", header=["regime", "figure", v.baseline, v.candidate, f"{v.candidate} faster by (95% CI)",
-                                      "band", "answer"], rows=rows))  # fmt: skip
+        for i, comp in enumerate(a.comparisons):
+            fb, fc = comp.figures()
+            decides = comp.what == a.decided_by
+            rows.append([a.title if i == 0 else "", f"**{a.answer}**" if i == 0 else "",
+                         comp.what + (" (decides)" if decides else ""), fb, fc,
+                         comp.difference(v.baseline, v.candidate), band(comp.win_band), comp.outcome])  # fmt: skip
+    out.append(Block("table", header=["regime", "regime's answer", "figure", v.baseline, v.candidate,
+                                      "difference (95% CI)", "band", "this figure"], rows=rows))  # fmt: skip
+    if v.traffic is not None:
+        out.append(Block("p", f"*For your traffic:* {v.traffic.text}" + ("" if not v.traffic.notes else
+                         " (" + "; ".join(v.traffic.notes) + ")")))  # fmt: skip
+        rows = [[f"c={p.concurrency:g}", p.prompt, f"{p.weight:.0%}", p.cell.cell.label(), p.cell.what,
+                 faster(p.cell.speed[0]), p.cell.outcome] for p in v.traffic.parts]  # fmt: skip
+        out.append(Block("table", header=["traffic at", "prompts", "share", "measured cell", "figure",
+                                          f"{v.candidate} vs {v.baseline}", "cell"], rows=rows))  # fmt: skip
+    elif v.cells:
+        rows = [[c.cell.prompt_len, str(c.cell.concurrency), c.what, *c.figures(), faster(c.speed[0]),
+                 faster_interval(*c.speed[1:]), c.outcome] for c in v.cells]  # fmt: skip
+        out += [Block("p", "*Each measured cell* (what `--traffic` weighs: the whole request at c=1, output tok/s "
+                      "above):"),
+                Block("table", header=["prompt", "c", "figure", v.baseline, v.candidate, f"{v.candidate} vs "
+                                       f"{v.baseline}", "95% CI", "cell"], rows=rows)]  # fmt: skip
     gates = [x for x in v.reasons if x.step in GATES]
     speed = [x for x in v.reasons if x.step not in GATES]
     for title, xs in (("Gates", gates), ("Each comparison", speed)):
@@ -177,14 +208,14 @@ def _verdict_blocks(v: Verdict) -> list[Block]:
             out += [Block("p", f"*{title}:*"), Block("ul", items=items)]
     if v.comparisons:
         rows = [[c.step, c.metric, c.cell.label(), _num(c.stats.base_mean), _num(c.stats.cand_mean),
-                 f"{c.stats.rel:+.1%}", f"{c.stats.lo:+.1%} … {c.stats.hi:+.1%}",
-                 f"{c.stats.effect:+.2f}" if c.stats.effect is not None else "–", f"±{c.floor:.1%}",
-                 f"{c.bias:.1%}" if c.bias else "–", f"±{c.detectable:.1%}",
+                 faster(c.speed[0]), faster_interval(*c.speed[1:]),
+                 f"{abs(c.stats.effect):.2f}" if c.stats.effect is not None else "–", band(c.floor),
+                 f"{c.bias:.1%}" if c.bias else "–", band(c.detectable),
                  ", ".join(f"{k} {val:.0%}" for k, val in c.variation.items() if val is not None) or "–",
                  c.outcome] for c in v.comparisons]  # fmt: skip
-        out.append(Block("table", header=["step", "metric", "cell", v.baseline, v.candidate, "Δ", "95% CI", "d_z",
-                                          "noise floor", "A/A bias", "detectable", "run-to-run CV", "outcome"],
-                         rows=rows))  # fmt: skip
+        out.append(Block("table", header=["step", "metric", "cell", v.baseline, v.candidate,
+                                          f"{v.candidate} vs {v.baseline}", "95% CI", "effect size d_z", "noise floor",
+                                          "A/A bias", "detectable", "run-to-run CV", "outcome"], rows=rows))  # fmt: skip
     return out
 
 
@@ -303,74 +334,21 @@ def _cache_blocks(d: Data) -> list[Block]:
             Block("table", header=["cell", "engine", "cached / prompt tokens", "unknown", "check"], rows=rows)]  # fmt: skip
 
 
-# ---- rendering -----------------------------------------------------------------------------------------
+#: 3: the headline (the one answer every screen prints), each verdict's cells, traffic answer and caveats, the
+#: traffic profile used, decisions depends and not yet
+VERDICT_VERSION = 3
 
 
-def _md_cell(s: str) -> str:
-    return s.replace("|", "\\|").replace("\n", " ")
-
-
-def render_md(blocks: Sequence[Block]) -> str:
-    lines: list[str] = []
-    for b in blocks:
-        if b.kind in ("h1", "h2", "h3"):
-            lines += ["#" * int(b.kind[1]) + " " + b.text, ""]
-        elif b.kind == "p":
-            lines += [b.text, ""]
-        elif b.kind == "ul":
-            lines += [f"- {i}" for i in b.items] + [""]
-        elif b.kind == "table":
-            lines.append("| " + " | ".join(map(_md_cell, b.header)) + " |")
-            lines.append("|" + "|".join("---" for _ in b.header) + "|")
-            lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in b.rows]
-            lines.append("")
-        elif b.kind == "img":
-            lines += [f"![{b.text}]({b.path})", ""]
-    return "\n".join(lines)
-
-
-def _inline(s: str) -> str:
-    """HTML-escape, then the bits of Markdown we use: **bold**, *italic* and `code`."""
-    e = html.escape(s)
-    e = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", e)
-    e = re.sub(r"(?<![\w*])\*([^*\s][^*]*?)\*(?![\w*])", r"<em>\1</em>", e)
-    return re.sub(r"`(.+?)`", r"<code>\1</code>", e)
-
-
-_CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;
-text-align:left}th{background:#f3f3f3}code{background:#f3f3f3;padding:0 3px}img{max-width:100%}
-h3 strong{padding:1px 6px;border-radius:3px;background:#eee}"""
-
-
-def render_html(blocks: Sequence[Block], out: Path) -> str:
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>enginemeter report</title>",
-             f"<style>{_CSS}</style></head><body>"]  # fmt: skip
-    for b in blocks:
-        if b.kind in ("h1", "h2", "h3"):
-            parts.append(f"<{b.kind}>{_inline(b.text)}</{b.kind}>")
-        elif b.kind == "p":
-            parts.append(f"<p>{_inline(b.text)}</p>")
-        elif b.kind == "ul":
-            parts.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in b.items) + "</ul>")
-        elif b.kind == "table":
-            head = "".join(f"<th>{_inline(h)}</th>" for h in b.header)
-            body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in row) + "</tr>" for row in b.rows)
-            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-        elif b.kind == "img":
-            data = base64.b64encode((out / b.path).read_bytes()).decode()
-            mime = "image/svg+xml" if b.path.endswith(".svg") else "image/png"
-            parts.append(f"<img alt='{html.escape(b.text)}' src='data:{mime};base64,{data}'>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def verdict_json(verdicts: Sequence[Verdict], **extra: Any) -> dict[str, Any]:
-    """The machine-readable verdict: one entry per candidate, plus the overall decision (the worst of them:
-    inconclusive > stay > switch)."""
-    rank = {"inconclusive": 3, "partial": 2, "stay": 1, "switch": 0}
-    overall = max((v.decision for v in verdicts), key=lambda x: rank[x], default="inconclusive")
-    return {"version": 2, "decision": overall, **extra, "verdicts": [v.to_json() for v in verdicts]}
+def verdict_json(verdicts: Sequence[Verdict], h: Headline | None = None, **extra: Any) -> dict[str, Any]:
+    """The machine-readable verdict: the headline's decision and its lines, then one entry per candidate."""
+    h = h or headline(verdicts)
+    return {
+        "version": VERDICT_VERSION,
+        "decision": h.decision,
+        "headline": h.to_json(),
+        **extra,
+        "verdicts": [v.to_json() for v in verdicts],
+    }
 
 
 def write_report(
@@ -385,10 +363,13 @@ def write_report(
     charts, note = make_charts(d, out, verdicts)
     agreements = {v.candidate: agreement_mod.agreement(d.requests, v.baseline, v.candidate) for v in verdicts}
     arms = arms_mod.arms(d.engines_meta, d.results.baseline, verdicts)
-    blocks = document(d, charts, note, verdicts, lead, agreements, arms)
+    h = make_headline(d, verdicts)
+    blocks = document(d, charts, note, verdicts, lead, agreements, arms, h)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
-    vj = verdict_json(verdicts, interrupted=d.interrupted)
+    vj = verdict_json(verdicts, h, interrupted=d.interrupted)
+    if d.results.traffic is not None:
+        vj["traffic"] = d.results.traffic.to_json()
     for entry, v in zip(vj["verdicts"], verdicts, strict=True):
         entry["output_agreement"] = agreements[v.candidate].to_json()
     if arms:
@@ -400,4 +381,15 @@ def write_report(
     vj.update(extra or {})
     (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return {"report_md": out / "report.md", "report_html": out / "report.html", "verdict_json": out / "verdict.json",
-            "charts": list(charts.values()), "verdicts": verdicts, "arms_lines": [a.text for a in arms]}  # fmt: skip
+            "charts": list(charts.values()), "verdicts": verdicts, "arms_lines": [a.text for a in arms],
+            "headline": h}  # fmt: skip
+
+
+def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:
+    """The report's one answer: the verdicts read together (a same-file arm is attribution), for the traffic."""
+    meta = {m["name"]: m for m in d.engines_meta}
+    base = meta.get(d.results.baseline, {})
+    weights = {v.candidate: arms_mod.weights(base, meta[v.candidate]) for v in verdicts if v.candidate in meta}
+    kinds = {v.candidate: str(meta[v.candidate].get("kind")) for v in verdicts if v.candidate in meta}
+    t = d.results.traffic
+    return headline(verdicts, weights, kinds, f"{t.text()} ({t.source})" if t is not None else None)

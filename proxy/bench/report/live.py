@@ -25,7 +25,8 @@ from proxy.bench.report.charts import (
     live_delta_chart,
     make_charts,
 )
-from proxy.bench.report.document import Block, document, render_html, render_md, verdict_json
+from proxy.bench.report.document import Block, document, verdict_json
+from proxy.bench.report.render import render_html, render_md
 from proxy.bench.verdict.decide import decide_all
 from proxy.sequential import ALPHA, MIN_PAIRS, PLANNED_PAIRS, STREAMS
 

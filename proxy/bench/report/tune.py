@@ -26,7 +26,7 @@ from proxy.bench.report.charts import tune_chart
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Comparison, Verdict, decide_all
 from proxy.bench.verdict.model import Cell, Sample
-from proxy.bench.verdict.notation import band, pct
+from proxy.bench.verdict.notation import band, faster, faster_interval
 from proxy.bench.verdict.regimes import GATES, rerun
 
 #: a peak this close to the budget (or the GPU's total) is "memory is full"
@@ -155,14 +155,10 @@ def _winning(v: Verdict, step: str) -> Comparison | None:
 
 
 def _gain(c: Comparison) -> str:
-    """The candidate's gain in words: throughput as ±%, a time as "faster by" (or "slower by")."""
-    e, lo, hi = c.log_gain
-    what = c.what.split(" (")[0]
-    if c.higher_is_better:
-        return f"{what} {pct(math.expm1(e))} [{pct(math.expm1(lo))} … {pct(math.expm1(hi))}]"
-    if e < 0:  # slower: how much longer it takes
-        return f"{what} slower by {pct(math.expm1(-e))} [{pct(math.expm1(-hi))} … {pct(math.expm1(-lo))}]"
-    return f"{what} faster by {pct(math.expm1(e))} [{pct(math.expm1(lo))} … {pct(math.expm1(hi))}]"
+    """The candidate's gain in words, one notation (``proxy.bench.verdict.notation``): "output tok/s at c=16 90 %
+    faster (78–104 % faster)"."""
+    r, lo, hi = c.speed
+    return f"{c.what} {faster(r)} ({faster_interval(lo, hi)})"
 
 
 def _memory(d: Data, rows: Sequence[Row]) -> tuple[str, float | None]:
@@ -196,7 +192,7 @@ def best_setting(usable: Sequence[Verdict], step: str) -> tuple[Verdict, Compari
     and -np 2's ×1.7; then -np 2 (+11 % [+8.6 … +14 %]) over -np 4 (throughput unresolved, +3 %) while
     -np 4's TTFT under load was ×10.6 and -np 2's ×1.6."""
     wins = [(v, c) for v in usable if (c := _winning(v, step)) is not None
-            and any(a.step == step and a.answer in ("win", "mixed") for a in v.regimes)]  # fmt: skip
+            and any(a.step == step and a.answer == "win" for a in v.regimes)]  # fmt: skip
     if not wins:
         return None
 
@@ -244,7 +240,7 @@ def summarize(d: Data, out: Path) -> TuneSummary:
         if c.metric != "output_tps":
             tps = next((x for x in v.comparisons if x.metric == "output_tps"), None)
             if tps is not None:
-                extra = f"; concurrent throughput {pct(math.expm1(tps.log_gain[0]))}, {tps.outcome}"
+                extra = f"; {tps.what} {faster(tps.speed[0])}, {tps.outcome}"
         lines.append(f"tuning helps: keep llama.cpp with {flag} {row.value} ({_gain(c)}{extra})")
         for x in v.comparisons:
             if x.outcome == "loss":
@@ -270,7 +266,7 @@ def summarize(d: Data, out: Path) -> TuneSummary:
         n = c.repeats_to_resolve()
         fix = rerun(d.results.command, f"--repeats {n}") if n else "a quieter machine or more requests per repeat"
         lines.append(f"not decided: {flag} {by_name[v.candidate].value} looks different ({_gain(c)}, {c.cell.label()}) "
-                     f"but the interval reaches inside this run's noise floor ±{band(c.win_band)} — neither 'helps' "
+                     f"but the interval reaches inside this run's noise floor {band(c.win_band)} — neither 'helps' "
                      f"nor 'flat'; next: {fix}")  # fmt: skip
     else:
         rule = "flat"

@@ -81,7 +81,7 @@ def fail_on(s: str | Sequence[str]) -> frozenset[str]:
     return vals
 
 
-def pct(s: str) -> float:
+def percent_arg(s: str) -> float:
     try:
         v = float(s.rstrip("%"))
     except ValueError:
@@ -145,8 +145,8 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aa", choices=("auto", "off"), help="A/A noise floor: a second pass of the baseline (auto; "
                    "launched engines: the baseline launched again last) or none (off: the run-to-run variation "
                    "stands in)")  # fmt: skip
-    p.add_argument("--min-effect", type=pct, metavar="PCT", help=MIN_EFFECT_HELP)
-    p.add_argument("--max-error-rate", type=pct, metavar="PCT", help=MAX_ERROR_RATE_HELP)
+    p.add_argument("--min-effect", type=percent_arg, metavar="PCT", help=MIN_EFFECT_HELP)
+    p.add_argument("--max-error-rate", type=percent_arg, metavar="PCT", help=MAX_ERROR_RATE_HELP)
     p.add_argument("--fail-on", type=fail_on, metavar="stay,partial,inconclusive",
                    help=f"exit {EXIT_VERDICT} when a verdict is one of these (inconclusive includes partial)")  # fmt: skip
     p.add_argument("--out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json; "

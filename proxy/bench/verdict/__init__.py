@@ -8,6 +8,8 @@ comparison  one figure compared: its interval against its band (minimum effect, 
 gates       the checks before any speed is judged: data, parity, memory
 regimes     the comparisons -> one answer per regime -> the decision, and what to run next
 decide      ``Results`` -> one ``Verdict`` per candidate: gates first, then the regimes
+traffic     a traffic profile (``--traffic``) and the decision for it: the cells weighted by its shares
+headline    the one answer every screen prints: the verdicts read together, the best switch first
 checks      checks of the protocol itself (first repeat, order, foreign load)
 workload    arrivals, percentiles, goodput: per-cell figures
 notation    how every number is written (relative differences, bands, figures with units)

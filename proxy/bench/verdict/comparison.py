@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.verdict.model import Assessment, Cell
-from proxy.bench.verdict.notation import band, figure
+from proxy.bench.verdict.notation import band, faster, faster_interval, figure
 from proxy.bench.verdict.stats import Paired
 
 #: more repeats than this is not a rerun anyone will make: "no feasible number resolves it"
@@ -35,7 +35,7 @@ class Comparison:
     bias: float = 0.0
     #: why this cell cannot decide (an engine busy with other clients); None: it can
     flagged: str | None = None
-    #: the regime's deciding metric (the others are shown beside it and can only make it "mixed")
+    #: the regime's deciding figure (the others are shown beside it as trade-offs, never a veto)
     primary: bool = True
     #: the baseline against its own second pass, where there is one
     aa: Paired | None = None
@@ -74,13 +74,36 @@ class Comparison:
             return "win"
         if hi < -log_ratio(self.win_band):
             return "loss"
-        # a tie is equivalence at the margin the user asked for: inside ±min_effect, with the floor (and any
-        # protocol bias) no wider; inside a wider floor it only says "no bigger than this run's noise":
-        # unresolved, never a tie — a noisier A/A pass must not make a tie, hence a stay, easier
-        m = log_ratio(self.min_effect)
-        if self.win_band <= self.min_effect and -m <= lo and hi <= m:
+        # a tie is the whole interval inside the band shown: no difference as large as the minimum effect, or —
+        # when the run's noise floor (and a protocol bias) is wider — none this run could have seen (the text says
+        # which band it is)
+        b = log_ratio(self.win_band)
+        if -b <= lo and hi <= b:
             return "tie"
         return "unresolved"
+
+    @property
+    def speed(self) -> tuple[float, float, float]:
+        """(estimate, lo, hi) as speed ratios of the candidate over the baseline: 1.44 is 44 % faster."""
+        g, lo, hi = self.log_gain
+        return math.exp(g), math.exp(lo), math.exp(hi)
+
+    def says(self, base: str, cand: str) -> str:
+        """The difference in words, from the faster engine's side: "sglang is 44 % faster (the whole request;
+        95% CI: 38–50 % faster)"."""
+        who, r, lo, hi = self.side(base, cand)
+        return f"{who} is {faster(r)} ({self.what}; 95% CI: {faster_interval(lo, hi)})"
+
+    def difference(self, base: str, cand: str) -> str:
+        """The same without the figure's name: "sglang 44 % faster (38–50 % faster)"."""
+        who, r, lo, hi = self.side(base, cand)
+        return f"{who} {faster(r)} ({faster_interval(lo, hi)})"
+
+    def side(self, base: str, cand: str) -> tuple[str, float, float, float]:
+        """(the faster engine, its speed ratio over the other, the interval's ends): every number ≥ 1 but the
+        interval's near end when it crosses equality."""
+        r, lo, hi = self.speed
+        return (cand, r, lo, hi) if r >= 1 else (base, 1 / r, 1 / hi, 1 / lo)
 
     @property
     def coarse(self) -> bool:
@@ -115,14 +138,14 @@ class Comparison:
 
     def numbers(self, base: str, cand: str) -> str:
         s = self.stats
-        eff = f", d_z {s.effect:+.2f}" if s.effect is not None else ""
+        eff = f", effect size d_z {abs(s.effect):.2f}" if s.effect is not None else ""
         fb, fc = self.figures()
-        floor = f"noise floor ±{band(self.floor)} ({self.floor_source})"
+        floor = f"noise floor {band(self.floor)} ({self.floor_source})"
         if self.bias:
             floor += f", protocol bias {self.bias:.1%} added for a win"
         return (
-            f"{base} {fb} vs {cand} {fc}: Δ {s.rel:+.1%} (95% CI {s.lo:+.1%} … {s.hi:+.1%}{eff}, {s.n_pairs} pairs "
-            f"in {s.n_groups} repeats); min effect {self.min_effect:.0%}, {floor}"
+            f"{base} {fb} vs {cand} {fc}: {self.says(base, cand)} ({s.n_pairs} pairs in {s.n_groups} repeats{eff}); "
+            f"min effect {self.min_effect:.0%}, {floor}"
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.suite import length_rank
+from proxy.bench.verdict.checks import first_repeat
 from proxy.bench.verdict.comparison import Comparison, log_ratio
-from proxy.bench.verdict.gates import data_gate, discount, memory_gate, parity_gate, quant_differs
+from proxy.bench.verdict.gates import CAVEAT, data_gate, discount, memory_gate, parity_gate, quant_differs
 from proxy.bench.verdict.model import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
-from proxy.bench.verdict.notation import band
+from proxy.bench.verdict.notation import band, faster, faster_interval, figure
 from proxy.bench.verdict.regimes import REGIMES, RegimeAnswer, conclude
 from proxy.bench.verdict.stats import paired_bootstrap, variation
+from proxy.bench.verdict.traffic import TrafficAnswer, weigh
 
 __all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", "Results", "Sample", "Verdict",
            "decide", "decide_all"]  # fmt: skip
@@ -64,11 +66,22 @@ class Verdict:
     next_step: str | None = None
     #: a declared quantization difference was accepted: what the answer includes besides the engines (None: clean)
     discounted: str | None = None
+    #: one comparison per measured cell of the concurrency sweep and of each prompt class (their regimes' figures:
+    #: the whole request at c=1, output tok/s above): what a traffic profile is weighed with, where they cross
+    cells: tuple[Comparison, ...] = ()
+    #: the answer for the traffic given (``--traffic``); None: none given
+    traffic: TrafficAnswer | None = None
+    #: what stands beside the answer without changing it (a memory excess a setting makes, within 2 % of the budget)
+    caveats: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "baseline": self.baseline, "candidate": self.candidate, "decision": self.decision,
-            "summary": self.summary,
+            "summary": self.summary, "caveats": list(self.caveats),
+            "traffic": self.traffic.to_json() if self.traffic else None,
+            "cells": [{"cell": c.cell.label(), "concurrency": c.cell.concurrency, "prompt": c.cell.prompt_len,
+                       "figure": c.what, "speed_ratio": c.speed[0], "ci95": list(c.speed[1:]), "outcome": c.outcome}
+                      for c in self.cells],
             "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check or "unnamed"} if self.stopped_at
             else None,
             "regimes": [a.to_json() for a in self.regimes], "next_step": self.next_step,
@@ -107,11 +120,15 @@ def decide(r: Results, candidate: str) -> Verdict:
             by.setdefault((s.engine, s.cell), []).append(s)
     common = {c for (e, c) in by if e == base} & {c for (e, c) in by if e == candidate}
     offered = max((c.concurrency for c in common), default=None)
+    cold = _cold_first_repeats(by, common, (base, candidate, aa))
 
     reasons: list[Reason] = data_gate(r, samples, base, candidate, judged, common, by)
     reasons += parity_gate(r, infos[base], infos[candidate], offered)
     reasons += r.extra_parity
     reasons += memory_gate(r, samples, base, candidate)
+    if cold:
+        reasons.append(Reason("data", "note", "repeat 0 left out where it ran cold (no warm-up before it, far from "
+                              "the other repeats): " + "; ".join(cold), "first repeat"))  # fmt: skip
     reqs: dict[tuple[str, Cell, int], dict[int, Req]] = {}
     for q in r.requests:
         if q.ok and q.cell.cache == judged:
@@ -132,8 +149,12 @@ def decide(r: Results, candidate: str) -> Verdict:
     c1 = [c for c in common if c.concurrency == 1 and c.rate is None]
     single = _pick(c1, base_mt, base_pl)
     if single is not None:
-        compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
-        compare("decode", single, "ttft_s", "s", False, "single-request TTFT", False)
+        if r.live or not _has(reqs, r.samples, single, "e2e_s"):  # mirrored pairs' answers differ in length
+            compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
+        else:
+            compare("decode", single, "e2e_s", "s", False, f"whole request, {_tokens(single)}", True)
+            compare("decode", single, "tpot_s", "s/token", False, "decode (TPOT)", False)
+        compare("decode", single, "ttft_s", "s", False, "TTFT", False)
 
     conc = [
         c for c in common if (c.concurrency > 1 or c.rate is not None) and (base_pl is None or c.prompt_len == base_pl)
@@ -145,24 +166,89 @@ def decide(r: Results, candidate: str) -> Verdict:
             compare("throughput", top, "ttft_s", "s", False, "TTFT under load (observed)", True)
             compare("throughput", top, "tpot_s", "s/token", False, "decode under load (observed)", False)
         else:
-            compare("throughput", top, "output_tps", "tok/s", True, "concurrent throughput", True)
-            compare("throughput", top, "ttft_s", "s", False, "TTFT under load", False)
+            compare("throughput", top, "output_tps", "tok/s", True, f"output tok/s at c={top.concurrency}", True)
+            compare("throughput", top, "ttft_s", "s", False, f"TTFT at c={top.concurrency}", False)
 
     longs = [c for c in c1 if c.prompt_len != base_pl and c.prompt_len != "mixed"]
     longs = [c for c in longs if base_mt is None or c.max_tokens == base_mt] or longs
     if longs and not r.live:
         longest = max(longs, key=lambda c: length_rank(c.prompt_len))
         if base_pl is None or length_rank(longest.prompt_len) > length_rank(base_pl):
-            compare("long-context", longest, "ttft_s", "s", False, "long-context TTFT", True)
-            compare("long-context", longest, "tpot_s", "s/token", False, "long-context decode (TPOT)", False)
+            p = longest.prompt_len
+            if _has(reqs, r.samples, longest, "e2e_s"):
+                compare("long-context", longest, "e2e_s", "s", False, f"whole {p}-prompt request", True)
+                compare("long-context", longest, "ttft_s", "s", False, f"TTFT ({p} prompt)", False)
+            else:
+                compare("long-context", longest, "ttft_s", "s", False, f"TTFT ({p} prompt)", True)
+            compare("long-context", longest, "tpot_s", "s/token", False, f"decode after a {p} prompt (TPOT)", False)
+    cells = [] if r.live else _cells(r, by, reqs, common, base, candidate, aa)
+    answer = weigh(r.traffic, cells, base, candidate, base_pl) if r.traffic is not None and cells else None
     slots = [e.slots for e in (infos[base], infos[candidate]) if e.slots]
     c = conclude(r, base, candidate, reasons, comps, aa, {s for s, _ in REGIMES if s in measured},
-                 max(slots) if slots else None)  # fmt: skip
+                 max(slots) if slots else None, cells, answer, r.live_findings.get(candidate) if r.live else None)  # fmt: skip
     noise = "A/A pass" if aa else "run-to-run variation"
     b, k = infos[base], infos[candidate]
     discounted = discount(b, k) if r.accept_quantization_difference and quant_differs(b, k) else None
+    caveats = tuple(x.text for x in c.reasons if x.check == CAVEAT)
     return Verdict(base, candidate, c.decision, c.summary, c.reasons, tuple(comps), c.stopped_at, c.stopped_check,
-                   noise, c.regimes, c.next_step, discounted)  # fmt: skip
+                   noise, c.regimes, c.next_step, discounted, tuple(cells), answer, caveats)  # fmt: skip
+
+
+def _cold_first_repeats(
+    by: dict[tuple[str, Cell], list[Sample]], common: set[Cell], engines: Sequence[str | None]
+) -> list[str]:
+    """Repeat 0 of a cell, left out of every comparison in it when one engine's repeat 0 sits far from its other
+    repeats (``checks.first_repeat``: a cell measured without a warm-up — a protocol artifact, not the engine's
+    speed) and 3 repeats or more remain. Returns what was left out, in words."""
+    said: list[str] = []
+    mine = [s for (e, c), ss in by.items() if e in engines and c in common for s in ss]
+    for x in first_repeat(mine):
+        cell = x.cell
+        if not x.outlier or any(len({s.repeat for s in by.get((e, cell), [])} - {0}) < 3 for e in engines if e):
+            continue
+        if all((e, cell) not in by or all(s.repeat != 0 for s in by[(e, cell)]) for e in engines if e):
+            continue  # already left out for another engine or figure
+        for e in engines:
+            if e and (e, cell) in by:
+                by[(e, cell)] = [s for s in by[(e, cell)] if s.repeat != 0]
+        name = {"ttft_s": "TTFT", "tpot_s": "TPOT", "output_tps": "output tok/s"}.get(x.metric, x.metric)
+        said.append(f"{cell.label()} ({x.engine}'s {name} {figure(x.metric, x.first)} against "
+                    f"{figure(x.metric, x.others_median)} in the other repeats)")  # fmt: skip
+    return said
+
+
+def _tokens(cell: Cell) -> str:
+    return f"{cell.max_tokens}-token answer" if cell.max_tokens else "its answer"
+
+
+def _has(
+    reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]], samples: Sequence[Sample], cell: Cell, metric: str
+) -> bool:
+    """Whether the cell's requests (or samples) carry the figure: results before e2e per request have none."""
+    return any(getattr(q, metric) is not None for (_, c, _), qs in reqs.items() if c == cell for q in qs.values()) or (
+        not reqs and any(getattr(x, metric) is not None for x in samples if x.cell == cell))  # fmt: skip
+
+
+def _cells(
+    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
+    common: set[Cell], base: str, cand: str, aa: str | None,
+) -> list[Comparison]:  # fmt: skip
+    """One comparison per measured cell at the base output length, in each regime's own figure: the whole
+    request at c=1, output tok/s above (what a traffic profile is weighed with)."""
+    out = []
+    mts = {c.max_tokens for c in common}
+    mt = r.base_max_tokens if r.base_max_tokens in mts else (min(mts) if mts else None)
+    for cell in sorted((c for c in common if c.max_tokens == mt and c.rate is None),
+                       key=lambda c: (length_rank(c.prompt_len), c.concurrency)):  # fmt: skip
+        if cell.concurrency == 1 and _has(reqs, r.samples, cell, "e2e_s"):
+            comp = _compare(r, by, reqs, "cell", f"whole request ({cell.prompt_len} prompt, c=1)", cell, "e2e_s",
+                            "s", False, base, cand, aa, True, True)  # fmt: skip
+        else:
+            comp = _compare(r, by, reqs, "cell", f"output tok/s ({cell.prompt_len} prompt, c={cell.concurrency})",
+                            cell, "output_tps", "tok/s", True, base, cand, aa, False, True)  # fmt: skip
+        if comp is not None:
+            out.append(comp)
+    return out
 
 
 def _text(comp: Comparison, base: str, cand: str) -> str:
@@ -171,23 +257,18 @@ def _text(comp: Comparison, base: str, cand: str) -> str:
     if o == "flagged":
         return f"{what} ({cell}): cannot decide — {comp.flagged}: {nums}"
     if o == "tie":
-        return f"{what} ({cell}): tie — the interval sits inside ±{band(comp.band)}: {nums}"
-    if o == "unresolved" and comp.coarse:
-        n = comp.repeats_to_resolve()
-        fix = f"; about {n} repeats would narrow it" if n else ""
-        return (
-            f"{what} ({cell}): unresolved — inside the noise floor ±{comp.floor:.1%}, which is wider than the "
-            f"minimum effect {comp.min_effect:.0%}: no tie can be shown at that margin{fix}: {nums}"
-        )
+        wide = (" (the noise floor, wider than the minimum effect: no smaller difference can be seen in this run)"
+                if comp.win_band > comp.min_effect else "")  # fmt: skip
+        return f"{what} ({cell}): tie — the interval sits inside the band {band(comp.win_band)}{wide}: {nums}"
     if o == "unresolved":
         worst = max(comp.variation.items(), key=lambda kv: kv[1] or 0, default=("", None))
         cause = (f"; run-to-run variation {worst[1]:.0%} on {worst[0]} widens it" if worst[1] and worst[1] > 0.1
                  else "")  # fmt: skip
         n = comp.repeats_to_resolve()
         fix = f"; about {n} repeats would resolve it" if n else "; no feasible number of repeats resolves it"
-        return f"{what} ({cell}): unresolved — the interval crosses ±{band(comp.win_band)}{cause}{fix}: {nums}"
+        return f"{what} ({cell}): unresolved — the interval crosses the band {band(comp.win_band)}{cause}{fix}: {nums}"
     who = cand if o == "win" else base
-    return f"{what} ({cell}): {who} is better beyond ±{band(comp.win_band)}: {nums}"
+    return f"{what} ({cell}): {who} is better beyond the band {band(comp.win_band)}: {nums}"
 
 
 def _groups(
@@ -234,7 +315,9 @@ def _compare(
         var[aa] = variation(aa_means[aa])
     bias = 0.0
     if aa_stats is not None:
-        a_src = f"A/A: {aa} vs {base} Δ {aa_stats.rel:+.1%}, CI {aa_stats.lo:+.1%} … {aa_stats.hi:+.1%}"
+        sp = [math.exp(log_ratio(x) if higher else -log_ratio(x)) for x in (aa_stats.rel, aa_stats.lo, aa_stats.hi)]
+        lo_s, hi_s = min(sp[1:]), max(sp[1:])
+        a_src = f"A/A: {aa} against {base}, {faster(sp[0])} (95% CI: {faster_interval(lo_s, hi_s)})"
         lo, hi = log_ratio(aa_stats.lo), log_ratio(aa_stats.hi)  # the floor is symmetric on the log-ratio scale
         if lo > 0 or hi < 0:  # the baseline differs from itself: order or drift, not noise
             bias = math.expm1(abs(log_ratio(aa_stats.rel)))

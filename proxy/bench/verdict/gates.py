@@ -74,7 +74,8 @@ def data_gate(
             out.append(_reason("data", "ok" if within and not broken else "inconclusive", f"{name}: {n_err} of "
                                f"{n_ok + n_err} requests failed" + (f" ({'; '.join(errs)})" if errs else "") + allowed,
                                "errors"))  # fmt: skip
-    judged_cells = [c for c in common if c.concurrency == 1] if r.live else common  # live: only c=1 is judged
+    # live traffic: the anytime-valid verdict's own minimum of pairs decides when anything is decided ("not yet")
+    judged_cells = [] if r.live else common
     short = sorted(
         (c.label(), len(by[(base, c)]), len(by[(cand, c)]))
         for c in judged_cells
@@ -244,30 +245,31 @@ def _quant_parity(b: EngineInfo, c: EngineInfo, accept: bool = False) -> list[Re
 
 #: what a resized engine is asked to leave free below the budget, beyond its measured excess
 RESIZE_MARGIN_BYTES = 2**30 // 4
-#: the largest excess (share of the budget) read as a setting: a smaller KV pool gives that back without
-#: changing what is measured; beyond it the weights and graphs may not fit at all, and it stays "does not fit"
+#: an excess (share of the budget) a setting makes and no larger than this is a caveat beside the verdict, with
+#: the share that fits: what a smaller KV pool gives back does not change what was measured
+CAVEAT_MAX_EXCESS = 0.02
+#: the largest excess read as a setting: a smaller KV pool gives that back without changing what is measured;
+#: beyond it the weights and graphs may not fit at all, and it stays "does not fit"
 RESIZE_MAX_EXCESS = 0.10
+#: the check of a memory reason that is a caveat (``Verdict.caveats``), not a stop
+CAVEAT = "memory caveat"
 
 
-def _resized(r: Results, cand: str, peak: int, budget: int, total: int | None) -> str | None:
-    """For an engine whose footprint is a flag (SGLang ``--mem-fraction-static``, vLLM
-    ``--gpu-memory-utilization``): the share at which it fits, taken from its KV pool, as the rerun to make; None
-    when its memory is not a setting or no share would do. Over budget by a setting is not "does not fit"."""
-    share = r.memory_share.get(cand)
-    if share is None or not total:
-        return None
-    flag, now = share
-    if peak - budget > RESIZE_MAX_EXCESS * budget:
-        return None
+def share_that_fits(share: tuple[str, float], peak: int, budget: int, total: int) -> float | None:
+    """The memory share (SGLang ``--mem-fraction-static``, vLLM ``--gpu-memory-utilization``) at which a peak
+    measured at ``share`` falls below ``budget`` with ``RESIZE_MARGIN_BYTES`` to spare; None: no share would."""
+    _, now = share
     cut = (peak - budget + RESIZE_MARGIN_BYTES) / total
     new = int((now - cut) * 1000) / 1000
-    if new <= 0 or new >= now:
-        return None
+    return new if 0 < new < now else None
+
+
+def _kv_tokens(info: EngineInfo | None, bytes_: float) -> str:
+    """What ``bytes_`` of KV pool hold in tokens, when the engine said its pool's size in tokens and bytes."""
+    if info is None or not info.kv_pool_tokens or not info.kv_cache_bytes:
+        return ""
     return (
-        f"over by {gib(peak - budget)}, and its footprint is a setting ({flag} {now:g} of the GPU's "
-        f"{gib(total)}: weights and KV cache), not the model's — at {flag} {new:g} it takes ~"
-        f"{gib((now - new) * total)} less, from its KV cache; rerun it so under a new name and join that run "
-        "with the baseline's"
+        f", ≈{bytes_ / info.kv_cache_bytes * info.kv_pool_tokens:,.0f} tokens of its {info.kv_pool_tokens:,}-token pool"
     )
 
 
@@ -299,10 +301,21 @@ def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> 
                         "given (--memory-budget) and the GPU's total is not the candidate's to use", "memory")]  # fmt: skip
     if budget is None:
         return [_reason("memory", "note", nums + " (no budget: --memory-budget)", "memory")]
-    if pc > budget:
-        resized = _resized(r, cand, pc, budget, total)
-        if resized:
-            return [_reason("memory", "inconclusive", f"{cand} does not fit as launched: {nums} > {what} "
-                            f"{gib(budget)}; {resized}", "memory")]  # fmt: skip
+    if pc <= budget:
+        return [_reason("memory", "ok", f"{nums}; fits {what} {gib(budget)} ({gib(budget - pc)} to spare)", "memory")]
+    share = r.memory_share.get(cand)
+    excess = pc - budget
+    fits = share_that_fits(share, pc, budget, total) if share is not None and total else None
+    if share is None or fits is None or excess > RESIZE_MAX_EXCESS * budget:
         return [_reason("memory", "stay", f"{cand} does not fit: {nums} > {what} {gib(budget)}", "memory")]
-    return [_reason("memory", "ok", f"{nums}; fits {what} {gib(budget)}", "memory")]
+    flag, now = share
+    info = next((e for e in r.engines if e.name == cand), None)
+    kv = _kv_tokens(info, (now - fits) * (total or 0))
+    setting = (f"its footprint is a setting ({flag} {now:g} of the GPU's {gib(total)}: weights and KV cache), not the "
+               f"model's — at {flag} {fits:g} it takes ~{gib((now - fits) * (total or 0))} less, from its KV cache{kv}")  # fmt: skip
+    if excess <= CAVEAT_MAX_EXCESS * budget:
+        return [_reason("memory", "note", f"{cand} peaked {gib(excess)} ({excess * 100 / budget:.1f} %) over {what} "
+                        f"{gib(budget)} as launched ({nums}); {setting}: launch it so, and it fits", CAVEAT)]  # fmt: skip
+    return [_reason("memory", "inconclusive", f"{cand} does not fit as launched: {nums} > {what} {gib(budget)}; over "
+                    f"by {gib(excess)}, and {setting}; rerun it so under a new name and join that run with the "
+                    "baseline's", "memory")]  # fmt: skip

@@ -8,8 +8,10 @@ from typing import Literal
 
 from proxy.sequential import MIN_EFFECT as SEQ_MIN_EFFECT
 
-#: partial: a regime the decision needs was not measured (neither switch nor stay)
-Decision = Literal["stay", "switch", "partial", "inconclusive"]
+#: depends: resolved regimes disagree (the answer per workload, and --traffic to weigh it); partial: a regime the
+#: decision needs was not measured (neither switch nor stay); not yet: live traffic the anytime-valid verdict has
+#: not decided
+Decision = Literal["stay", "switch", "depends", "partial", "not yet", "inconclusive"]
 #: flagged: the cell cannot decide (an engine was busy with requests the bench did not send)
 Assessment = Literal["ok", "inconclusive", "win", "loss", "tie", "unresolved", "flagged", "stay", "note"]
 #: the default --min-effect, the same for the bench and for live traffic
@@ -105,6 +107,8 @@ class EngineInfo:
     quantization_source: str | None = None
     #: the engine's KV pool in tokens, all requests together (SGLang reports it); None: not reported
     kv_pool_tokens: int | None = None
+    #: the same pool's size in bytes, when the engine said it; None: not reported
+    kv_cache_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,50 @@ class Reason:
     text: str
     check: str = ""  # within a gate: prompt tokens, sampling, context, quantization, ...
     decisive: bool = True  # False: shown after the verdict stopped at an earlier gate
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFinding:
+    """One regime of mirrored traffic as the anytime-valid live verdict (``proxy.sequential``) has it."""
+
+    finding: str  # not yet | faster | slower | tie (the candidate, the mirror's shadow, against the primary)
+    text: str
+    pairs: int
+    metric: str = ""
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Where traffic spends its time: concurrency -> share of busy time (sums to 1); prompt class -> share of
+    requests (empty: the short-prompt cells stand for all of it). ``proxy.bench.verdict.traffic`` weighs by it."""
+
+    concurrency: Mapping[float, float]
+    prompts: Mapping[str, float] = field(default_factory=dict)
+    #: where the profile came from, in words ("inline: c1=30,c16=70", "comparison log x.jsonl: 1,204 requests")
+    source: str = "inline"
+    #: share of the observed time with nothing in flight (not weighted: no request feels it); None: unknown
+    idle: float | None = None
+    #: the median completion tokens of the traffic's requests, when known
+    output_tokens: float | None = None
+    requests: int | None = None
+    span_s: float | None = None
+
+    def text(self) -> str:
+        def c(x: float) -> str:
+            return f"{x:g}" if x < 10 else f"{x:.0f}"
+
+        conc = ", ".join(f"c={c(k)} {v:.0%}" for k, v in sorted(self.concurrency.items()) if v > 0)
+        out = f"{conc} of the busy time"
+        if self.prompts:
+            out += "; prompts " + ", ".join(f"{p} {v:.0%}" for p, v in self.prompts.items() if v > 0)
+        if self.output_tokens is not None:
+            out += f"; answers of {self.output_tokens:.0f} tokens (median)"
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {"source": self.source, "concurrency": {f"{k:g}": v for k, v in sorted(self.concurrency.items())},
+                "prompts": dict(self.prompts), "idle": self.idle, "output_tokens": self.output_tokens,
+                "requests": self.requests, "span_s": self.span_s}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,3 +205,10 @@ class Results:
     alone: frozenset[str] = frozenset()
     #: the engines ran one at a time (launched), not side by side
     time_shared: bool = False
+    #: the traffic to decide for (``--traffic``); None: the answer per workload
+    traffic: Traffic | None = None
+    #: mirrored traffic: candidate -> regime step -> what the anytime-valid live verdict found
+    live_findings: Mapping[str, Mapping[str, LiveFinding]] = field(default_factory=dict)
+    #: engines known to run random weights (dummy loads, generated models, ``--weights random``): outputs say
+    #: nothing about correctness, and greedy agreement cannot be judged
+    random_weights: frozenset[str] = frozenset()

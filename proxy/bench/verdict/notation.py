@@ -1,15 +1,64 @@
-"""How the bench writes its numbers, in one place: relative differences, bands, figures with their units. Pure."""
+"""How the bench writes its numbers, in one place, so the console, report.md, the HTML and the charts say the same.
+
+The rule (docs/bench.md, "Reading the numbers"):
+
+- A difference between two engines is a **speed ratio** ``r`` (the candidate's speed over the baseline's; for a
+  time, the baseline's time over the candidate's). It is written with its direction in words and a number that
+  is never negative: ``r ≥ 1`` is "N % faster" with N = (r − 1) · 100, ``r < 1`` is "N % slower" with
+  N = (1/r − 1) · 100 (how much longer it takes); once the factor reaches 2 it is "×N faster" / "×N slower".
+- An interval is written in one unit, the one its farther end needs: "12–18 % faster", "×1.6–×3.2 faster",
+  "between 3 % slower and 5 % faster".
+- A band (what a tie stays inside, what a win must clear) is "±N %" and, from a factor of 2, "×N either way".
+- Figures carry their unit: decode in tok/s (with ms/token), times in ms below 10 s, else s.
+"""
 
 from __future__ import annotations
 
+import math
 
-def pct(x: float) -> str:
-    """A relative difference the way a person says it: +14 %, +787 %, or ×9.9 once it passes +300 %."""
-    return f"×{1 + x:.1f}" if x >= 2 else f"{x:+.0%}" if abs(x) >= 0.1 else f"{x:+.1%}"
+
+def _p(x: float) -> str:
+    """A non-negative percentage, with a decimal below 10 %."""
+    return f"{x * 100:.1f} %" if x < 0.1 else f"{x * 100:.0f} %"
+
+
+def _factor(r: float) -> str:
+    return f"×{r:.1f}"
+
+
+def faster(r: float) -> str:
+    """A speed ratio in words: "44 % faster", "×14.2 faster", "16 % slower", "×2.5 slower", "as fast"."""
+    if not math.isfinite(r) or r <= 0:
+        return "not measurable"
+    if r >= 2:
+        return f"{_factor(r)} faster"
+    if r >= 1:
+        return f"{_p(r - 1)} faster" if r > 1 else "as fast"
+    if 1 / r >= 2:
+        return f"{_factor(1 / r)} slower"
+    return f"{_p(1 / r - 1)} slower"
+
+
+def faster_interval(lo: float, hi: float) -> str:
+    """A speed-ratio interval in one unit: "12–18 % faster", "×1.6–×3.2 faster", "between 3 % slower and 5 %
+    faster"."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0:
+        return "unbounded"
+    if lo >= 1:
+        if hi >= 2:
+            return f"{_factor(lo)}–{_factor(hi)} faster"
+        return f"{_p(lo - 1).removesuffix(' %')}–{_p(hi - 1)} faster"
+    if hi <= 1:
+        a, b = 1 / hi, 1 / lo  # the slowdown factors, nearer end first
+        if b >= 2:
+            return f"{_factor(a)}–{_factor(b)} slower"
+        return f"{_p(a - 1).removesuffix(' %')}–{_p(b - 1)} slower"
+    return f"between {faster(lo)} and {faster(hi)}"
 
 
 def band(x: float) -> str:
-    return f"×{1 + x:.1f}" if x >= 1 else f"{x:.1%}"
+    """A band: "±5.0 %", "±21 %", or "×2.4 either way" once it reaches a factor of 2."""
+    return f"{_factor(1 + x)} either way" if x >= 1 else f"±{_p(x)}"
 
 
 def num(x: float) -> str:
@@ -23,12 +72,21 @@ def num(x: float) -> str:
     return f"{x:.3g}"
 
 
+def seconds(v: float) -> str:
+    """A time: "35.6 ms", "841 ms", "8.53 s", "120 s"."""
+    if v < 0.1:
+        return f"{v * 1000:.1f} ms"
+    if v < 1:
+        return f"{v * 1000:.0f} ms"
+    return f"{v:.2f} s" if v < 100 else f"{v:.0f} s"
+
+
 def figure(metric: str, v: float) -> str:
     """A figure as a person reads it: decode in tok/s (with ms/token), times in ms or s, rates in tok/s."""
     if metric == "tpot_s":
         return f"{1 / v:.0f} tok/s ({v * 1000:.2f} ms/token)" if v > 0 else "–"
     if metric.endswith("_s"):
-        return f"{v * 1000:.1f} ms" if v < 10 else f"{v:.1f} s"
+        return seconds(v)
     return f"{num(v)} tok/s" if metric.endswith("tps") else num(v)
 
 
