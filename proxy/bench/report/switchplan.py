@@ -125,7 +125,7 @@ def _parity(v: Verdict) -> Item:
 
 def _speed(v: Verdict) -> Item:
     mark = {"switch": OK, "stay": NO}.get(v.decision, UNKNOWN)
-    regimes = "; ".join(f"{a.title}: {a.head or a.answer}" for a in v.regimes)
+    regimes = "; ".join(f"{a.title}: {getattr(a, 'head', '') or a.answer}" for a in v.regimes)
     return Item("Speed verdict", mark, f"**{v.decision.upper()}**" + (f" — {regimes}" if regimes else ""))
 
 
@@ -172,7 +172,7 @@ def _errors(d: Data, v: Verdict) -> Item:
     gate = [x.text for x in v.reasons if x.step == "data" and x.check == "errors"]
     stopped = [f"the run stopped early: {d.stopped}"] if d.stopped and not any(d.stopped in x for x in launch) else []
     evidence = "; ".join([*oom[:2], *launch, *stopped, per[v.candidate], per[v.baseline], *gate])
-    if oom or launch or failed:
+    if any(x.startswith(f"{v.candidate}: ") for x in oom) or launch or failed:
         return Item(name, NO, evidence)
     return Item(name, OK if any(s.engine == v.candidate for s in d.results.samples) else UNKNOWN, evidence)
 
