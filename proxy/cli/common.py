@@ -125,4 +125,5 @@ def print_summary(out: dict[str, Any]) -> None:
             print(line)
     elif not out["verdicts"]:
         print("one engine measured: nothing to compare here (join runs with: enginemeter report --results A B)")
-    print(f"report: {out['report_md']}, {out['report_html']} and {out['verdict_json']}")
+    files = [str(out[k]) for k in ("report_md", "report_html", "verdict_json", "switch_plan") if out.get(k)]
+    print(f"report: {', '.join(files[:-1])} and {files[-1]}")

@@ -10,4 +10,5 @@
     launch      the time-shared run's section: each launch, its command, load time, memory moments
     tune        ``enginemeter tune``'s answer: the table, the best setting per regime, the rule
     live        the live report: the anytime-valid verdict per regime, pairs by cause, sampling carried
+    switchplan  ``switch-plan.md``: the checklist before a switch, checked; the rollback record; the rollout config
 """

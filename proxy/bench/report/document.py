@@ -15,6 +15,7 @@ from typing import Any
 from proxy.bench.report import agreement as agreement_mod
 from proxy.bench.report import arms as arms_mod
 from proxy.bench.report import launch as launchreport
+from proxy.bench.report import switchplan
 from proxy.bench.report.blocks import Block
 from proxy.bench.report.charts import CHART_FILES, make_charts
 from proxy.bench.report.render import render_html, render_md
@@ -354,7 +355,8 @@ def verdict_json(verdicts: Sequence[Verdict], h: Headline | None = None, **extra
 def write_report(
     d: Data, out: Path, *, lead: Sequence[Block] = (), extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Write report.md, report.html, the charts and verdict.json into ``out``; returns the verdicts and paths.
+    """Write report.md, report.html, the charts, verdict.json and switch-plan.md into ``out``; returns the verdicts
+    and paths.
     ``lead``: blocks before the verdict (``tune``'s table), ``extra``: keys added to verdict.json."""
     out.mkdir(parents=True, exist_ok=True)
     for name in CHART_FILES:
@@ -367,7 +369,10 @@ def write_report(
     blocks = document(d, charts, note, verdicts, lead, agreements, arms, h)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
-    vj = verdict_json(verdicts, h, interrupted=d.interrupted)
+    plan = {c: switchplan.from_agreement(a, d.results.baseline, c) for c, a in agreements.items()}
+    (out / switchplan.FILE).write_text(switchplan.markdown(d, verdicts, plan, random_weights=d.results.random_weights),
+                                       encoding="utf-8")  # fmt: skip
+    vj = verdict_json(verdicts, h, interrupted=d.interrupted, switch_plan=switchplan.FILE)
     if d.results.traffic is not None:
         vj["traffic"] = d.results.traffic.to_json()
     for entry, v in zip(vj["verdicts"], verdicts, strict=True):
@@ -381,8 +386,8 @@ def write_report(
     vj.update(extra or {})
     (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return {"report_md": out / "report.md", "report_html": out / "report.html", "verdict_json": out / "verdict.json",
-            "charts": list(charts.values()), "verdicts": verdicts, "arms_lines": [a.text for a in arms],
-            "headline": h}  # fmt: skip
+            "switch_plan": out / switchplan.FILE, "charts": list(charts.values()), "verdicts": verdicts,
+            "arms_lines": [a.text for a in arms], "headline": h}  # fmt: skip
 
 
 def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:

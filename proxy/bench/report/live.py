@@ -1,5 +1,5 @@
 """``Live`` (``proxy.bench.live.data``) -> the report of mirrored traffic in ``out``: report.md, report.html,
-verdict.json and the charts.
+verdict.json, the charts and switch-plan.md.
 
 It is the bench report's document (the verdict through the gates, the engines, the protocol, the tables) with
 the live sections right after the verdict: the anytime-valid verdict per regime (``proxy.sequential``), the
@@ -18,6 +18,7 @@ from typing import Any
 
 from proxy.bench.live.data import Live, greedy_text
 from proxy.bench.live.log import CAUSE_TEXT
+from proxy.bench.report import switchplan
 from proxy.bench.report.charts import (
     CHART_FILES,
     LIVE_CHART_FILES,
@@ -112,7 +113,14 @@ def write_live_report(live: Live, out: Path) -> dict[str, Any]:
     blocks[at:at] = live_blocks(live, extra)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
-    vj = verdict_json(verdicts, interrupted=False, live=[v.to_json() for v in live.verdicts.values()])
+    plan = {s: switchplan.Outputs(g.pairs, g.pairs - g.differ, greedy_text(live.primary, s, g))
+            for s, g in live.greedy.items()}  # fmt: skip
+    listen = next((r.listen for r in reversed(live.selection.runs) if r.listen), None)
+    (out / switchplan.FILE).write_text(switchplan.markdown(d, verdicts, plan, listen=listen), encoding="utf-8")
+    vj = verdict_json(
+        verdicts, interrupted=False, live=[v.to_json() for v in live.verdicts.values()], switch_plan=switchplan.FILE
+    )
     (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return {"report_md": out / "report.md", "report_html": out / "report.html", "verdict_json": out / "verdict.json",
-            "charts": [*charts.values(), *extra.values()], "verdicts": verdicts, "live": live.verdicts}  # fmt: skip
+            "switch_plan": out / switchplan.FILE, "charts": [*charts.values(), *extra.values()], "verdicts": verdicts,
+            "live": live.verdicts}  # fmt: skip

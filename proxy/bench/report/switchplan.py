@@ -1,0 +1,423 @@
+"""The switch plan (``switch-plan.md`` beside the report): the checklist people go through before a long-term switch of
+engines, each item checked from the measurements; the rollback record (both engines' launch commands verbatim, the
+model file, its quantization, the port, the sampling); the enginemeter config that runs the guarded rollout
+(docs/routing.md#rollout); and the one command that rolls back. Pure: the report's ``Data``, the verdicts and the
+greedy-output agreement in, Markdown out. docs/bench.md#the-switch-plan.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import statistics
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from proxy.bench.report.agreement import Agreement
+from proxy.bench.verdict.model import FAILS, Sample
+from proxy.bench.verdict.notation import gib
+from proxy.engines.startup import flag_value, subcommand
+from proxy.settings import DEFAULT_LISTEN, DEFAULT_SAMPLING, RolloutSettings
+
+if TYPE_CHECKING:
+    from proxy.bench.verdict.data import Data
+    from proxy.bench.verdict.decide import Verdict
+
+FILE = "switch-plan.md"
+OK, NO, UNKNOWN = "✓", "✗", "?"
+#: the share of the card EnginemeterGPUMemoryNearFull leaves free (its threshold: 98 % used)
+NEAR_FULL = 0.98
+#: error texts that mean the engine ran out of memory
+_OOM = re.compile(r"out of memory|\bOOM\b|cudaMalloc|CUDA error", re.IGNORECASE)
+KEY = "ENGINEMETER_ADMIN_KEY"
+COMPARISONS = "enginemeter-comparisons.jsonl"
+CONFIG = "enginemeter-rollout.yaml"
+
+#: what the proxy exports for the switch, as shipped (tests/bench/test_switchplan.py checks each name exists)
+LIVENESS_ALERTS = ("EnginemeterEngineDown", "EnginemeterEngineScrapeDown", "EnginemeterProxyDown")
+GUARD_ALERTS = ("EnginemeterRequestErrors", "EnginemeterGPUMemoryNearFull", "EnginemeterKVCachePressure",
+                "EnginemeterRolloutRolledBack")  # fmt: skip
+METRICS = ("enginemeter_engine_up", "enginemeter_time_to_first_token_seconds",
+           "enginemeter_time_per_output_token_seconds", "enginemeter_request_duration_seconds",
+           "enginemeter_requests_total", "enginemeter_engine_gpu_headroom_bytes", "enginemeter_rollout_share")  # fmt: skip
+RULES = ("deploy/prometheus/rules/enginemeter-alerts.yml", "deploy/prometheus/rules/enginemeter-recording.yml")
+DASHBOARDS = ("grafana/dashboards/overview.json", "grafana/dashboards/engine-comparison.json")
+TTFT_P95 = "engine_model_role:enginemeter_time_to_first_token_seconds:p95_5m"
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Greedy-output agreement of a candidate with the baseline, whatever measured it (bench or mirrored pairs)."""
+
+    pairs: int
+    identical: int
+    text: str
+    recorded: bool = True
+
+
+def from_agreement(a: Agreement, base: str, cand: str) -> Outputs:
+    return Outputs(a.pairs, a.identical, a.text(base, cand), a.recorded)
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    mark: str
+    evidence: str
+
+
+def markdown(d: Data, verdicts: Sequence[Verdict], outputs: Mapping[str, Outputs], *,
+             random_weights: Collection[str] = (), listen: str | None = None) -> str:  # fmt: skip
+    """The plan. ``outputs``: candidate -> its agreement with the baseline; ``random_weights``: engines whose weights
+    are random (a generated GGUF, ``--load-format dummy``): their outputs cannot be judged; ``listen``: where the
+    proxy listens (default: the config's default)."""
+    at = listen or DEFAULT_LISTEN
+    lines = [f"# Switch plan: {', '.join(v.candidate for v in verdicts) or 'nothing to switch to'} "
+             f"(baseline {d.results.baseline})", "",
+             "The checklist before a long-term switch, each item checked from this report's measurements (✓ done, "
+             "✗ not met, ? not measured), the rollback record, and the enginemeter config that moves the traffic "
+             "step by step and rolls back by itself (docs/routing.md#rollout). The evidence is in `report.md`.", ""]  # fmt: skip
+    if not verdicts:
+        lines += ["Only one engine was measured: nothing to compare, so no checklist. Join this run with another "
+                  "one's (`enginemeter report --results A/results.jsonl B/results.jsonl`).", ""]  # fmt: skip
+    for v in verdicts:
+        items = checklist(d, v, outputs.get(v.candidate), random_weights)
+        marks = {m: [i.name for i in items if i.mark == m] for m in (OK, NO, UNKNOWN)}
+        lines += [f"## Checklist: {v.candidate} replacing {v.baseline}", "",
+                  f"**{len(marks[OK])} of {len(items)} ✓**" + "".join(
+                      f"; {m} {', '.join(names)}" for m, names in marks.items() if m != OK and names) + ".", "",
+                  "| | item | evidence |", "|---|---|---|",
+                  *(f"| {i.mark} | {i.name} | {_cell(i.evidence)} |" for i in items), ""]  # fmt: skip
+    names = [d.results.baseline, *(v.candidate for v in verdicts)]
+    lines += rollback_record(d, names)
+    for v in verdicts:
+        lines += rollout_section(d, v, at)
+    return "\n".join(lines)
+
+
+def checklist(d: Data, v: Verdict, outputs: Outputs | None, random_weights: Collection[str] = ()) -> list[Item]:
+    return [_parity(v), _speed(v), _outputs(v, outputs, random_weights), _errors(d, v), _queueing(d, v),
+            _memory(d, v), _monitoring(d, v), _rollback_item(d, v)]  # fmt: skip
+
+
+def _cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+# ---- the items -------------------------------------------------------------------------------------------
+
+
+def _parity(v: Verdict) -> Item:
+    name = "Compared under the same conditions"
+    mine = [x for x in v.reasons if x.step == "parity"]
+    bad = [x for x in mine if x.outcome in FAILS]
+    if bad:
+        return Item(name, NO, "; ".join(f"{x.check or 'parity'}: {x.text}" for x in bad))
+    if not mine:
+        return Item(name, UNKNOWN, "the verdict made no parity check")
+    equal = ", ".join(dict.fromkeys(x.check for x in mine if x.outcome == "ok" and x.check))
+    notes = "; ".join(x.text for x in mine if x.outcome == "note")
+    return Item(name, OK, f"equal: {equal or 'every check made'}" + (f"; noted: {notes}" if notes else ""))
+
+
+def _speed(v: Verdict) -> Item:
+    mark = {"switch": OK, "stay": NO}.get(v.decision, UNKNOWN)
+    regimes = "; ".join(f"{a.title}: {getattr(a, 'head', '') or a.answer}" for a in v.regimes)
+    return Item("Speed verdict", mark, f"**{v.decision.upper()}**" + (f" — {regimes}" if regimes else ""))
+
+
+def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> Item:
+    name = "Outputs agree under the same parameters"
+    sampling = [x for x in v.reasons if x.step == "parity" and x.check == "sampling"]
+    unlike = [x for x in sampling if x.outcome in FAILS]
+    text = o.text if o is not None else "greedy-output agreement not measured"
+    random = [n for n in (v.baseline, v.candidate) if n in random_weights]
+    if random:
+        return Item(name, UNKNOWN, f"cannot be judged: {', '.join(random)} ran on random weights (a generated GGUF, "
+                    "--load-format dummy), whose outputs say nothing of the model's; compare on the real weights. "
+                    + text)  # fmt: skip
+    if unlike:
+        return Item(name, NO, f"not sampled alike: {unlike[0].text}. {text}")
+    alike = f"sampling: {sampling[0].text}. " if sampling else ""
+    if o is None or not o.recorded or not o.pairs:
+        return Item(name, UNKNOWN, alike + text)
+    return Item(name, OK if o.identical == o.pairs else NO, alike + text)
+
+
+def _judged(d: Data) -> str | None:
+    caches = {s.cell.cache for s in d.results.samples}
+    return next((c for c in ("cold", "live", "warm") if c in caches), None)
+
+
+def _errors(d: Data, v: Verdict) -> Item:
+    name = "No OOM, no errors as concurrency rises"
+    per: dict[str, str] = {}
+    oom: list[str] = []
+    failed = 0
+    for e in (v.baseline, v.candidate):
+        mine = [s for s in d.results.samples if s.engine == e]
+        by: dict[int, list[int]] = {}
+        for s in mine:
+            by.setdefault(s.cell.concurrency, [0, 0])[0] += s.n_err
+            by[s.cell.concurrency][1] += s.n_ok + s.n_err
+            oom += [f"{e}: {x}" for x in s.errors if _OOM.search(x)]
+        err, total = sum(x[0] for x in by.values()), sum(x[1] for x in by.values())
+        failed += err if e == v.candidate else 0
+        per[e] = f"{e} {err} of {total} failed" + (" (" + ", ".join(
+            f"c={c}: {x[0]}/{x[1]}" for c, x in sorted(by.items())) + ")" if by else "")  # fmt: skip
+    launch = [f"launch failed: {s['failed']}" for s in d.stints if s.get("failed") and s.get("engine") == v.candidate]
+    gate = [x.text for x in v.reasons if x.step == "data" and x.check == "errors"]
+    stopped = [f"the run stopped early: {d.stopped}"] if d.stopped and not any(d.stopped in x for x in launch) else []
+    evidence = "; ".join([*oom[:2], *launch, *stopped, per[v.candidate], per[v.baseline], *gate])
+    if any(x.startswith(f"{v.candidate}: ") for x in oom) or launch or failed:
+        return Item(name, NO, evidence)
+    return Item(name, OK if any(s.engine == v.candidate for s in d.results.samples) else UNKNOWN, evidence)
+
+
+def _medians(samples: Sequence[Sample], attr: str) -> dict[int, float]:
+    by: dict[int, list[float]] = {}
+    for s in samples:
+        x = getattr(s, attr)
+        if isinstance(x, int | float) and x > 0:
+            by.setdefault(s.cell.concurrency, []).append(float(x))
+    return {c: statistics.median(x) for c, x in by.items()}
+
+
+def _queueing(d: Data, v: Verdict) -> Item:
+    """Queueing shows as a first token that waits longer than a whole request takes alone: a request waited for
+    others to finish, not only shared a batch with them (batched prefill raises TTFT a little, not that much)."""
+    name = "No obvious queueing as concurrency rises"
+    r, cache = d.results, _judged(d)
+    slots = {e.name: e.slots for e in r.engines}
+    ttft: dict[str, dict[int, float]] = {}
+    e2e: dict[str, dict[int, float]] = {}
+    for e in (v.baseline, v.candidate):
+        mine = [s for s in r.samples if s.engine == e and s.cell.cache == cache and s.cell.rate is None]
+        base = [s for s in mine if s.cell.prompt_len == r.base_prompt_len and s.cell.max_tokens == r.base_max_tokens]
+        use = base if len({s.cell.concurrency for s in base}) > 1 else mine
+        ttft[e], e2e[e] = _medians(use, "ttft_s"), _medians(use, "e2e_s")
+    cand = ttft[v.candidate]
+    if len(cand) < 2 or 1 not in cand:
+        return Item(name, UNKNOWN, f"{v.candidate}: TTFT measured at {len(cand)} concurrency level(s) without c=1 "
+                    "beside a higher one (--concurrency 1,N)")  # fmt: skip
+    top = max(cand)
+    parts = []
+    for e, f in ttft.items():
+        if 1 in f and top in f:
+            alone = e2e[e].get(1)
+            parts.append(f"{e}: TTFT {f[1] * 1000:.1f} ms at c=1 → {f[top] * 1000:.1f} ms at c={top} "
+                         f"(×{f[top] / f[1]:.2f}; a whole request alone: "
+                         + (f"{alone * 1000:.1f} ms" if alone else "unknown") + f"), {slots.get(e) or 'unknown'} "
+                         "slot(s)")  # fmt: skip
+    why = []
+    alone = e2e[v.candidate].get(1)
+    if alone and cand[top] > alone:
+        why.append(f"at c={top} {v.candidate}'s first token waits longer than a whole request takes alone: requests "
+                   "wait for others to finish")  # fmt: skip
+    if slots.get(v.candidate) is not None and (slots.get(v.candidate) or 0) < top:
+        why.append(f"{v.candidate} has {slots[v.candidate]} slot(s) for {top} concurrent requests: the rest wait "
+                   "inside the engine")  # fmt: skip
+    cell = "medians of the per-repeat medians" + (f", {cache} cache" if cache else "")
+    mark = NO if why else OK if alone else UNKNOWN
+    return Item(name, mark, "; ".join([*why, *parts]) + f" ({cell}; c={top} is the highest measured)")
+
+
+def _memory(d: Data, v: Verdict) -> Item:
+    name = "Memory peak leaves headroom"
+    gate = next((x for x in v.reasons if x.step == "memory"), None)
+    mine = [s for s in d.results.samples if s.engine == v.candidate and s.gpu_mem_peak_bytes is not None]
+    peak = max((s.gpu_mem_peak_bytes or 0 for s in mine), default=None)
+    total = max((s.gpu_mem_total_bytes or 0 for s in mine), default=0) or None
+    budget = d.results.memory_budget_bytes
+    text = gate.text if gate is not None else "the verdict judged no memory"
+    if gate is None or peak is None or gate.outcome == "note":
+        return Item(name, UNKNOWN, f"{text} (a GPU memory reading per engine: NVML, or bench --through the proxy; "
+                    "a budget: --memory-budget)")  # fmt: skip
+    if gate.outcome in FAILS:
+        return Item(name, NO, text)
+    ref, what = (budget, "the budget") if budget else (total, "the card")
+    room = f"; headroom {gib(ref - peak)} ({(ref - peak) / ref:.0%} of {what})" if ref else ""
+    if total and peak > NEAR_FULL * total:
+        return Item(name, NO, f"{text}{room} — under the {1 - NEAR_FULL:.0%} of the card EnginemeterGPUMemoryNearFull "
+                    "leaves free")  # fmt: skip
+    return Item(name, OK, text + room)
+
+
+def _monitoring(d: Data, v: Verdict) -> Item:
+    slo = d.goodput.get("ttft")
+    alert = (f"; add one from the bench's goodput SLO: `{TTFT_P95}{{engine=\"{v.candidate}\", role=\"primary\"}} > "
+             f"{slo / 1000:g}`" if slo else "; add one on the recording rule "
+             f"`{TTFT_P95}` at your SLO")  # fmt: skip
+    return Item("Monitoring covers liveness and latency", OK,
+                "what the proxy exports once the traffic goes through it — liveness: `GET /health` (each engine's "
+                f"state), `{METRICS[0]}`, the alerts {', '.join(LIVENESS_ALERTS)}; latency: the histograms "
+                f"{', '.join(f'`{m}`' for m in METRICS[1:4])} (p95 recording rules), the dashboards "
+                f"{', '.join(f'`{x}`' for x in DASHBOARDS)}; errors, memory and the rollout: `{METRICS[4]}`, "
+                f"`{METRICS[5]}`, `enginemeter_rollout_*`, the alerts {', '.join(GUARD_ALERTS)}; load "
+                f"{' and '.join(f'`{x}`' for x in RULES)} into Prometheus. No alert on absolute latency ships "
+                f"(enginemeter knows no SLO){alert}")  # fmt: skip
+
+
+def _rollback_item(d: Data, v: Verdict) -> Item:
+    name = "The rollback record is ready"
+    missing = [e for e in (v.baseline, v.candidate) if not _command(d, e)]
+    if missing:
+        return Item(name, NO, f"no launch command recorded for {', '.join(missing)} (resident: enginemeter did not "
+                    "start it): write the command that starts it into the version-controlled script; what is known "
+                    "is below (Rollback record)")  # fmt: skip
+    return Item(name, OK, "both launch commands verbatim, the model file, quantization, port and sampling below "
+                "(Rollback record): keep them in a version-controlled script, so that going back is one change")  # fmt: skip
+
+
+# ---- the rollback record ---------------------------------------------------------------------------------
+
+
+def _meta(d: Data, name: str) -> dict[str, Any]:
+    return next((e for e in d.engines_meta if e.get("name") == name), {})
+
+
+def _command(d: Data, name: str) -> str | None:
+    la = next((s.get("launch") or {} for s in d.stints if s.get("engine") == name and s.get("launch")), {})
+    cmd = la.get("command") or _meta(d, name).get("launch")
+    return str(cmd) if cmd else None
+
+
+def model_file(command: str) -> str | None:
+    """The model a launch command loads: ``-m``/``--model``/``--model-path``, or ``vllm serve MODEL``."""
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return None
+    while argv and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
+        argv.pop(0)
+    found = flag_value(argv, "-m", "--model", "--model-path")
+    if found is None and subcommand(argv) == ("vllm", "serve") and len(argv) > 2 and not argv[2].startswith("-"):
+        found = argv[2]
+    return found
+
+
+def _port(url: str | None) -> int | None:
+    try:
+        return urlsplit(url).port if url else None
+    except ValueError:
+        return None
+
+
+def _engine_record(d: Data, n: str) -> list[str]:
+    meta, cmd = _meta(d, n), _command(d, n)
+    info = next((e for e in d.results.engines if e.name == n), None)
+    url, port, served = meta.get("url"), _port(meta.get("url")), meta.get("model")
+    model = (model_file(cmd) if cmd else None) or (meta.get("info") or {}).get("model_path")
+    q = (info.quantization if info else None) or meta.get("quantization")
+    src = (info.quantization_source if info else None) or meta.get("quantization_source")
+    sent = {k: x for k, x in (meta.get("body_example") or {}).items()
+            if k not in ("model", "stream", "stream_options", "messages")}  # fmt: skip
+    got = dict(info.sampling) if info else {}
+    la = next((s.get("launch") or {} for s in d.stints if s.get("engine") == n and s.get("launch")), {})
+    role = "baseline" if n == d.results.baseline else "candidate"
+    out = [f"### {n} ({role})", ""]
+    if cmd:
+        out += ["Launch command, verbatim:", "", "```sh", cmd, "```", ""]
+    else:
+        out += [f"Launch command: **not recorded** — {n} was resident (already running, not launched by "
+                "enginemeter). Write the command that started it into the script; what the bench learned of it "
+                "follows.", ""]  # fmt: skip
+    placeholder = bool(cmd and "{port}" in cmd)
+    out += [
+        (f"- model file: `{model}`" if model else "- model file: unknown (neither a command nor the engine says)")
+        + (f"; served as `{served}`" if served and served != model else ""),
+        f"- quantization: {q or 'unknown (declare it: --quantization NAME=Q)'}" + (f" ({src})" if q and src else ""),
+        "- port: " + (f"`{{port}}` in the command, a free one at each launch ({port} in this run)" if placeholder
+                      else str(port or "unknown")) + (f" — `{url}`" if url else ""),
+        f"- slots: {meta.get('slots') or 'unknown'}; context per slot: "
+        + (f"{meta['context_per_slot']} tokens" if meta.get("context_per_slot") else "unknown"),
+        "- sampling the bench sent: " + (", ".join(f"{k}={json.dumps(x)}" for k, x in sorted(sent.items()))
+                                         or "not recorded"),
+        "- sampling the engine got (after the per-kind mapping): "
+        + (", ".join(f"{k}={x}" for k, x in sorted(got.items())) or "not recorded")
+        + (f"; dropped: {', '.join(info.dropped)}" if info and info.dropped else ""),
+        *([f"- log of the launch: `{la['log']}`"] if la.get("log") else []), "",
+    ]  # fmt: skip
+    return out
+
+
+def rollback_record(d: Data, names: Sequence[str]) -> list[str]:
+    out = ["## Rollback record", "",
+           "What starts each engine again exactly as measured. Keep both commands in a version-controlled script "
+           "(`{port}`: the port the config's url names), so that going back is one change.", ""]  # fmt: skip
+    for n in names:
+        out += _engine_record(d, n)
+    out += ["Sampling in service: what the clients send; what they omit, the proxy fills in from `sampling_defaults` "
+            "(default llama.cpp's own: " + ", ".join(f"{k} {x}" for k, x in DEFAULT_SAMPLING.items())
+            + "), so the candidate samples as llama.cpp did for every client that relied on the defaults.", ""]  # fmt: skip
+    return out
+
+
+# ---- the rollout -----------------------------------------------------------------------------------------
+
+
+def _env_name(engine: str) -> str:
+    return "URL_" + re.sub(r"[^A-Za-z0-9]", "_", engine).upper()
+
+
+def _engine_yaml(d: Data, name: str, role: str) -> list[str]:
+    meta, cmd = _meta(d, name), _command(d, name)
+    url = meta.get("url")
+    note = ("launched with --port {port}: its port in this run; put the port of your script here"
+            if url and cmd and "{port}" in cmd else "as measured" if url else
+            f"the URL your proxy config gives it (export {_env_name(name)}=http://HOST:PORT)")  # fmt: skip
+    out = [f"  - name: {json.dumps(name)}    # {role}",
+           f"    url: {json.dumps(url or '${' + _env_name(name) + '}')}    # {note}"]  # fmt: skip
+    if meta.get("kind"):
+        out.append(f"    kind: {meta['kind']}")
+    return out
+
+
+def rollout_yaml(d: Data, v: Verdict, listen: str = DEFAULT_LISTEN) -> str:
+    """The enginemeter config that moves the route from the baseline to ``v.candidate`` step by step."""
+    ro = RolloutSettings(candidate=v.candidate, error_budget=d.results.max_error_rate)
+    lines = [f"# enginemeter config: the guarded switch {v.baseline} -> {v.candidate} (docs/routing.md#rollout)",
+             f"listen: {json.dumps(listen)}",
+             f"admin_key: ${{{KEY}}}    # GET/POST /admin/rollout need it",
+             "engines:", *_engine_yaml(d, v.baseline, "the baseline: serves what the candidate does not"),
+             *_engine_yaml(d, v.candidate, "the candidate"),
+             "routes:",
+             '  - models: ["*"]',
+             f"    primary: {json.dumps(v.baseline)}",
+             "    sample_rate: 1.0    # every request mirrored to the other engine: the pairs each step is judged on",
+             "    rollout:",
+             f"      candidate: {json.dumps(v.candidate)}",
+             f"      steps: {json.dumps(list(ro.steps))}    # the candidate's share; 0 = shadow only",
+             f"      gate: {ro.gate}",
+             f"      min_pairs: {ro.min_pairs}",
+             f"      min_requests: {ro.min_requests}",
+             f"      min_dwell_s: {ro.min_dwell_s:g}",
+             f"      error_budget: {ro.error_budget:g}    # the bench's --max-error-rate",
+             "mirror:",
+             f"  log_path: {COMPARISONS}    # the pairs, for enginemeter report --log",
+             f"  min_effect: {d.results.min_effect:g}    # the bench's --min-effect: slower beyond it rolls back"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def rollout_section(d: Data, v: Verdict, listen: str) -> list[str]:
+    host = listen if "://" in listen else f"http://{listen.replace('0.0.0.0', '127.0.0.1')}"
+    auth = f'-H "authorization: Bearer ${KEY}"'
+    abort = f'curl -s {auth} {host}/admin/rollout -d \'{{"action": "abort"}}\''
+    return [f"## Rollout: {v.baseline} → {v.candidate}", "",
+            f"Save as `{CONFIG}`; the traffic moves to {v.candidate} step by step (shadow only first) and goes back "
+            "to the baseline by itself when a step finds it slower or failing:", "",
+            "```yaml", rollout_yaml(d, v, listen).rstrip("\n"), "```", "",
+            "Check it, start it, watch it:", "",
+            "```sh", f"export {KEY}=...    # a secret of your choosing",
+            f"enginemeter check-config {CONFIG}", f"enginemeter serve --config {CONFIG}",
+            f"curl -s {auth} {host}/admin/rollout    # step, share, pairs, the verdict per stream, events",
+            f"curl -s {host}/metrics | grep '^enginemeter_rollout_'",
+            f"enginemeter report --log {COMPARISONS} --proxy {host} --out rollout-report    # the live report", "```", "",
+            "**Roll back** — the one command, at any step and after `complete` (the share goes to 0: the baseline "
+            "serves everything):", "", "```sh", abort, "```", "",
+            "Without the admin endpoint: `state: aborted` in the rollout block and a restart. Once the rollout is "
+            f"`complete`, make {v.candidate} the route's `primary` (the rollout removed) when convenient; "
+            f"{v.baseline}'s command stays in the script.", ""]  # fmt: skip
