@@ -267,3 +267,39 @@ class Launcher:
 
 def _slack(total_bytes: int) -> int:
     return max(RETURN_SLACK_BYTES, int(RETURN_SLACK_RATIO * total_bytes))
+
+
+def fit_memory_share(name: str, command: str, budget_bytes: int, total_bytes: int) -> tuple[str, str | None]:
+    """A launch command whose engine's memory is a setting (SGLang ``--mem-fraction-static``, vLLM
+    ``--gpu-memory-utilization``), fitted to ``budget_bytes`` on a card of ``total_bytes``: without the flag it is
+    added at the share that fits (the budget less what the engine holds beyond its share, ``reserve_bytes``); a
+    given share is checked — its static footprint alone over the budget is a ``ValueError`` naming the share that
+    fits. Returns (the command, what was done in words; None: the engine's memory is not a setting)."""
+    spec = parse_launch(name, command, port=lambda: 0)
+    d = engines.dialect(spec.kind)
+    flag = d.memory_share_flag
+    if spec.kind is None or flag is None or total_bytes <= 0:
+        return command, None
+    reserve = d.reserve_bytes(budget_bytes)
+    fits = int((budget_bytes - reserve) / total_bytes * 1000) / 1000
+    gib = 2**30
+    card = f"this {total_bytes / gib:.1f} GiB card"
+    given = d.memory_share(spec.argv) if any(w == flag or w.startswith(flag + "=") for w in spec.argv) else None
+    if given is None:
+        if fits <= 0:
+            raise ValueError(f"launch {name}: the {budget_bytes / gib:.1f} GiB budget leaves no share for {flag} once "
+                             f"~{reserve / gib:.1f} GiB is kept for what {spec.kind} holds beside it")  # fmt: skip
+        return (f"{command} {flag} {fits:g}", f"{name}: {flag} {fits:g} set for the {budget_bytes / gib:.1f} GiB "
+                f"budget on {card}: {fits * total_bytes / gib:.1f} GiB up front (weights and KV cache) + ~"
+                f"{reserve / gib:.1f} GiB beside it (context, graphs, activations)")  # fmt: skip
+    share = given[1]
+    static = share * total_bytes
+    if static > budget_bytes:
+        raise ValueError(f"launch {name}: {flag} {share:g} takes {static / gib:.1f} GiB of {card} up front, over the "
+                         f"{budget_bytes / gib:.1f} GiB budget: use {fits:g} (or leave the flag out: enginemeter sets "
+                         "it)")  # fmt: skip
+    if static + reserve > budget_bytes:
+        return command, (f"{name}: {flag} {share:g} takes {static / gib:.1f} GiB up front; with ~{reserve / gib:.1f} "
+                         f"GiB beside it the peak may pass the {budget_bytes / gib:.1f} GiB budget (a small excess is "
+                         f"a caveat in the verdict): {fits:g} fits")  # fmt: skip
+    return command, f"{name}: {flag} {share:g} checked: {static / gib:.1f} GiB up front fits the budget on {card}"

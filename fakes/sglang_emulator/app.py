@@ -67,6 +67,9 @@ def server_info(engine: SGLangEmulator, template: dict[str, Any]) -> dict[str, A
         context_length=config.context_length,
         max_running_requests=config.max_running_requests,
         max_queued_requests=config.max_queued_requests,
+        mem_fraction_static=config.mem_fraction_static
+        if config.mem_fraction_static is not None
+        else args.get("mem_fraction_static"),
         # SGLang's ServerArgs: a model path that is a GGUF file sets quantization = load_format = "gguf"
         load_format="gguf" if _is_gguf(engine.model_path) else "auto",
         quantization="gguf" if _is_gguf(engine.model_path) else args.get("quantization"),

@@ -22,6 +22,7 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-queued-requests", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="reported in /server_info, as SGLang does")
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--sglang-version", choices=SGLANG_VERSIONS, default=DEFAULT_VERSION, help="the wire to speak")
@@ -38,6 +39,7 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
         context_length=a.context_length,
         max_running_requests=a.max_running_requests,
         max_queued_requests=a.max_queued_requests,
+        mem_fraction_static=a.mem_fraction_static,
         enable_metrics=a.enable_metrics,
         enable_cache_report=a.enable_cache_report,
         version=a.sglang_version,

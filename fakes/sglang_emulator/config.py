@@ -27,6 +27,7 @@ class EmulatorConfig:
     context_length: int | None = None  # None: the backend's per-slot n_ctx
     max_running_requests: int | None = None  # None: the backend's total_slots
     max_queued_requests: int | None = None  # None: no limit (SGLang's default)
+    mem_fraction_static: float | None = None  # None: the captured server's 0.192 (SGLang picks it from the GPU)
     enable_metrics: bool = False
     enable_cache_report: bool = False
     stream_response_default_include_usage: bool = False

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.run.options import Targets, UsageError, add_workload, build_config, fail_on_of, pairs
-from proxy.cli.common import add_traffic, print_summary, run_to_report, traffic_of, with_traffic
+from proxy.cli.common import (
+    add_traffic,
+    print_summary,
+    random_declared,
+    run_to_report,
+    traffic_of,
+    with_random,
+    with_traffic,
+)
 
 ACCEPT_HELP = (
     "a quantization difference between the engines is declared, not a mistake: the parity gate passes with a "
@@ -90,6 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
         cfg = build_config(args, file, targets)
         _check(cfg)
         traffic = traffic_of(args)  # read now: a mistake in it must not wait for the end of the run
+        declared = random_declared(args)
     except (UsageError, SettingsError, ValueError) as exc:
         print(f"enginemeter bench: {exc}", file=sys.stderr)
         return 2
@@ -109,7 +118,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
 
     def report(results: Path) -> dict[str, Any]:
-        out = write_report(with_traffic(load_bench(results, baseline=cfg.baseline), traffic), cfg.out)
+        out = write_report(
+            with_random(with_traffic(load_bench(results, baseline=cfg.baseline), traffic), declared), cfg.out
+        )
         print_summary(out)
         return out
 

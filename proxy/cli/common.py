@@ -80,6 +80,36 @@ def add_traffic(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traffic", metavar="SPEC|PATH|URL", help=TRAFFIC_HELP)
     p.add_argument("--traffic-window", default="7d", metavar="DURATION",
                    help="with --traffic PROMETHEUS_URL: the window to take the profile over (default %(default)s)")  # fmt: skip
+    p.add_argument("--weights", action="append", metavar="random|NAME=random",
+                   help="declare random weights (every engine, or one): greedy agreement then says it cannot be "
+                   "judged; found by itself for --load-format dummy and models enginemeter generated")  # fmt: skip
+
+
+def random_declared(args: argparse.Namespace) -> dict[str, str] | None:
+    """``--weights``: engine -> why ("*" for every engine); None: nothing declared. A ``ValueError`` names a
+    mistake."""
+    given = getattr(args, "weights", None)
+    if not given:
+        return None
+    out: dict[str, str] = {}
+    for w in given:
+        name, sep, what = w.rpartition("=")
+        if what != "random":
+            raise ValueError(f"--weights {w!r}: expected random or NAME=random")
+        out[name if sep else "*"] = "declared: --weights " + w
+    return out
+
+
+def with_random(data: Data, declared: dict[str, str] | None) -> Data:
+    if declared:
+        names = [e.name for e in data.results.engines]
+        every = declared.get("*")
+        add = {n: every or declared[n] for n in names if every or n in declared}
+        unknown = sorted(set(declared) - {"*", *names})
+        if unknown:
+            raise ValueError(f"--weights {unknown[0]}=random: no engine named {unknown[0]}")
+        data.results = dataclasses.replace(data.results, random_weights={**data.results.random_weights, **add})
+    return data
 
 
 def traffic_of(args: argparse.Namespace) -> Traffic | None:

@@ -18,7 +18,15 @@ from proxy.bench.run.options import (
     size_bytes,
 )
 from proxy.cli.bench import ACCEPT_HELP
-from proxy.cli.common import add_traffic, print_summary, traffic_of, verdict_status, with_traffic
+from proxy.cli.common import (
+    add_traffic,
+    print_summary,
+    random_declared,
+    traffic_of,
+    verdict_status,
+    with_random,
+    with_traffic,
+)
 
 
 def add_command(sub: Any) -> None:
@@ -66,7 +74,7 @@ def _report(args: argparse.Namespace) -> int:
         data = load_runs([Path(p) for p in args.results], baseline=args.baseline, quantization=quant,
                          min_effect=args.min_effect, max_error_rate=args.max_error_rate,
                          accept_quantization_difference=args.accept_quantization_difference)  # fmt: skip
-        data = with_traffic(data, traffic_of(args))
+        data = with_random(with_traffic(data, traffic_of(args)), random_declared(args))
     except (ValueError, OSError, KeyError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2
@@ -101,6 +109,9 @@ def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
             memory_budget_bytes=size_bytes(args.memory_budget),
             min_effect=MIN_EFFECT if args.min_effect is None else args.min_effect, max_error_rate=MAX_ERROR_RATE if args.max_error_rate is None else args.max_error_rate,
         )  # fmt: skip
+        declared = random_declared(args)
+        for live in lives:
+            with_random(live.data, declared)
     except (ValueError, OSError, KeyError) as exc:
         print(f"enginemeter report: {exc}", file=sys.stderr)
         return 2

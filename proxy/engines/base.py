@@ -50,8 +50,10 @@ class Facts:
     #: the KV pool's capacity in tokens, all running requests together (SGLang ``max_total_num_tokens``); a
     #: request longer than this cannot run whatever ``context_length`` says (None: not reported)
     kv_pool_tokens: int | None = None
-    #: the weights' file format when the engine names one apart from the precision (SGLang: ``gguf``)
+    #: the weights' file format when the engine names one apart from the precision (SGLang: ``gguf``, ``dummy``)
     weights_format: str | None = None
+    #: the share of the GPU's memory it took (SGLang ``mem_fraction_static``): what it says, not what was asked
+    memory_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,9 @@ class Dialect:
     #: is a setting, not the model's), and the share when the command does not give it (None: sized otherwise)
     memory_share_flag: ClassVar[str | None] = None
     memory_share_default: ClassVar[float | None] = None
+    #: what the engine holds beyond its share (CUDA context, graphs, activations), as (bytes at least, share of a
+    #: budget): what a share fitted to a budget leaves for it
+    memory_reserve: ClassVar[tuple[int, float]] = (1 << 30, 0.0)
 
     def launched_by(self, argv: Sequence[str]) -> bool:
         """Whether ``argv`` starts an engine of this kind (the plain dialect recognizes no command)."""
@@ -224,6 +229,11 @@ class Dialect:
         except ValueError:
             return None
         return (self.memory_share_flag, share) if share is not None and 0 < share <= 1 else None
+
+    def reserve_bytes(self, budget_bytes: int) -> int:
+        """What to leave under ``budget_bytes`` beside the share (``memory_reserve``)."""
+        least, share = self.memory_reserve
+        return max(least, int(share * budget_bytes))
 
     def parse_log(self, text: str) -> LogFacts:
         """What the engine's start-up log says about itself (``text``: its last start, see ``startup``)."""

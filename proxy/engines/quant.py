@@ -12,6 +12,9 @@ float16 / half, ``bf16`` for BF16 / bfloat16, ``f32`` for F32 / FP32 / float32, 
 from __future__ import annotations
 
 import re
+import shlex
+from collections.abc import Mapping
+from typing import Any
 
 _ALIASES = {
     "f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
@@ -46,4 +49,25 @@ def quant_from_name(*names: str | None) -> str | None:
         m = _IN_NAME.search(name or "")
         if m:
             return m.group(1).upper()
+    return None
+
+
+def random_weights(launch: str | None, info: Mapping[str, Any]) -> str | None:
+    """Why an engine's weights are random, when they are: a dummy load (SGLang and vLLM ``--load-format dummy``,
+    or the engine saying so), or a GGUF enginemeter generated (``general.name`` ``enginemeter-<vocab>-random``,
+    ``proxy.embedded.make_model``); None: not known to be random. Outputs of random weights say nothing about
+    correctness, and two engines' greedy outputs cannot be judged against each other."""
+    if launch:
+        try:
+            argv = shlex.split(launch)
+        except ValueError:
+            argv = launch.split()
+        for i, a in enumerate(argv):
+            if (a == "--load-format" and i + 1 < len(argv) and argv[i + 1] == "dummy") or a == "--load-format=dummy":
+                return "--load-format dummy"
+    if str(info.get("weights_format") or "").lower() == "dummy" or str(info.get("load_format") or "") == "dummy":
+        return "a dummy load (the engine says so)"
+    name = str(info.get("gguf_name") or "")
+    if name.startswith("enginemeter-") and name.endswith("-random"):
+        return f"a generated GGUF ({name})"
     return None

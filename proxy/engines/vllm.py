@@ -67,6 +67,8 @@ class Vllm(Dialect):
     # the whole process's share of the GPU, KV cache sized to fill it (vLLM's default 0.9)
     memory_share_flag = "--gpu-memory-utilization"
     memory_share_default = 0.9
+    # the share bounds the whole instance (weights, activations, graphs, KV cache); the CUDA context is outside it
+    memory_reserve = (1 << 30, 0.0)
 
     def launched_by(self, argv: Sequence[str]) -> bool:
         return python_module(argv) == "vllm.entrypoints.openai.api_server" or subcommand(argv) == ("vllm", "serve")

@@ -624,10 +624,12 @@ GPU_FACTS: dict[str, tuple[str, engines.Facts]] = {
         quantization="F16", build="b0-unknown",
     )),
     # SGLang 0.5.17: no /ready (404) -> /health; slots from internal_states[0].effective_max_running_requests_per_dp
-    # (the top-level max_running_requests is null); dtype float16; busy from sglang:num_running_reqs
+    # (the top-level max_running_requests is null); dtype float16; busy from sglang:num_running_reqs; a dummy load
+    # (load_format: random weights) at mem_fraction_static 0.192, as launched
     "sglang": ("/health", engines.Facts(
         model="m7b", model_path="/tmp/w/model/m7b", context_length=8192, slots=4096, busy_slots=0,
         quantization="float16", build="0.5.17", kv_pool_tokens=107716,  # max_total_num_tokens
+        weights_format="dummy", memory_share=0.192,
     )),
     # vLLM 0.26.0: /health; nothing reports max_num_seqs or the dtype; build from /version
     "vllm": ("/health", engines.Facts(

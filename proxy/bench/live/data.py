@@ -49,9 +49,10 @@ from proxy.bench.live.facts import (
 )
 from proxy.bench.live.log import CAUSE_TEXT, Log, Outcomes, Selection, expand, outcomes, read_log, select, start_of
 from proxy.bench.verdict.data import Data
-from proxy.bench.verdict.model import MAX_ERROR_RATE, Cell, EngineInfo, Reason, Req, Results, Sample
+from proxy.bench.verdict.model import MAX_ERROR_RATE, Cell, EngineInfo, LiveFinding, Reason, Req, Results, Sample
+from proxy.engines.quant import random_weights
 from proxy.gpu.scraped import MemReading
-from proxy.sequential import MIN_EFFECT, LiveVerdict, regime_of, replay
+from proxy.sequential import MIN_EFFECT, REGIME_LABEL, LiveVerdict, regime_of, replay, sentence
 
 __all__ = ["Live", "ProxyInfo", "effective_for_kind", "expand", "greedy_text", "load_live", "load_log", "proxy_info"]
 
@@ -169,6 +170,29 @@ def load_live(
     return out
 
 
+#: regime step -> the live stream that decides it (the others are shown beside it): single request: TPOT; under
+#: load: e2e per output token (the time a loaded request takes per token); long context: TTFT
+DECIDING = {
+    "decode": ("decode", "tpot_s"),
+    "throughput": ("load", "e2e_per_token_s"),
+    "long-context": ("long", "ttft_s"),
+}
+
+
+def findings(v: LiveVerdict) -> dict[str, LiveFinding]:
+    """Each regime as the anytime-valid live verdict has it: its deciding stream's decision, in words."""
+    out: dict[str, LiveFinding] = {}
+    states = v.states()
+    for step, (regime, metric) in DECIDING.items():
+        stream = next((s for s in states if s.regime == regime and s.metric == metric), None)
+        if stream is None:
+            continue
+        st = states[stream]
+        out[step] = LiveFinding(st.decision, sentence(v.shadow, v.primary, stream, st, v.min_effect), st.n,
+                                f"{REGIME_LABEL[regime]} {stream.label}")  # fmt: skip
+    return out
+
+
 def load_log(
     paths: Path | Sequence[Path],
     *,
@@ -196,6 +220,7 @@ def _live(
     budget: int | None, min_effect: float, max_error_rate: float, lost: dict[str, int],
 ) -> Live:  # fmt: skip
     order = [bl, *sorted(mine)]
+    rnd = {n: why for n in order if (why := random_weights(None, {**sel.facts(n), **info.states.get(n, {})}))}
     mem = dict(info.memory)
     gpus = {name: set(m.gpus) for name, m in mem.items() if m.gpus}
     samples: list[Sample] = []
@@ -270,7 +295,7 @@ def _live(
         sampling[other] = sampling_groups(recs, "shadow")
         extra += sampling_reasons(bl, other, recs, canon_of, dropped_of)
         greedy[other] = greedy_agreement(kept)
-        extra.append(Reason("parity", "note", greedy_text(bl, other, greedy[other]), "output"))
+        extra.append(Reason("parity", "note", greedy_text(bl, other, greedy[other], rnd), "output"))
     infos = []
     for name in order:
         t = engine_facts(name, sel.kind(name), sel.facts(name), quant.get(name), info.states.get(name, {}))
@@ -283,7 +308,9 @@ def _live(
         ))  # fmt: skip
     results = Results(engines=tuple(infos), baseline=bl, samples=tuple(samples), prompt_tokens=pt,
                       min_repeats=min_repeats, min_effect=min_effect, requests=tuple(reqs), live=True,
-                      extra_parity=tuple(extra), memory_budget_bytes=budget, max_error_rate=max_error_rate)  # fmt: skip
+                      extra_parity=tuple(extra), memory_budget_bytes=budget, max_error_rate=max_error_rate,
+                      live_findings={s: findings(v) for s, v in verdicts.items()},
+                      random_weights=rnd)  # fmt: skip
     meta = [{"name": i.name, "kind": i.kind, "model": i.model, "quantization": i.quantization,
              "quantization_source": i.quantization_source, "slots": i.slots, "context_per_slot": i.context_per_slot,
              "dropped": list(i.dropped) if i.dropped is not None else None} for i in infos]  # fmt: skip

@@ -177,7 +177,12 @@ def greedy_agreement(recs: Sequence[Mapping[str, Any]]) -> Greedy:
     return Greedy(len(g), len(d), toks)
 
 
-def greedy_text(base: str, cand: str, g: Greedy) -> str:
+def greedy_text(base: str, cand: str, g: Greedy, random: Mapping[str, str] | None = None) -> str:
+    mine = {e: why for e, why in (random or {}).items() if e in (base, cand)}
+    if mine:
+        return (f"greedy outputs cannot be judged: {' and '.join(mine)} {'run' if len(mine) > 1 else 'runs'} random weights ("
+                + "; ".join(f"{e}: {w}" for e, w in mine.items()) + ") — outputs of random weights say nothing about "
+                "correctness, and two engines' greedy outputs part wherever their kernels round differently")  # fmt: skip
     if not g.pairs:
         return "greedy outputs: no greedy pair (temperature 0 on both sides) was compared"
     if not g.differ:

@@ -117,5 +117,22 @@ def agreement(requests: Sequence[Mapping[str, Any]], base: str, cand: str) -> Ag
     return Agreement(len(keys), same, tuple(chars), tuple(tokens), head)
 
 
-def blocks(a: Agreement, base: str, cand: str) -> list[Block]:
-    return [Block("p", a.text(base, cand))]
+RANDOM = (
+    "cannot be judged: {who} run random weights ({why}) — their outputs say nothing about correctness, "
+    "and two engines' greedy outputs part wherever their kernels round differently; the speed figures stand "
+    "(random weights cost what real ones do)"
+)
+
+
+def random_text(base: str, cand: str, random: Mapping[str, str]) -> str | None:
+    """What greedy agreement says when ``base`` or ``cand`` runs random weights (``random``: engine -> why)."""
+    mine = {e: why for e, why in random.items() if e in (base, cand)}
+    if not mine:
+        return None
+    who = " and ".join(mine)
+    return f"greedy-output agreement {base} vs {cand}: " + RANDOM.format(who=who, run="run" if len(mine) > 1 else "runs", why="; ".join(
+        f"{e}: {w}" for e, w in mine.items()))  # fmt: skip
+
+
+def blocks(a: Agreement, base: str, cand: str, random: Mapping[str, str] | None = None) -> list[Block]:
+    return [Block("p", random_text(base, cand, random or {}) or a.text(base, cand))]

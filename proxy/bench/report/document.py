@@ -88,7 +88,7 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
         out += _verdict_blocks(v)
         ag = (agreements or {}).get(v.candidate)
         if ag is not None:
-            out += agreement_mod.blocks(ag, v.baseline, v.candidate)
+            out += agreement_mod.blocks(ag, v.baseline, v.candidate, r.random_weights)
     if not verdicts:
         out.append(Block("p", "Only one engine: nothing to compare here. Join this run with another one's results "
                          "(`enginemeter report --results A/results.jsonl B/results.jsonl`)."))  # fmt: skip

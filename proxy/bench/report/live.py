@@ -26,7 +26,7 @@ from proxy.bench.report.charts import (
     live_delta_chart,
     make_charts,
 )
-from proxy.bench.report.document import Block, document, verdict_json
+from proxy.bench.report.document import Block, document, make_headline, verdict_json
 from proxy.bench.report.render import render_html, render_md
 from proxy.bench.verdict.decide import decide_all
 from proxy.sequential import ALPHA, MIN_PAIRS, PLANNED_PAIRS, STREAMS
@@ -85,7 +85,8 @@ def live_blocks(live: Live, charts: dict[str, Path]) -> list[Block]:
     out.append(Block("table", header=["engine", "group", "pairs", "sampling", "max_tokens", "dropped", "filled in"],
                      rows=rows))  # fmt: skip
     out.append(Block("h2", "Greedy outputs"))
-    out.append(Block("ul", items=[greedy_text(live.primary, s, g) for s, g in live.greedy.items()]))
+    rnd = live.data.results.random_weights
+    out.append(Block("ul", items=[greedy_text(live.primary, s, g, rnd) for s, g in live.greedy.items()]))
     if charts:
         out.append(Block("h2", "Live charts"))
         for title, p in charts.items():
@@ -108,7 +109,8 @@ def write_live_report(live: Live, out: Path) -> dict[str, Any]:
     if conc is not None:
         extra["TTFT and decode tok/s by observed concurrency"] = conc
     verdicts = decide_all(d.results)
-    blocks = document(d, charts, note, verdicts)
+    h = make_headline(d, verdicts)
+    blocks = document(d, charts, note, verdicts, h=h)
     at = next((i for i, b in enumerate(blocks) if b.kind == "h2" and b.text == "Engines"), len(blocks))
     blocks[at:at] = live_blocks(live, extra)
     (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
@@ -118,9 +120,9 @@ def write_live_report(live: Live, out: Path) -> dict[str, Any]:
     listen = next((r.listen for r in reversed(live.selection.runs) if r.listen), None)
     (out / switchplan.FILE).write_text(switchplan.markdown(d, verdicts, plan, listen=listen), encoding="utf-8")
     vj = verdict_json(
-        verdicts, interrupted=False, live=[v.to_json() for v in live.verdicts.values()], switch_plan=switchplan.FILE
+        verdicts, h, interrupted=False, live=[v.to_json() for v in live.verdicts.values()], switch_plan=switchplan.FILE
     )
     (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return {"report_md": out / "report.md", "report_html": out / "report.html", "verdict_json": out / "verdict.json",
             "switch_plan": out / switchplan.FILE, "charts": [*charts.values(), *extra.values()], "verdicts": verdicts,
-            "live": live.verdicts}  # fmt: skip
+            "live": live.verdicts, "headline": h}  # fmt: skip

@@ -54,7 +54,8 @@ def render_html(blocks: Sequence[Block], out: Path) -> str:
              f"<style>{_CSS}</style></head><body>"]  # fmt: skip
     for b in blocks:
         if b.kind in ("h1", "h2", "h3"):
-            parts.append(f"<{b.kind}>{_inline(b.text)}</{b.kind}>")
+            slug = re.sub(r"[^a-z0-9]+", "-", b.text.lower()).strip("-")[:60]
+            parts.append(f"<{b.kind} id='{html.escape(slug)}'>{_inline(b.text)}</{b.kind}>")
         elif b.kind == "p":
             parts.append(f"<p>{_inline(b.text)}</p>")
         elif b.kind == "ul":

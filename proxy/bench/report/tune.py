@@ -26,7 +26,7 @@ from proxy.bench.report.charts import tune_chart
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Comparison, Verdict, decide_all
 from proxy.bench.verdict.model import Cell, Sample
-from proxy.bench.verdict.notation import band, faster, faster_interval
+from proxy.bench.verdict.notation import band, faster, faster_ci
 from proxy.bench.verdict.regimes import GATES, rerun
 
 #: a peak this close to the budget (or the GPU's total) is "memory is full"
@@ -158,7 +158,7 @@ def _gain(c: Comparison) -> str:
     """The candidate's gain in words, one notation (``proxy.bench.verdict.notation``): "output tok/s at c=16 90 %
     faster (78–104 % faster)"."""
     r, lo, hi = c.speed
-    return f"{c.what} {faster(r)} ({faster_interval(lo, hi)})"
+    return f"{c.what} {faster_ci(r, lo, hi)}"
 
 
 def _memory(d: Data, rows: Sequence[Row]) -> tuple[str, float | None]:

@@ -58,14 +58,26 @@ def quantization(
 
 
 def _gguf_file_type(path: Path) -> int | None:
+    v = _gguf_meta(path).get("general.file_type")
+    return int(v[1]) if v is not None and isinstance(v[1], int) else None
+
+
+def _gguf_meta(path: Path) -> Mapping[str, Any]:
     try:
         from proxy.embedded import read_gguf_metadata
 
-        meta = read_gguf_metadata(path)
+        return read_gguf_metadata(path)
     except Exception:  # not a GGUF, unreadable, gguf extras absent: the header says nothing
-        return None
-    v = meta.get("general.file_type")
-    return int(v[1]) if v is not None and isinstance(v[1], int) else None
+        return {}
+
+
+def gguf_name(t: Target) -> None:
+    """``general.name`` of a local GGUF the engine loads, into ``t.info`` (a generated model names itself random)."""
+    where = str(t.info.get("model_path") or "")
+    if where.endswith(".gguf") and Path(where).is_file():
+        v = _gguf_meta(Path(where)).get("general.name")
+        if v is not None and isinstance(v[1], str):
+            t.info["gguf_name"] = v[1]
 
 
 async def probe(t: Target, timeout: float = 5.0) -> None:
@@ -86,6 +98,11 @@ async def probe(t: Target, timeout: float = 5.0) -> None:
         t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
                                          ("build", f.build), ("kv_pool_tokens", f.kv_pool_tokens)) if v is not None})  # fmt: skip
     quantization(t, {"quantization": f.quantization, "weights_format": f.weights_format} if f is not None else None)
+    gguf_name(t)
+    if f is not None and f.weights_format:
+        t.info["weights_format"] = f.weights_format
+    if f is not None and f.memory_share is not None:
+        t.info["memory_share"] = f.memory_share
 
 
 async def count_prompt_tokens(

@@ -44,7 +44,7 @@ from proxy.bench.run.memory import MemoryProbe, MemorySource, ProcessMemory
 from proxy.bench.run.prepare import client_for, count_tokens, engine_record, headers_for, preflight, run_record
 from proxy.bench.run.schedule import Plan, make_plan, unfit_cells
 from proxy.bench.suite import Prompt
-from proxy.launch import Launched, Launcher, parse_launch
+from proxy.launch import Launched, Launcher, fit_memory_share, parse_launch
 from proxy.process import LaunchError
 
 
@@ -83,9 +83,31 @@ class _Run:
     ctx: Ctx | None = None
     metrics_client: httpx.AsyncClient | None = None
 
+    #: what fitting the launched engines' memory shares to the budget did, in words (``_fit_shares``)
+    share_notes: list[str] = field(default_factory=list)
+
     @property
     def path(self) -> Path:
         return self.cfg.out / "results.jsonl"
+
+
+async def _fit_shares(cfg: BenchConfig, launcher: Launcher, say: Callable[[str], None]) -> list[str]:
+    """With ``--memory-budget``: each launched engine whose memory is a setting gets the share that fits the budget
+    on this card, or its own share checked (``proxy.launch.fit_memory_share``), before anything is launched."""
+    if not cfg.memory_budget_bytes or not any(t.launch for t in cfg.engines):
+        return []
+    reading = await asyncio.to_thread(launcher.memory.read)
+    if not reading.devices:
+        return []
+    total = reading.devices[0].total_bytes  # where an engine goes unless CUDA_VISIBLE_DEVICES says otherwise
+    out = []
+    for t in cfg.engines:
+        if t.launch:
+            t.launch, note = fit_memory_share(t.name, t.launch, cfg.memory_budget_bytes, total)
+            if note:
+                say(f"enginemeter bench: {note}")
+                out.append(note)
+    return out
 
 
 async def run_time_shared(cfg: BenchConfig, say: Callable[[str], None], launcher: Launcher | None = None) -> Path:
@@ -93,6 +115,7 @@ async def run_time_shared(cfg: BenchConfig, say: Callable[[str], None], launcher
     run = _Run(cfg, secrets.token_hex(4), time.time(), suite_mod.load(cfg.suite, cfg.prompt_lengths), say)
     if cfg.metrics_url:
         run.metrics_client = httpx.AsyncClient(timeout=10, trust_env=False)
+    run.share_notes = await _fit_shares(cfg, launcher, say)
     order = stints(cfg)
     interrupted = False
     stopped: dict[str, Any] | None = None
@@ -194,7 +217,8 @@ async def _measure(run: _Run, s: Stint, mem: MemorySource, label: str, *, fresh:
         seeded = all(x.launch for x in cfg.engines)  # fresh processes only: nothing cached from an earlier run
         pl = make_plan(cfg, run.suite, counted, [t.context_per_slot] if t.context_per_slot else [], run.run_id,
                        seeded=seeded)  # fmt: skip
-        run.plan, notes = pl, pl.notes
+        run.plan, notes = pl, [*pl.notes, *({"type": "note", "engine": n.split(":", 1)[0], "text": n.split(": ", 1)[1]}
+                                            for n in run.share_notes)]  # fmt: skip
         run.w = Writer(run.path)
         mt = sorted({c.max_tokens for c in pl.cells})
         run.w.write(run_record(cfg, run.run_id, run.t_start, pl, [engine_record(cfg, x, mt) for x in cfg.engines]))

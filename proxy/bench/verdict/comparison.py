@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.verdict.model import Assessment, Cell
-from proxy.bench.verdict.notation import band, faster, faster_interval, figure
+from proxy.bench.verdict.notation import band, faster, faster_interval, figure, unit
 from proxy.bench.verdict.stats import Paired
 
 #: more repeats than this is not a rerun anyone will make: "no feasible number resolves it"
@@ -90,14 +90,16 @@ class Comparison:
 
     def says(self, base: str, cand: str) -> str:
         """The difference in words, from the faster engine's side: "sglang is 44 % faster (the whole request;
-        95% CI: 38–50 % faster)"."""
+        95% CI 38–50 % faster)"."""
         who, r, lo, hi = self.side(base, cand)
-        return f"{who} is {faster(r)} ({self.what}; 95% CI: {faster_interval(lo, hi)})"
+        u = unit(r, lo, hi)
+        return f"{who} is {faster(r, u)} ({self.what}; 95% CI {faster_interval(lo, hi, u)})"
 
     def difference(self, base: str, cand: str) -> str:
         """The same without the figure's name: "sglang 44 % faster (38–50 % faster)"."""
         who, r, lo, hi = self.side(base, cand)
-        return f"{who} {faster(r)} ({faster_interval(lo, hi)})"
+        u = unit(r, lo, hi)
+        return f"{who} {faster(r, u)} ({faster_interval(lo, hi, u)})"
 
     def side(self, base: str, cand: str) -> tuple[str, float, float, float]:
         """(the faster engine, its speed ratio over the other, the interval's ends): every number ≥ 1 but the

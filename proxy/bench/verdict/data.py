@@ -156,6 +156,7 @@ def load_bench(
         accept_quantization_difference=accept_quantization_difference or bool(cfg.get("accept_quantization_difference")),
         expected=frozenset(cfg.get("expected_differences") or ()), alone=_alone(stints),
         time_shared=bool(run.get("time_shared")), memory_share=_memory_share(run),
+        random_weights={e["name"]: why for e in run["engines"] if (why := weights_random(e))},
     )  # fmt: skip
     return Data(
         title="enginemeter bench report",
@@ -192,6 +193,13 @@ def _memory_share(run: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
         if share is not None:
             out[e["name"]] = share
     return out
+
+
+def weights_random(meta: Mapping[str, Any]) -> str | None:
+    """Why an engine of a run's records runs random weights, when it does (``proxy.engines.quant.random_weights``)."""
+    from proxy.engines.quant import random_weights
+
+    return random_weights(meta.get("launch") if isinstance(meta.get("launch"), str) else None, meta.get("info") or {})
 
 
 def _alone(stints: list[dict[str, Any]]) -> frozenset[str]:

@@ -41,7 +41,7 @@ from proxy.bench.verdict.checks import first_repeat
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.gates import CAVEAT, data_gate, discount, memory_gate, parity_gate, quant_differs
 from proxy.bench.verdict.model import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
-from proxy.bench.verdict.notation import band, faster, faster_interval, figure
+from proxy.bench.verdict.notation import band, faster_ci, figure
 from proxy.bench.verdict.regimes import REGIMES, RegimeAnswer, conclude
 from proxy.bench.verdict.stats import paired_bootstrap, variation
 from proxy.bench.verdict.traffic import TrafficAnswer, weigh
@@ -317,7 +317,7 @@ def _compare(
     if aa_stats is not None:
         sp = [math.exp(log_ratio(x) if higher else -log_ratio(x)) for x in (aa_stats.rel, aa_stats.lo, aa_stats.hi)]
         lo_s, hi_s = min(sp[1:]), max(sp[1:])
-        a_src = f"A/A: {aa} against {base}, {faster(sp[0])} (95% CI: {faster_interval(lo_s, hi_s)})"
+        a_src = f"A/A: {aa} against {base}, {faster_ci(sp[0], lo_s, hi_s)}"
         lo, hi = log_ratio(aa_stats.lo), log_ratio(aa_stats.hi)  # the floor is symmetric on the log-ratio scale
         if lo > 0 or hi < 0:  # the baseline differs from itself: order or drift, not noise
             bias = math.expm1(abs(log_ratio(aa_stats.rel)))

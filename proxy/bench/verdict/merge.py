@@ -151,6 +151,8 @@ def join(datas: Sequence[Data], *, baseline: str | None = None) -> Data:
         alone=frozenset(ren[e] for d, ren in zip(datas, renames, strict=True) for e in d.results.alone),
         memory_share={ren[e]: v for d, ren in zip(datas, renames, strict=True) for e, v in d.results.memory_share.items()},
         time_shared=True,
+        random_weights={ren[e]: v for d, ren in zip(datas, renames, strict=True)
+                        for e, v in d.results.random_weights.items()},
     )  # fmt: skip
     each = _each(datas, renames)
 

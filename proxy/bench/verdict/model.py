@@ -209,6 +209,6 @@ class Results:
     traffic: Traffic | None = None
     #: mirrored traffic: candidate -> regime step -> what the anytime-valid live verdict found
     live_findings: Mapping[str, Mapping[str, LiveFinding]] = field(default_factory=dict)
-    #: engines known to run random weights (dummy loads, generated models, ``--weights random``): outputs say
-    #: nothing about correctness, and greedy agreement cannot be judged
-    random_weights: frozenset[str] = frozenset()
+    #: engine -> why its weights are known to be random (dummy loads, generated models, ``--weights random``):
+    #: outputs say nothing about correctness, and greedy agreement cannot be judged
+    random_weights: Mapping[str, str] = field(default_factory=dict)

@@ -6,8 +6,9 @@ The rule (docs/bench.md, "Reading the numbers"):
   time, the baseline's time over the candidate's). It is written with its direction in words and a number that
   is never negative: ``r ≥ 1`` is "N % faster" with N = (r − 1) · 100, ``r < 1`` is "N % slower" with
   N = (1/r − 1) · 100 (how much longer it takes); once the factor reaches 2 it is "×N faster" / "×N slower".
-- An interval is written in one unit, the one its farther end needs: "12–18 % faster", "×1.6–×3.2 faster",
-  "between 3 % slower and 5 % faster".
+- A statement — an estimate with its interval — is written in one unit, the one its farthest number needs:
+  "12 % faster (95% CI 9–15 % faster)", "×1.9 faster (95% CI ×1.8–×2.0 faster)", "between 3 % slower and 5 %
+  faster".
 - A band (what a tie stays inside, what a win must clear) is "±N %" and, from a factor of 2, "×N either way".
 - Figures carry their unit: decode in tok/s (with ms/token), times in ms below 10 s, else s.
 """
@@ -26,34 +27,46 @@ def _factor(r: float) -> str:
     return f"×{r:.1f}"
 
 
-def faster(r: float) -> str:
-    """A speed ratio in words: "44 % faster", "×14.2 faster", "16 % slower", "×2.5 slower", "as fast"."""
+def unit(*ratios: float) -> str:
+    """The one unit a statement of these speed ratios is written in: × once any of them reaches a factor of 2 (either
+    way), else %."""
+    ok = [r for r in ratios if math.isfinite(r) and r > 0]
+    return "x" if any(max(r, 1 / r) >= 2 for r in ok) else "%"
+
+
+def faster(r: float, u: str | None = None) -> str:
+    """A speed ratio in words: "44 % faster", "×14.2 faster", "16 % slower", "×2.5 slower", "as fast"; ``u``: the
+    unit of the statement it belongs to (``unit``)."""
     if not math.isfinite(r) or r <= 0:
         return "not measurable"
-    if r >= 2:
-        return f"{_factor(r)} faster"
+    u = u or unit(r)
     if r >= 1:
-        return f"{_p(r - 1)} faster" if r > 1 else "as fast"
-    if 1 / r >= 2:
-        return f"{_factor(1 / r)} slower"
-    return f"{_p(1 / r - 1)} slower"
+        return f"{_factor(r)} faster" if u == "x" else f"{_p(r - 1)} faster" if r > 1 else "as fast"
+    return f"{_factor(1 / r)} slower" if u == "x" else f"{_p(1 / r - 1)} slower"
 
 
-def faster_interval(lo: float, hi: float) -> str:
+def faster_interval(lo: float, hi: float, u: str | None = None) -> str:
     """A speed-ratio interval in one unit: "12–18 % faster", "×1.6–×3.2 faster", "between 3 % slower and 5 %
     faster"."""
     if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0:
         return "unbounded"
+    u = u or unit(lo, hi)
     if lo >= 1:
-        if hi >= 2:
+        if u == "x":
             return f"{_factor(lo)}–{_factor(hi)} faster"
         return f"{_p(lo - 1).removesuffix(' %')}–{_p(hi - 1)} faster"
     if hi <= 1:
         a, b = 1 / hi, 1 / lo  # the slowdown factors, nearer end first
-        if b >= 2:
+        if u == "x":
             return f"{_factor(a)}–{_factor(b)} slower"
         return f"{_p(a - 1).removesuffix(' %')}–{_p(b - 1)} slower"
-    return f"between {faster(lo)} and {faster(hi)}"
+    return f"between {faster(lo, u)} and {faster(hi, u)}"
+
+
+def faster_ci(r: float, lo: float, hi: float) -> str:
+    """An estimate and its interval in one unit: "×1.9 faster (95% CI ×1.8–×2.0 faster)"."""
+    u = unit(r, lo, hi)
+    return f"{faster(r, u)} (95% CI {faster_interval(lo, hi, u)})"
 
 
 def band(x: float) -> str:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.model import FAILS, STEPS, Decision, LiveFinding, Reason, Results
-from proxy.bench.verdict.notation import band, faster, faster_interval
+from proxy.bench.verdict.notation import band, faster, faster_interval, unit
 from proxy.bench.verdict.traffic import TrafficAnswer, crossing
 from proxy.sequential import MIN_PAIRS
 
@@ -156,11 +156,12 @@ def answer(
     who, r, lo, hi = decider.side(base, cand)
     fb, fc = decider.figures()
     figs_ = f"{decider.what}: {base} {fb}, {cand} {fc}"
-    ci = f"95% CI {faster_interval(lo, hi)}"
+    u = unit(r, lo, hi)
+    ci = f"95% CI {faster_interval(lo, hi, u)}"
     fix: str | None = None
     if a in ("win", "loss"):
-        head = f"{who} {faster(r)} ({figs_})"
-        line = f"{who} is {faster(r)} — {figs_} ({ci}; band {band(decider.win_band)})"
+        head = f"{who} {faster(r, u)} ({figs_})"
+        line = f"{who} is {faster(r, u)} — {figs_} ({ci}; band {band(decider.win_band)})"
     elif a == "tie":
         wide = decider.win_band > decider.min_effect
         head = f"a tie ({figs_})"
@@ -269,8 +270,13 @@ def conclude(
         summary = f"stopped at the {failed.step} gate{check}: {failed.text}{more}"
         return Conclusion(decision, summary, tuple(reasons), failed.step, failed.check or failed.step, regimes, None)
     by = {a.step: a for a in regimes}
+    if live is not None and not any(f.pairs for f in live.values()):
+        return Conclusion("not yet", f"not yet — no pair a regime's live figure can read so far (a non-streamed answer "
+                          f"has no TPOT); nothing is decided before {MIN_PAIRS} pairs in a regime", tuple(reasons),
+                          "decode", "not yet", regimes, "more mirrored traffic (streamed): the live verdict decides "
+                          "by itself")  # fmt: skip
     if live is not None:
-        required: tuple[str, ...] = tuple(s for s, f in live.items() if f.pairs) or ("decode",)
+        required: tuple[str, ...] = tuple(s for s, f in live.items() if f.pairs)
     else:
         required = ("decode", "throughput")
     wins = [a for a in regimes if a.answer == "win"]

@@ -32,7 +32,7 @@ from proxy.bench.suite import ORDER, TARGET_TOKENS, length_rank
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.model import Traffic
 from proxy.bench.verdict.notation import band as band_text
-from proxy.bench.verdict.notation import faster, faster_interval
+from proxy.bench.verdict.notation import faster_ci
 
 Z = 1.959963984540054
 _ITEM = re.compile(r"^\s*(?:c(?P<c>\d+(?:\.\d+)?)|(?P<p>[a-z0-9]+))\s*=\s*(?P<v>\d+(?:\.\d+)?)\s*%?\s*$")
@@ -155,9 +155,9 @@ def weigh(
     tie = sum(x.weight * log_ratio(x.cell.band) for x in parts)
     r, rlo, rhi = math.exp(g), math.exp(lo), math.exp(hi)
     if r >= 1:
-        est = f"{cand} is {faster(r)} than {base} (95% CI: {faster_interval(rlo, rhi)})"
+        est = f"{cand} is {faster_ci(r, rlo, rhi).replace(' (95% CI', f' than {base} (95% CI', 1)}"
     else:
-        est = f"{base} is {faster(1 / r)} than {cand} (95% CI: {faster_interval(1 / rhi, 1 / rlo)})"
+        est = f"{base} is {faster_ci(1 / r, 1 / rhi, 1 / rlo).replace(' (95% CI', f' than {cand} (95% CI', 1)}"
     if flagged:
         decision = "inconclusive"
         why = f"{len(flagged)} of its cells cannot decide ({flagged[0].cell.flagged})"

@@ -1,0 +1,200 @@
+"""The decision a person can act on: regimes judged as they are felt, the answer per workload, a traffic profile's
+answer, a small memory excess as a caveat, the candidates read together, one notation. Pure: crafted results and
+the committed 27B H200 run's raw results."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from proxy.bench.live.traffic import from_records
+from proxy.bench.verdict.decide import decide, decide_all
+from proxy.bench.verdict.headline import headline
+from proxy.bench.verdict.merge import load_runs
+from proxy.bench.verdict.model import Cell, LiveFinding, Traffic
+from proxy.bench.verdict.notation import band, faster, faster_interval
+from proxy.bench.verdict.traffic import crossing, parse_spec, prompt_class, weigh
+from proxy.cli import main
+from tests.bench.test_verdict import C1, C8, LONG, loaded, results, run, trio
+
+ROOT = Path(__file__).resolve().parents[2]
+RAW27 = ROOT / "docs/gpu-results/h200-2026-12-03-27b/raw"
+
+
+def unzip(tmp: Path, name: str) -> Path:
+    out = tmp / f"{name}.jsonl"
+    out.write_bytes(gzip.decompress((RAW27 / name / "results.jsonl.gz").read_bytes()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run27(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("r27")
+    return unzip(tmp, "llama"), unzip(tmp, "sglang")
+
+
+def test_the_27b_run_is_an_answer_per_workload_with_its_crossing_points(run27: tuple[Path, Path]) -> None:
+    """llama.cpp Q4_K_M vs SGLang bf16 on the H200 under a 72 GiB budget: llama.cpp is faster one request at a
+    time, SGLang under load and on long prompts — the answer depends on the traffic, and says where it turns."""
+    d = load_runs(list(run27), baseline="llama", accept_quantization_difference=True)
+    (v,) = decide_all(d.results)
+    assert v.decision == "depends", v.summary
+    by = {a.step: a for a in v.regimes}
+    assert (by["decode"].answer, by["throughput"].answer, by["long-context"].answer) == ("loss", "win", "win")
+    # each regime decided by the figure its person feels, the rest trade-offs in words
+    assert by["decode"].decided_by == "whole request, 64-token answer"
+    assert by["throughput"].decided_by == "output tok/s at c=64"
+    assert by["long-context"].decided_by == "whole 16k-prompt request"
+    assert "stay with llama for one request at a time (llama 20 % faster" in v.summary
+    assert "switch to sglang for concurrent traffic (sglang ×7.6 faster" in v.summary
+    # where SGLang overtakes as concurrency rises (c=1: llama faster, c=4: sglang), and the output length at which
+    # the whole single request costs the same (sglang's first token sooner, each next one later)
+    assert "sglang overtakes llama between c=1 and c=4" in v.summary
+    be = by["decode"].break_even
+    assert be is not None and (be.shorter, be.longer) == ("sglang", "llama") and 5 < be.tokens < 15
+    assert "sglang is faster for answers under 9 tokens, llama beyond" in v.summary
+    assert any("decode after a 16k prompt" in t for t in by["long-context"].tradeoffs)  # a trade-off, not a veto
+    # 0.19 GiB over the 72 GiB budget through a share setting: a caveat with the share that fits, not a stop
+    assert v.stopped_at is None and len(v.caveats) == 1
+    assert "0.19 GiB (0.3 %) over budget 72.00 GiB" in v.caveats[0] and "--mem-fraction-static 0.48" in v.caveats[0]
+    assert v.next_step is not None and "--traffic" in v.next_step
+    x = crossing(v.cells, "short")
+    assert x is not None and x[:2] == (1, 4) and 1 < x[2] < 4
+
+
+@pytest.mark.parametrize(("spec", "decision", "words"), [
+    ("c1=100", "stay", "stay with llama for this traffic: llama is 20 % faster than sglang"),
+    ("c64=100", "switch", "switch to sglang for this traffic: sglang is ×7.6 faster than llama"),
+    ("c1=30,c16=70", "switch", "switch to sglang for this traffic: sglang is ×2.2 faster than llama"),
+])  # fmt: skip
+def test_the_27b_run_for_a_traffic_profile(
+    run27: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, decision: str, words: str
+) -> None:
+    out = tmp_path / "rep"
+    rc = main(["report", "--results", *map(str, run27), "--baseline", "llama", "--accept-quantization-difference",
+               "--traffic", spec, "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    vj = json.loads((out / "verdict.json").read_text())
+    assert vj["version"] == 3 and vj["decision"] == decision and vj["headline"]["decision"] == decision
+    assert words in vj["headline"]["sentence"]
+    assert vj["traffic"]["source"] == f"inline: {spec}" and vj["verdicts"][0]["traffic"]["decision"] == decision
+    # one headline everywhere: the console's last lines, the report's first screen
+    printed = capsys.readouterr().out
+    assert f"{decision.upper()}: {vj['headline']['sentence']}" in printed
+    md = (out / "report.md").read_text()
+    assert md.index("## The answer") < md.index("## Verdict") and f"**{decision.upper()}** — " in md
+
+
+def test_traffic_specs_are_read_and_refused_plainly() -> None:
+    t = parse_spec("c1=30,c16=70,short=90,16k=10")
+    assert t.concurrency == {1.0: pytest.approx(0.3), 16.0: pytest.approx(0.7)}
+    assert t.prompts == {"short": pytest.approx(0.9), "16k": pytest.approx(0.1)}
+    assert parse_spec("c2=1,c8=3").concurrency == {2.0: 0.25, 8.0: 0.75}  # shares are normalized
+    for bad, why in (("c1=30,x=70", "no prompt-length class"), ("short=100", "give the concurrency shares"),
+                     ("c0=50,c2=50", "1 or more"), ("c1=thirty", "is not cN=PERCENT")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            parse_spec(bad)
+    assert (prompt_class(30), prompt_class(1200), prompt_class(20_000)) == ("short", "long", "16k")
+
+
+def test_a_profile_is_weighed_by_the_nearest_cells_and_says_where_it_reaches_beyond() -> None:
+    # the candidate is 20 % slower alone, ×2.25 faster at c=8 (900 tok/s against 400)
+    r = results(*trio(tpot=0.0125), *loaded(tps=900))
+    cells = decide(r, "sglang").cells
+    alone = weigh(parse_spec("c1=100"), cells, "llama", "sglang", "medium")
+    busy = weigh(parse_spec("c32=100"), cells, "llama", "sglang", "medium")
+    assert (alone.decision, busy.decision) == ("stay", "switch")
+    assert busy.parts[0].cell.cell == C8 and any("beyond the largest measured (8)" in n for n in busy.notes)
+    # a mix is the time-weighted geometric mean of its cells' speed ratios
+    mix = weigh(parse_spec("c1=50,c8=50"), cells, "llama", "sglang", "medium")
+    expected = math.exp(0.5 * math.log(alone.ratio) + 0.5 * math.log(busy.ratio))
+    assert mix.ratio == pytest.approx(expected)
+    # long prompts not measured: the nearest class stands for them, and the answer says so
+    longer = weigh(parse_spec("c1=100,16k=100"), cells, "llama", "sglang", "medium")
+    assert any("16k prompts were not measured" in n for n in longer.notes)
+    # through the verdict: the decision is the profile's
+    assert decide(dataclasses.replace(r, traffic=parse_spec("c8=100")), "sglang").decision == "switch"
+    assert decide(dataclasses.replace(r, traffic=parse_spec("c1=100")), "sglang").decision == "stay"
+
+
+def test_a_candidate_that_wins_ttft_and_loses_decode_gets_the_output_length_break_even() -> None:
+    # first token 60 ms sooner, each next one 2 ms later: the same whole request at 1 + 60/2 = 31 tokens
+    r = results(run("llama", C1, ttft=0.100, tpot=0.010, noise=0.005), run("llama-aa", C1, seed=1, noise=0.005),
+                run("sglang", C1, ttft=0.040, tpot=0.012, noise=0.005), *loaded(tps=400))  # fmt: skip
+    single = next(a for a in decide(r, "sglang").regimes if a.step == "decode")
+    assert single.break_even is not None and single.break_even.tokens == pytest.approx(31, rel=0.05)
+    assert single.break_even.text() == "sglang is faster for answers under 31 tokens, llama beyond"
+
+
+def test_a_throughput_tie_is_decided_by_the_first_token_under_load() -> None:
+    r = results(*trio(), run("llama", C8, tps=400, ttft=1.0), run("llama-aa", C8, tps=400, ttft=1.0, seed=1),
+                run("sglang", C8, tps=400, ttft=0.2))  # fmt: skip
+    load = next(a for a in decide(r, "sglang").regimes if a.step == "throughput")
+    assert load.answer == "win" and load.decided_by == "TTFT at c=8"
+    assert "the deciding figure (output tok/s at c=8) tied" in load.text
+
+
+def test_candidates_are_read_together_and_the_same_file_arm_is_attribution() -> None:
+    """Three SGLang candidates against llama.cpp: FP8 switches (the best), bf16 depends, the same GGUF file is
+    slower — attribution ('its gains come from its formats'), not a second answer."""
+    fp8 = results(*trio(tpot=0.007), *loaded(tps=3000))
+    bf16 = results(*trio(tpot=0.0125), *loaded(tps=2000))
+    gguf = results(*trio(tpot=0.011), *loaded(tps=350))
+    vs = [dataclasses.replace(decide(r, "sglang"), candidate=n) for r, n in ((fp8, "sg-fp8"), (bf16, "sg-bf16"),
+                                                                             (gguf, "sg-gguf"))]  # fmt: skip
+    assert [v.decision for v in vs] == ["switch", "depends", "stay"]
+    weights = {"sg-fp8": "different precision", "sg-bf16": "different precision", "sg-gguf": "same file"}
+    h = headline(vs, weights, dict.fromkeys(weights, "sglang"))
+    assert h.decision == "switch" and h.candidate == "sg-fp8" and h.sentence.startswith("switch to sg-fp8")
+    attribution = next(x for x in h.others if x.startswith("sg-gguf"))
+    assert "your own weights file" in attribution and "switch formats with it" in attribution
+    assert any(x.startswith("sg-bf16: DEPENDS") for x in h.others)
+    assert h.lines()[0].startswith("SWITCH: switch to sg-fp8")
+
+
+def test_live_traffic_says_not_yet_until_the_sequence_decides() -> None:
+    r = dataclasses.replace(results(*trio(tpot=0.008), *loaded(tps=400)), live=True)
+    few = {"sglang": {"decode": LiveFinding("not yet", "...", 3, "TPOT")}}
+    v = decide(dataclasses.replace(r, live_findings=few), "sglang")
+    assert v.decision == "not yet" and "nothing is decided before 30" in v.summary
+    done = {"sglang": {"decode": LiveFinding("faster", "sglang faster than llama by ≥ 5 %", 41, "TPOT")}}
+    assert decide(dataclasses.replace(r, live_findings=done), "sglang").decision == "switch"
+
+
+def test_the_profile_of_logged_requests_is_the_time_at_each_number_in_flight() -> None:
+    # request log lines (end time, duration): 0-10 s one request; 10-20 s four; then 10 s idle; one at 30-40 s
+    recs = [{"request_id": "a", "role": "primary", "ts": 10.0, "e2e_s": 10.0, "prompt_tokens": 30,
+             "completion_tokens": 64}]  # fmt: skip
+    recs += [{"request_id": f"b{i}", "role": "primary", "ts": 20.0, "e2e_s": 10.0, "prompt_tokens": 1000,
+              "completion_tokens": 128} for i in range(4)]  # fmt: skip
+    recs += [{"request_id": "c", "role": "primary", "ts": 40.0, "e2e_s": 10.0, "prompt_tokens": 30,
+              "completion_tokens": 64}, {"request_id": "s", "role": "shadow", "ts": 40.0, "e2e_s": 39.0}]  # fmt: skip
+    t = from_records(recs, "request log")
+    assert t.concurrency == {1.0: pytest.approx(2 / 3), 4.0: pytest.approx(1 / 3)}
+    assert t.idle == pytest.approx(0.25) and t.requests == 6 and t.output_tokens == 128
+    assert t.prompts == {"short": pytest.approx(2 / 6), "long": pytest.approx(4 / 6)}
+
+
+def test_one_notation() -> None:
+    assert (faster(1.44), faster(14.2), faster(1 / 1.16), faster(0.4), faster(1.0)) == (
+        "44 % faster", "×14.2 faster", "16 % slower", "×2.5 slower", "as fast")  # fmt: skip
+    assert faster_interval(1.12, 1.18) == "12–18 % faster"
+    assert faster_interval(1.6, 3.2) == "×1.6–×3.2 faster"  # one unit: the one its farther end needs
+    assert faster_interval(1 / 1.18, 1 / 1.12) == "12–18 % slower"
+    assert faster_interval(0.97, 1.05) == "between 3.1 % slower and 5.0 % faster"
+    assert (band(0.05), band(0.206), band(1.4)) == ("±5.0 %", "±21 %", "×2.4 either way")
+    # no signed numbers anywhere a person reads a difference
+    r = results(*trio(tpot=0.0125), *loaded(tps=900), *trio(LONG))
+    text = json.dumps([x.text for x in decide(r, "sglang").reasons])
+    assert "+-" not in text and "faster by -" not in text and "Δ" not in text
+
+
+def test_cells_compare_each_regimes_own_figure() -> None:
+    v = decide(results(*trio(), *loaded(tps=900)), "sglang")
+    assert [(c.cell, c.metric) for c in v.cells] == [(C1, "e2e_s"), (C8, "output_tps")]
+    assert Cell("cold", 1, 64, "medium") == C1 and isinstance(Traffic({1.0: 1.0}).text(), str)
