@@ -35,7 +35,7 @@ def add_command(sub: Any) -> None:
     src.add_argument(
         "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (+ rotated x.jsonl.N)"
     )
-    src.add_argument("--results", nargs="+", metavar="RESULTS", help="a bench results.jsonl; several: separate runs "
+    src.add_argument("--results", nargs="+", metavar="RESULTS", help="a bench results.jsonl (or .gz, or the bench's --out directory); several: separate runs "
                      "joined when comparable (same suite, sampling, max tokens, GPU), else refused naming the "
                      "difference; an engine name in two files is the same engine measured again (its A/A pass)")  # fmt: skip
     r.add_argument("--out", required=True, help="output directory")

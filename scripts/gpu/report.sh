@@ -3,10 +3,10 @@
 #
 #   scripts/gpu/report.sh DIR      DIR as scripts/gpu/collect.sh made it (DIR/raw/NAME/results.jsonl.gz)
 #
-# DIR/report/       the runs joined: enginemeter report --results llama sglang sglang-gguf --baseline llama
+# DIR/report/       the runs joined: enginemeter report --results raw/llama raw/sglang raw/sglang-gguf --baseline llama
 #                   --accept-quantization-difference (the runs made one engine at a time, joined as separate runs)
-# DIR/tune-report/  enginemeter report --results tune (the tune run's table, rule and verdicts)
-# DIR/output.txt    every command as run (paths relative to DIR) with its output and exit status
+# DIR/tune-report/  enginemeter report --results raw/tune (the tune run's table, rule and verdicts)
+# DIR/output.txt    every command as run in DIR with its output and exit status
 # EM_ROOT: the enginemeter tree to run (default: this repo); PYTHON (default its .venv, else this repo's).
 set -uo pipefail
 dir=$(cd "$1" && pwd)
@@ -16,32 +16,30 @@ py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=$here/.venv/bin/python
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-rel() { sed "s#$work/\([a-z-]*\)\.jsonl#raw/\1/results.jsonl#g; s#$dir/##g"; }
-em() {  # em ARGS...: one enginemeter command, shown as run, its output kept
+rel() { sed "s#$dir/##g"; }
+em() {  # em ARGS...: one enginemeter command, run in DIR on its relative paths, shown as run, its output kept
   local rc=0
-  echo "\$ enginemeter $*" | rel
-  (cd "$root" && PYTHONPATH="$root" MPLBACKEND=Agg "$py" -m proxy.cli "$@") > "$work/out" 2>&1 || rc=$?
+  echo "\$ enginemeter $*"
+  (cd "$dir" && PYTHONPATH="$root" MPLBACKEND=Agg "$py" -m proxy.cli "$@") > "$work/out" 2>&1 || rc=$?
   grep -v 'matplotlib.font_manager' "$work/out" | rel
   echo "exit status $rc"
   return "$rc"
 }
 runs=()
-for r in llama sglang sglang-gguf tune; do
-  [ -f "$dir/raw/$r/results.jsonl.gz" ] || continue
-  gunzip -c "$dir/raw/$r/results.jsonl.gz" > "$work/$r.jsonl"
-  [ "$r" = tune ] || runs+=("$work/$r.jsonl")
+for r in llama sglang sglang-gguf; do
+  [ -f "$dir/raw/$r/results.jsonl.gz" ] && runs+=("raw/$r")
 done
 rc=0
 (
-  if [ -f "$work/llama.jsonl" ] && [ ${#runs[@]} -ge 2 ]; then
+  if [ -f "$dir/raw/llama/results.jsonl.gz" ] && [ ${#runs[@]} -ge 2 ]; then
     rm -rf "$dir/report"
-    em report --results "${runs[@]}" --baseline llama --accept-quantization-difference --out "$dir/report" || rc=$?
+    em report --results "${runs[@]}" --baseline llama --accept-quantization-difference --out report || rc=$?
   else
-    echo "no join: needs llama.cpp's run and another (have: ${runs[*]##*/})" | rel
+    echo "no join: needs llama.cpp's run and another (have: ${runs[*]##*/})"
   fi
-  if [ -f "$work/tune.jsonl" ]; then
+  if [ -f "$dir/raw/tune/results.jsonl.gz" ]; then
     rm -rf "$dir/tune-report"
-    em report --results "$work/tune.jsonl" --out "$dir/tune-report" || rc=$?
+    em report --results raw/tune --out tune-report || rc=$?
   fi
   exit "$rc"
 ) > "$dir/output.txt"

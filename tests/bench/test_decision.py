@@ -76,10 +76,12 @@ def test_the_27b_run_for_a_traffic_profile(
     run27: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, decision: str, words: str
 ) -> None:
     out = tmp_path / "rep"
-    rc = main(["report", "--results", *map(str, run27), "--baseline", "llama", "--accept-quantization-difference",
-               "--traffic", spec, "--out", str(out)])  # fmt: skip
+    # the runs as collected: a directory each, its results gzipped (the unzipped files give the same answer)
+    rc = main(["report", "--results", str(RAW27 / "llama"), str(RAW27 / "sglang"), "--baseline", "llama",
+               "--accept-quantization-difference", "--traffic", spec, "--out", str(out)])  # fmt: skip
     assert rc == 0
     vj = json.loads((out / "verdict.json").read_text())
+    assert vj["sources"] == [str(RAW27 / n / "results.jsonl.gz") for n in ("llama", "sglang")]
     assert vj["version"] == 3 and vj["decision"] == decision and vj["headline"]["decision"] == decision
     assert words in vj["headline"]["sentence"]
     assert vj["traffic"]["source"] == f"inline: {spec}" and vj["verdicts"][0]["traffic"]["decision"] == decision
@@ -88,6 +90,12 @@ def test_the_27b_run_for_a_traffic_profile(
     assert f"{decision.upper()}: {vj['headline']['sentence']}" in printed
     md = (out / "report.md").read_text()
     assert md.index("## The answer") < md.index("## Verdict") and f"**{decision.upper()}** — " in md
+
+
+def test_a_directory_without_results_is_refused_plainly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["report", "--results", str(tmp_path), "--out", str(tmp_path / "rep")])
+    assert rc != 0 and "no results.jsonl (or results.jsonl.gz) in this directory" in capsys.readouterr().err
+    assert not (tmp_path / "rep").exists()
 
 
 def test_traffic_specs_are_read_and_refused_plainly() -> None:

@@ -6,13 +6,12 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
 py=${PYTHON:-$root/.venv/bin/python}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-gunzip -c "$here/raw/results.jsonl.gz" > "$work/results.jsonl"
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
 rm -rf "$here/report"
 rc=0
-(cd "$root" && "$py" -m proxy.cli report --results "$work/results.jsonl" --out "$here/report") > "$work/out" 2>&1 || rc=$?
-{ echo "\$ enginemeter report --results raw/results.jsonl --out report"
-  grep -v 'matplotlib.font_manager' "$work/out" | sed "s#$work/results.jsonl#raw/results.jsonl#g; s#$here/##g" || true
+(cd "$here" && PYTHONPATH="$root" "$py" -m proxy.cli report --results raw --out report) > "$out" 2>&1 || rc=$?
+{ echo "\$ enginemeter report --results raw --out report"
+  grep -v 'matplotlib.font_manager' "$out" | sed "s#$here/##g" || true
   echo "exit status $rc"; } | tee "$here/output.txt"
 exit "$rc"

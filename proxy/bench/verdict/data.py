@@ -8,6 +8,7 @@ variation standing in for the A/A noise floor. Its llama.cpp context per slot co
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import json
 import shlex
 from collections.abc import Mapping
@@ -45,9 +46,22 @@ class Data:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
 
+def results_file(path: Path) -> Path:
+    """The results file a path names: the file itself (``.gz`` too), or a bench ``--out`` directory's
+    ``results.jsonl`` (else ``results.jsonl.gz``, as ``scripts/gpu/collect.sh`` keeps it)."""
+    if not path.is_dir():
+        return path
+    for name in ("results.jsonl", "results.jsonl.gz"):
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(f"{path}: no results.jsonl (or results.jsonl.gz) in this directory — not a bench --out")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, gzipped or not; a line cut by Ctrl-C is skipped."""
     recs: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             line = line.strip()
             if not line:
@@ -81,6 +95,7 @@ def load_bench(
     max_error_rate: float | None = None,
     accept_quantization_difference: bool = False,
 ) -> Data:
+    path = results_file(path)
     recs = read_jsonl(path)
     run = next((r for r in recs if r.get("type") == "run"), None)
     if run is None:
