@@ -102,6 +102,14 @@ def tiny_model_spm() -> Path:
 
 
 @pytest.fixture(scope="session")
+def wider_model() -> Path:
+    """A llama-spm model 4 layers x 256 (40 MB): enough work per token that a KV-cache format, a micro-batch size
+    or batching four requests together shows in the decode and the prefill (the tiny model's tokens cost next to
+    nothing either way)."""
+    return make_model(vocab="llama-spm", n_layer=4, n_embd=256, n_ff=768, n_head=8, n_head_kv=8)
+
+
+@pytest.fixture(scope="session")
 def llama_server(
     llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LlamaServer]:

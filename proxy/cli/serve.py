@@ -286,10 +286,8 @@ def _traffic_said(traffic: Any) -> None:
     if not shares:
         return
     spec = ",".join(f"c{representative(k):g}={v * 100:.0f}" for k, v in shares.items() if round(v * 100) > 0)
-    print(
-        f"enginemeter: traffic served: {traffic.text()}; to weigh a bench's answer by it: --traffic {spec}",
-        file=sys.stderr,
-        flush=True,
+    logging.getLogger("enginemeter").info(
+        "traffic served: %s; to weigh a bench's answer by it: --traffic %s", traffic.text(), spec
     )
 
 

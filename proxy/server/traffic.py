@@ -70,4 +70,9 @@ class TrafficProfile:
         if not h["busy_shares"]:
             return "no generation request served"
         shares = ", ".join(f"c={k} {v:.0%}" for k, v in h["busy_shares"].items())
-        return f"{shares} of {h['busy_s']:.0f} s busy ({h['idle']:.0%} of {h['observed_s']:.0f} s idle)"
+        return f"{shares} of {_s(h['busy_s'])} busy (idle {h['idle']:.0%} of {_s(h['observed_s'])})"
+
+
+def _s(seconds: float) -> str:
+    """Seconds for a person: tenths below a minute (a short demo is not "0 s busy"), whole seconds above."""
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds:.0f} s"

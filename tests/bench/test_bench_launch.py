@@ -84,7 +84,7 @@ def test_two_llama_servers_launched_one_at_a_time_with_the_aa_relaunch(
     assert keys["np1"] and keys["np1"] == keys["np2"] == keys["np1-aa"]
     v = verdict(out)
     (vd,) = v["verdicts"]
-    assert vd["comparisons"][0]["noise_floor_source"].startswith("A/A: np1-aa vs np1")
+    assert vd["comparisons"][0]["noise_floor_source"].startswith("A/A: np1-aa against np1")
     assert [s["engine"] for s in v["time_shared"]["stints"]] == ["np1", "np2", "np1-aa"]
     # the same weights at temperature 0: the greedy outputs agree
     ag = vd["output_agreement"]
@@ -94,7 +94,8 @@ def test_two_llama_servers_launched_one_at_a_time_with_the_aa_relaunch(
     assert "the engines never contended for the GPU (no contention flag applies)" in md
     assert f"np2: `{np2}`" in md and "engines/np2.log" in md and "launch → ready" in md
     assert "A/A noise floor: np1-aa = the baseline launched again after the candidates" in md
-    assert "outputs identical (100%)" in md
+    # generated weights: the outputs agree (the JSON above) but say nothing about correctness, and the report says so
+    assert "greedy-output agreement np1 vs np2: cannot be judged: np1 and np2 run random weights" in md
     assert "launching np2 (candidate)" in capsys.readouterr().err
 
 

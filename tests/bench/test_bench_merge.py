@@ -84,7 +84,7 @@ def test_separate_runs_joined_with_the_baseline_repeated_as_the_floor_or_refused
     assert main(["report", "--results", runs["r1"], runs["r2"], runs["r3"], "--out", str(rep)]) == 0
     (vd,) = verdict(rep)["verdicts"]
     assert (vd["baseline"], vd["candidate"]) == ("a", "b")
-    assert vd["comparisons"][0]["noise_floor_source"].startswith("A/A: a-aa vs a")
+    assert vd["comparisons"][0]["noise_floor_source"].startswith("A/A: a-aa against a")
     md = (rep / "report.md").read_text()
     assert "3 separate runs joined" in md and "A/A noise floor: a-aa = the baseline a's run repeated" in md
     assert "a-aa (A/A pass of a)" in md

@@ -48,7 +48,7 @@ def test_q8_0_vs_f16_with_the_flag_is_a_discounted_verdict_with_the_output_agree
     assert f"verdict q8 vs f16: {v['decision'].upper()} (discounted)" in stdout and f"discounted: {DISCOUNT}" in stdout
     md = (out / "report.md").read_text()
     assert "(baseline): **" in md and "(discounted)" in md and f"**Discounted:** this answer {DISCOUNT}." in md
-    assert "greedy-output agreement f16 vs q8 (temperature 0," in md
+    assert "greedy-output agreement f16 vs q8: cannot be judged: f16 and q8 run random weights" in md
     # the run recorded the flag: a replay judges alike
     assert main(["report", "--results", str(out / "results.jsonl"), "--out", str(tmp_path / "again")]) == 0
     assert verdict(tmp_path / "again")["verdicts"][0]["discounted"] == DISCOUNT

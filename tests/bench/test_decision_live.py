@@ -21,7 +21,6 @@ from proxy.bench.live.traffic import traffic_from
 from proxy.bench.run.config import BenchConfig, Target
 from proxy.bench.run.runner import run_bench
 from proxy.cli import main
-from proxy.embedded import make_model
 from proxy.gpu.memory import GpuMemory
 from proxy.launch import Launcher
 from proxy.server.compare import new_run_id
@@ -32,13 +31,6 @@ from tests.helpers import REPO, LlamaServerFactory, start_proxy, wait_until
 
 PY = shlex.quote(sys.executable)
 GIB = 2**30
-
-
-@pytest.fixture(scope="module")
-def wider_model() -> Path:
-    """A llama-spm model 4 layers x 256 (40 MB): enough work per token that a KV-cache format and a micro-batch
-    size show in the decode and the prefill (the tiny model's tokens cost next to nothing either way)."""
-    return make_model(vocab="llama-spm", n_layer=4, n_embd=256, n_ff=768, n_head=8, n_head_kv=8)
 
 
 def test_a_sooner_first_token_and_slower_tokens_break_even_at_an_output_length(

@@ -95,7 +95,9 @@ def test_a_bench_of_two_launched_engines_plans_the_switch_with_every_item_and_bo
     assert got["Compared under the same conditions"][0] == "✓"
     assert "quantization" in got["Compared under the same conditions"][1]
     mark, ev = got["Outputs agree under the same parameters"]
-    assert mark == "✓" and "outputs identical (100%)" in ev and "temperature=0" in ev  # same weights, greedy
+    # the same weights, greedy: identical, and said — but generated weights say nothing of a model's outputs
+    assert mark == "?" and ev.startswith("cannot be judged: np1, np2 ran on random weights"), ev
+    assert "outputs identical (100%)" in ev and "(temperature 0," in ev
     mark, ev = got["No OOM, no errors as concurrency rises"]
     assert mark == "✓" and re.search(r"np2 0 of \d+ failed \(c=1: 0/\d+, c=2: 0/\d+\)", ev), ev
     mark, ev = got["No obvious queueing as concurrency rises"]

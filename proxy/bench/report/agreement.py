@@ -118,7 +118,7 @@ def agreement(requests: Sequence[Mapping[str, Any]], base: str, cand: str) -> Ag
 
 
 RANDOM = (
-    "cannot be judged: {who} run random weights ({why}) — their outputs say nothing about correctness, "
+    "cannot be judged: {who} {run} random weights ({why}) — their outputs say nothing about correctness, "
     "and two engines' greedy outputs part wherever their kernels round differently; the speed figures stand "
     "(random weights cost what real ones do)"
 )

@@ -120,7 +120,8 @@ def decide(r: Results, candidate: str) -> Verdict:
             by.setdefault((s.engine, s.cell), []).append(s)
     common = {c for (e, c) in by if e == base} & {c for (e, c) in by if e == candidate}
     offered = max((c.concurrency for c in common), default=None)
-    cold = _cold_first_repeats(by, common, (base, candidate, aa))
+    # live blocks are slices of the traffic in time, not repeats after a missing warm-up: none is left out
+    cold = [] if r.live else _cold_first_repeats(by, common, (base, candidate, aa))
 
     reasons: list[Reason] = data_gate(r, samples, base, candidate, judged, common, by)
     reasons += parity_gate(r, infos[base], infos[candidate], offered)
