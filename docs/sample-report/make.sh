@@ -23,6 +23,6 @@ trap 'kill $engines_pid; wait $engines_pid 2>/dev/null || true; rm -rf "$work"' 
 while ! [ -s "$work/urls" ]; do sleep 0.2; done  # the engines print their URLs once they answer
 read -r np1 np2 < "$work/urls"
 rm -f "$out"/*.png "$out"/*.svg
-cmd=("$py" -m proxy.cli bench --engine "np1=$np1" --engine "np2=$np2" --goodput ttft:200,tpot:20 --no-progress --out "$out")
-{ echo "\$ enginemeter bench --engine np1=$np1 --engine np2=$np2 --goodput ttft:200,tpot:20 --no-progress --out $out"
+cmd=("$py" -m proxy.cli bench --engine "np1=$np1" --engine "np2=$np2" --goodput ttft:200,tpot:20 --no-progress --force --out "$out")
+{ echo "\$ enginemeter bench --engine np1=$np1 --engine np2=$np2 --goodput ttft:200,tpot:20 --no-progress --force --out $out"
   "${cmd[@]}" 2>&1 && rc=0 || rc=$?; echo "exit status $rc"; } | tee "$out/output.txt"

@@ -9,9 +9,10 @@ A run flows one way, each layer in its own package (imports go down the arrows, 
 
     run -> verdict <- report;  live -> verdict;  report -> live (the live sections)
 
-And the one module every layer shares:
+And the modules every layer shares:
 
     suite     the prompts: the built-in suite (English and Chinese, short to 16k) or a user's file
+    outdir    a run's --out: one holding a run is refused, the advice names a fresh one
 
 The commands that drive them are ``proxy.cli.bench``, ``report``, ``tune`` and ``diagnose``.
 """

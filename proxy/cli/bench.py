@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.outdir import refusal
 from proxy.bench.run.options import Targets, UsageError, add_workload, build_config, fail_on_of, pairs
 from proxy.cli.common import (
     add_traffic,
@@ -97,6 +98,8 @@ def _bench(args: argparse.Namespace) -> int:
         targets = targets_of(args, file)
         cfg = build_config(args, file, targets)
         _check(cfg)
+        if why := refusal(cfg.out, force=args.force):
+            raise UsageError(why)
         traffic = traffic_of(args)  # read now: a mistake in it must not wait for the end of the run
         declared = random_declared(args)
     except (UsageError, SettingsError, ValueError) as exc:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.outdir import refusal
 from proxy.bench.run.options import (
     EXIT_VERDICT,
     MAX_ERROR_RATE_HELP,
@@ -28,6 +29,8 @@ from proxy.cli.common import (
     with_traffic,
 )
 
+RESULTS = ("results.jsonl", "results.jsonl.gz")
+
 
 def add_command(sub: Any) -> None:
     r = sub.add_parser("report", help="build the report from bench results or the proxy's comparison log")
@@ -38,7 +41,9 @@ def add_command(sub: Any) -> None:
     src.add_argument("--results", nargs="+", metavar="RESULTS", help="a bench results.jsonl (or .gz, or the bench's --out directory); several: separate runs "
                      "joined when comparable (same suite, sampling, max tokens, GPU), else refused naming the "
                      "difference; an engine name in two files is the same engine measured again (its A/A pass)")  # fmt: skip
-    r.add_argument("--out", required=True, help="output directory")
+    r.add_argument("--out", required=True, help="output directory (one holding another run's results.jsonl is "
+                   "refused)")  # fmt: skip
+    r.add_argument("--force", action="store_true", help="write into an --out that holds another run's results")
     r.add_argument("--baseline", help="the incumbent engine (default: the log's primary / the bench's baseline)")
     r.add_argument("--quantization", action="append", metavar="NAME=QUANT", help="declare an engine's quantization")
     r.add_argument("--accept-quantization-difference", action="store_true", help=ACCEPT_HELP)
@@ -69,6 +74,10 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         quant = pairs(args.quantization, "--quantization")
+        inputs = [Path(p) for p in args.results or ()]
+        keep = tuple(q for p in inputs for q in ([p / n for n in RESULTS] if p.is_dir() else [p]))
+        if why := refusal(Path(args.out), force=args.force, files=RESULTS, keep=keep):
+            raise ValueError(why)
         if args.log:
             return _report_log(args, quant)
         data = load_runs([Path(p) for p in args.results], baseline=args.baseline, quantization=quant,

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.outdir import refusal
 from proxy.bench.run.options import UsageError, add_workload, build_config, fail_on_of
 from proxy.bench.run.sweep import SLOT_FLAGS, slot_sweep, variants
 from proxy.cli.common import run_to_report
@@ -82,6 +83,8 @@ def _tune(args: argparse.Namespace) -> int:
                     "command": args.launch, "vary": args.vary}  # fmt: skip
         if cfg.out == Path("bench-out") and (args.out is None and (file is None or file.out is None)):
             cfg.out = Path("tune-out")
+        if why := refusal(cfg.out, force=args.force):
+            raise UsageError(why)
     except (UsageError, SettingsError, ValueError) as exc:
         print(f"enginemeter tune: {exc}", file=sys.stderr)
         return 2

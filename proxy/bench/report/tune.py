@@ -1,5 +1,6 @@
 """``enginemeter tune``'s answer: the table (one row per setting), the best setting per regime and the rule, read
-from the bench's own verdicts of each setting against the first (``proxy.bench.verdict.decide``). Pure but for the chart.
+from the bench's own verdicts of each setting against the first (``proxy.bench.verdict.decide``). Pure but for the
+chart and a look for a free ``--out`` name.
 
 The rule (the people who asked for this tool, docs/tune.md): if a setting raises throughput under load (or single-
 request decode) beyond the noise floor, **tuning helps** — keep llama.cpp with it, and when its memory peak rose
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.outdir import fresh, held
 from proxy.bench.report.blocks import Block, gib
 from proxy.bench.report.charts import tune_chart
 from proxy.bench.verdict.data import Data
@@ -175,11 +177,14 @@ def _memory(d: Data, rows: Sequence[Row]) -> tuple[str, float | None]:
     return ("full" if share >= FULL else "not full"), share
 
 
+BENCH_OUT = Path("bench-out")
+
+
 def bench_command(best: Row, flag: str) -> str:
     """What to run next: this setting against SGLang, each launched alone (edit the SGLang command's model)."""
     sglang = "python -m sglang.launch_server --model-path MODEL --port {port}"
     return shlex.join(["enginemeter", "bench", "--launch", f"llama={best.command}", "--launch", f"sglang={sglang}",
-                       "--out", "bench-out"])  # fmt: skip
+                       "--out", str(BENCH_OUT if not held(BENCH_OUT) else fresh(BENCH_OUT))])  # fmt: skip
 
 
 def best_setting(usable: Sequence[Verdict], step: str) -> tuple[Verdict, Comparison] | None:

@@ -150,7 +150,8 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-on", type=fail_on, metavar="stay,partial,inconclusive",
                    help=f"exit {EXIT_VERDICT} when a verdict is one of these (inconclusive includes partial)")  # fmt: skip
     p.add_argument("--out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json; "
-                   "launched engines' logs in engines/); default bench-out")  # fmt: skip
+                   "launched engines' logs in engines/); default bench-out; one holding a run is refused")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="write into an --out that holds a run (replacing its files)")
     p.add_argument("--model", help="model name to send (default: each engine's /v1/models; required with --through)")
     p.add_argument("--seed", type=int, help="sampling seed and arrival schedule (default 1234)")
     p.add_argument("--max-tokens", type=int, help="base max_tokens (default 128)")

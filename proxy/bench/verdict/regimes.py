@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from proxy.bench.outdir import next_name
 from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.model import FAILS, STEPS, Decision, LiveFinding, Reason, Results
 from proxy.bench.verdict.notation import band, faster, faster_interval, unit
@@ -199,14 +200,20 @@ def from_live(a: RegimeAnswer, f: LiveFinding, min_pairs: int) -> RegimeAnswer:
 
 
 def rerun(command: str | None, flags: str) -> str:
-    """The bench command with ``flags`` set (replacing the same flags where the command has them)."""
+    """The bench command with ``flags`` set (replacing the same flags where the command has them), into a fresh
+    ``--out`` (the next name after the run's own: a rerun never writes over the run it improves on)."""
     if not command:
-        return f"rerun the bench with {flags}"
+        return f"rerun the bench with {flags} and a fresh --out"
     try:
         argv = shlex.split(command)
         new = shlex.split(flags)
     except ValueError:
         return f"{command} {flags}"
+    if "--out" not in {a.split("=", 1)[0] for a in new}:
+        old = next((a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+                    for i, a in enumerate(argv) if a.split("=", 1)[0] == "--out"), None)  # fmt: skip
+        default = "tune-out" if "tune" in argv[1:2] else "bench-out"
+        new += ["--out", next_name(old or default)]
     names = {a for a in new if a.startswith("--")}
     out: list[str] = []
     skip = False
