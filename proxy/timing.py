@@ -29,6 +29,11 @@ Derived (seconds unless named otherwise):
 - ``tpot_s`` = (last − first) / (completion_tokens − 1)
 - ``decode_tps`` = (completion_tokens − 1) / (last − first), the same definition as llama.cpp's
   ``predicted_per_second`` (the first token is "free": it comes from the prompt batch)
+- ``burst``: most of the gaps between token events are under ``BURST_GAP_S`` — the events arrived together (one
+  read: a buffering hop, or a reader that fell behind), so their timing says how fast they were read, not how fast
+  they were made. ``tpot_s``/``decode_tps`` are then the engine's own (llama.cpp ``timings.predicted_per_second``)
+  where it reports them, else None: a burst is a data problem, never a speed (a 16-token burst read ~14 µs apart
+  once recorded 54,740 tok/s for an engine doing 358)
 - ``e2e_s`` = done − received
 - ``queue_s`` (llama.cpp) = upstream TTFT − engine ``prompt_ms``
 """
@@ -41,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NS = 1_000_000_000
+#: token events closer than this came in one read: no engine makes a token in 100 µs (10,000 tok/s per request)
+BURST_GAP_S = 100e-6
 
 
 class StreamTimer:
@@ -171,6 +178,7 @@ class StreamTiming:
     gaps_s: tuple[float, ...] = field(default=())
     handler_wait_s: float | None = None
     proxy_delay_s: float | None = None
+    burst: bool = False
 
     @classmethod
     def derive(cls, t: StreamTimer, usage: Usage | None, engine: EngineTimings | None) -> StreamTiming:
@@ -182,7 +190,12 @@ class StreamTiming:
         n = usage.completion_tokens if usage else None
         decode_window = span(t.t_first_token_ns, t.t_last_token_ns)
         tpot = decode_tps = None
-        if n is not None and n > 1 and decode_window:
+        burst = is_burst(t.gaps_ns)
+        if burst:
+            own = engine.predicted_per_second if engine is not None and (engine.predicted_n or 0) > 1 else None
+            if own:
+                tpot, decode_tps = 1 / own, own
+        elif n is not None and n > 1 and decode_window:
             tpot = decode_window / (n - 1)
             decode_tps = (n - 1) / decode_window
         queue = None
@@ -205,4 +218,11 @@ class StreamTiming:
             gaps_s=tuple(g / NS for g in t.gaps_ns),
             handler_wait_s=span(t.t_received_ns, t.t_handler_ns),
             proxy_delay_s=delay,
+            burst=burst,
         )
+
+
+def is_burst(gaps_ns: Any) -> bool:
+    """Most gaps between token events under ``BURST_GAP_S``: the events came in one read."""
+    short = sum(1 for g in gaps_ns if g < BURST_GAP_S * NS)
+    return short > 0 and 2 * short >= len(gaps_ns)

@@ -47,6 +47,9 @@ class Knobs:
     queue_ms: float = 0.0  # request -> slot start: the wait before any status line
     multi: int = 1  # tokens per content event
     ping: bool = False  # ":\n\n" SSE comment in every wait after the headers
+    burst: bool = (
+        False  # stream: the token events made at their cadence, written all at once with the end (per-event faults off)
+    )
     cached: int = 0  # prompt tokens reported as cache hits (cache_n, cached_tokens)
     prompt_tokens: int | None = None  # override the counted prompt tokens
     die_after: int | None = None  # close the socket after K token events (no terminating chunk)
@@ -95,6 +98,7 @@ _KNOB_TYPES: Final[dict[str, Callable[[str], Any]]] = {
     "queue_ms": float,
     "multi": int,
     "ping": _flag,
+    "burst": _flag,
     "cached": int,
     "prompt_tokens": int,
     "die_after": int,

@@ -138,6 +138,7 @@ async def _produce_stream(conn: _Conn, plan: _Plan, clock: _Clock) -> _Outcome:
         await _forever()
     if k.die_after == 0:
         return await _die(conn, k.rst)
+    held: list[bytes] = []  # burst: the token events, written in one go with the end (a buffering hop)
     for events, start in enumerate(range(0, plan.n_tokens, k.multi), start=1):
         last = min(start + k.multi, plan.n_tokens) - 1
         await _wait_until(conn, _due(plan, clock, last), k.ping)
@@ -146,7 +147,11 @@ async def _produce_stream(conn: _Conn, plan: _Plan, clock: _Clock) -> _Outcome:
             clock.t_first = now
         clock.t_last = now
         text = "".join(_piece(i) for i in range(start, last + 1))
-        await conn.send(_chunk(plan.token_events(text, events == 1, last + 1, clock)))
+        event = _chunk(plan.token_events(text, events == 1, last + 1, clock))
+        if k.burst:
+            held.append(event)
+            continue
+        await conn.send(event)
         if k.malformed_after == events:
             await conn.send(_chunk(b"data: {not json\n\n"))
         if k.nodata_after == events:
@@ -171,7 +176,7 @@ async def _produce_stream(conn: _Conn, plan: _Plan, clock: _Clock) -> _Outcome:
         now = loop.time()
         clock.t_first = now if clock.t_first is None else clock.t_first
         clock.t_last = now
-    await conn.send(_chunk(plan.final_events(clock)))
+    await conn.send(b"".join(held) + _chunk(plan.final_events(clock)))
     if plan.terminator:
         await conn.send(_chunk(plan.terminator))
     await conn.send(_LAST_CHUNK)

@@ -36,6 +36,51 @@ def _label(d: Data, name: str) -> str:
     return f"{name} (A/A: noise)" if e is not None and e.aa_of else name
 
 
+def plain(ax: Any) -> None:
+    """Plain tick labels on both axes (``900``, ``0.9``, ``55,000`` — never ``9×10⁻¹``); on a log axis the minor
+    ticks at 2 and 5 of each decade are labelled when the axis spans less than two decades (else none)."""
+    from matplotlib.ticker import FixedFormatter, FuncFormatter, NullFormatter
+
+    for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()), (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
+        if isinstance(axis.get_major_formatter(), FixedFormatter):
+            continue  # labels of their own (settings, prompt classes, the loads measured)
+        if scale == "linear":
+            axis.set_major_formatter(FuncFormatter(lambda v, _: tick(v)))
+        elif scale == "log":
+            axis.set_major_formatter(FuncFormatter(lambda v, _: tick(v)))
+            few = lim[0] > 0 and lim[1] / lim[0] < 100
+            axis.set_minor_formatter(FuncFormatter(lambda v, _: tick(v) if _lead(v) in (2, 5) else "") if few
+                                     else NullFormatter())  # fmt: skip
+
+
+def tick(v: float) -> str:
+    if v == 0:
+        return "0"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.4g}" if abs(v) >= 1e-4 else f"{v:.1e}"
+
+
+def _lead(v: float) -> int:
+    return round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+
+
+def robust_top(ax: Any, tops: Sequence[float]) -> bool:
+    """A linear axis whose largest value is an outlier (over 3× the 90th percentile of what is drawn) is cut at
+    1.5× that percentile, so one wild reading cannot flatten every other point; True when cut (the chart says
+    so)."""
+    xs = sorted(v for v in tops if v is not None and math.isfinite(v) and v > 0)
+    if len(xs) < 3:
+        return False
+    p90 = xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
+    if xs[-1] <= 3 * p90:
+        return False
+    ax.set_ylim(bottom=0, top=1.5 * p90)
+    ax.text(0.99, 0.98, f"axis cut at {tick(1.5 * p90)}: outliers above (see the data checks)",
+            transform=ax.transAxes, ha="right", va="top", fontsize=6, color="0.3")  # fmt: skip
+    return True
+
+
 def forest(verdicts: Sequence[Verdict], ax: Any) -> bool:
     """Each comparison's speed ratio (candidate faster by ×) with its 95 % interval, log scale, the band a win
     must clear shaded around ×1; primary figures filled, the ones beside them hollow."""
@@ -98,6 +143,8 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
         return xs, [pts[x] for x in xs]
 
     def save(fig: Any, fname: str, title: str) -> None:
+        for ax in fig.axes:
+            plain(ax)
         fig.tight_layout()
         p = out / f"{fname}.svg"
         fig.savefig(p, format="svg", metadata={"Date": None})
@@ -121,6 +168,7 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
     for fname, title, key, value, ylabel, scale, logy in specs:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         drew = False
+        tops: list[float] = []
         for cache in caches:
             for ni, n in enumerate(names):
                 xs, vals = series(cache, n, value, key)
@@ -135,6 +183,7 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
                 if "linestyle" not in st:
                     st["linestyle"] = "-" if cache != "warm" else "--"
                 ax.errorbar(pos, ys, yerr=[lo, hi], capsize=3, label=f"{_label(d, n)} ({cache})", **st)
+                tops += [max(v) * scale for v in vals]
                 if key == "prompt_len":
                     ax.set_xticks(pos, [str(x) for x in xs])
         if not drew:
@@ -142,6 +191,8 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
             continue
         if logy:
             ax.set_yscale("log")
+        else:
+            robust_top(ax, tops)
         if key in ("concurrency", "rate"):
             ax.set_xscale("log", base=2)
             loads = {s.cell.rate if key == "rate" else float(s.cell.concurrency) for s in r.samples}
@@ -283,6 +334,8 @@ def live_delta_chart(
         ax.legend(fontsize=7)
     fig.tight_layout()
     p = out / "live_delta_over_pairs.svg"
+    for a in fig.axes:
+        plain(a)
     fig.savefig(p, format="svg", metadata={"Date": None})
     plt.close(fig)
     return p
@@ -324,6 +377,8 @@ def live_concurrency_chart(points: Sequence[tuple[str, int, float | None, float 
     fig.suptitle("Live traffic by observed concurrency — median, bars = 25th–75th percentile", fontsize=9)
     fig.tight_layout()
     path = out / "live_by_concurrency.svg"
+    for a in fig.axes:
+        plain(a)
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
     return path
@@ -363,6 +418,8 @@ def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: in
         lo = [v[0] - v[1] for _, v in pts]
         hi = [v[2] - v[0] for _, v in pts]
         ax.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], capsize=3, marker="o", color=color, label=label)
+    robust_top(ax, [v[2] for pt in points for v in pt[1:] if v])
+    plain(ax)
     ax.set_xticks(xs, [p[0] for p in points])
     ax.set_xlabel(flag)
     ax.set_ylabel("tok/s")
@@ -370,6 +427,8 @@ def tune_chart(flag: str, points: Sequence[tuple[str, Spread, Spread]], conc: in
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
+    for a in fig.axes:
+        plain(a)
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
     return path

@@ -34,6 +34,7 @@ def request_record(t: Target, o: RequestOutcome, t0_ns: int, **extra: Any) -> di
         "headers_s": tm.headers_s,
         "tpot_s": tm.tpot_s,
         "decode_tps": tm.decode_tps,
+        "burst": tm.burst,  # the token events came in one read: tpot/decode are the engine's own, or None
         "e2e_s": tm.e2e_s,
         "itl_s": [round(g, 6) for g in tm.gaps_s],
         "prompt_tokens": u.prompt_tokens if u else None,
@@ -70,7 +71,7 @@ def sample_record(
     def vals(attr: str) -> list[float]:
         return [cast(float, getattr(o.timing, attr)) for o in ok if getattr(o.timing, attr) is not None]
 
-    itl = [g for o in ok for g in o.timing.gaps_s]
+    itl = [g for o in ok if not o.timing.burst for g in o.timing.gaps_s]  # a burst's gaps time the reader
     comp = [float(o.usage.completion_tokens) for o in ok if o.usage and o.usage.completion_tokens]
     prompt = [float(o.usage.prompt_tokens) for o in ok if o.usage and o.usage.prompt_tokens]
     good = sum(1 for o in ok if meets_slo({"ok": True, "ttft_s": o.timing.ttft_s, "tpot_s": o.timing.tpot_s,
@@ -84,6 +85,8 @@ def sample_record(
         "prompt_tokens": sum(prompt) / len(prompt) if prompt else None,
         "engine_decode_tps": _median([o.engine.predicted_per_second for o in ok
                                       if o.engine and o.engine.predicted_per_second is not None]),
+        "bursts": sum(1 for o in ok if o.timing.burst),
+        "bursts_unrated": sum(1 for o in ok if o.timing.burst and o.timing.decode_tps is None),
         "gpu_mem_peak_bytes": mem_peak, "gpu_mem_source": mem.source,
         "gpus": list(mem.gpus.get(mem_engine, ())), "gpu_mem_total_bytes": mem.total_bytes,
     }  # fmt: skip

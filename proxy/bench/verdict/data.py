@@ -134,7 +134,8 @@ def load_bench(
             output_tps=r.get("output_tps"), gpu_mem_peak_bytes=r.get("gpu_mem_peak_bytes"),
             errors=tuple(r.get("errors") or ()), gpu_mem_source=r.get("gpu_mem_source"),
             gpus=tuple(r.get("gpus") or ()), gpu_mem_total_bytes=r.get("gpu_mem_total_bytes"),
-            goodput_rps=r.get("goodput_rps"),
+            goodput_rps=r.get("goodput_rps"), bursts=int(r.get("bursts") or 0),
+            bursts_unrated=int(r.get("bursts_unrated") or 0),
             percentiles={k: v for k, v in r.items() if k.endswith(("_p50_s", "_p90_s", "_p99_s"))},
         )
         for r in recs

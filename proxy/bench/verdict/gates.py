@@ -74,6 +74,7 @@ def data_gate(
             out.append(_reason("data", "ok" if within and not broken else "inconclusive", f"{name}: {n_err} of "
                                f"{n_ok + n_err} requests failed" + (f" ({'; '.join(errs)})" if errs else "") + allowed,
                                "errors"))  # fmt: skip
+    out += [x for name in (base, cand) if (x := _bursts(name, [s for s in samples if s.engine == name]))]
     # live traffic: the anytime-valid verdict's own minimum of pairs decides when anything is decided ("not yet")
     judged_cells = [] if r.live else common
     short = sorted(
@@ -103,6 +104,25 @@ def data_gate(
         )
         out.append(_reason("data", "ok", f"cache accounting checked: {what}", "cache"))
     return out
+
+
+def _bursts(name: str, mine: Sequence[Sample]) -> Reason | None:
+    """Requests whose token events came in one read: their chunk timing times the reader, not the engine. Stated
+    when the engine's own timings stood in; a repeat whose decode figure rests on such requests is inconclusive."""
+    hit = [s for s in mine if s.bursts]
+    if not hit:
+        return None
+    n, unrated, total = sum(s.bursts for s in hit), sum(s.bursts_unrated for s in hit), sum(s.n_ok for s in mine)
+    where = max(hit, key=lambda s: s.bursts / max(s.n_ok, 1)).cell.label()
+    head = (f"{name}: {n} of {total} requests arrived in one read (token events under 0.1 ms apart, e.g. at "
+            f"{where}): their chunk timing is not a decode rate")  # fmt: skip
+    if not unrated:
+        return _reason("data", "ok", head + " — the engine's own timings stand in for it", "bursts")
+    driven = [s for s in hit if 2 * s.bursts_unrated >= s.n_ok]
+    tail = (f" — {unrated} without the engine's timings have none; {len(driven)} repeat(s) rest on them: "
+            "a buffering hop between the engines and the bench (a proxy, a slow reader), measure closer" if driven
+            else f" — {unrated} without the engine's timings are left out of the decode figures")  # fmt: skip
+    return _reason("data", "inconclusive" if driven else "ok", head + tail, "bursts")
 
 
 # ---- parity ------------------------------------------------------------------------------------------

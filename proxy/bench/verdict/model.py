@@ -71,6 +71,10 @@ class Sample:
     gpu_mem_total_bytes: int | None = None
     goodput_rps: float | None = None
     percentiles: Mapping[str, float | None] = field(default_factory=dict)  # ttft_p50_s ... itl_p99_s
+    #: requests whose token events came in one read (their decode rate: the engine's own timings), and of them
+    #: those without engine timings (no decode rate at all)
+    bursts: int = 0
+    bursts_unrated: int = 0
 
 
 @dataclass(frozen=True, slots=True)
