@@ -84,6 +84,8 @@ class Diagnosis:
     #: the probe requests' timing split (``enginemeter diagnose``; not in the live section)
     timing: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    #: GPU memory the engine may use (``--memory-budget``): memory is judged against it where it is tighter
+    memory_budget_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -105,11 +107,12 @@ async def gather(
     memory: GpuMemory | None = None,
     timeout_s: float = 5.0,
     client: httpx.AsyncClient | None = None,
+    budget_bytes: int | None = None,
 ) -> Diagnosis:
     """Everything the diagnosis can learn about the engine at ``url`` without generating a token. Blocking
     reads (``/proc``, the log, the model file, NVML) run in a thread. Never raises for an unreadable source:
     ``notes`` say what could not be read. ``client``: the engine's own (its auth), else one made here."""
-    d = Diagnosis(url=url.rstrip("/"), name=name, kind=kind)
+    d = Diagnosis(url=url.rstrip("/"), name=name, kind=kind, memory_budget_bytes=budget_bytes)
     async with contextlib.AsyncExitStack() as stack:
         if client is None:
             client = await stack.enter_async_context(
@@ -301,6 +304,8 @@ def _logged_type(logged: str | None, i: int) -> str | None:
 def size(n: int | float | None) -> str:
     if n is None:
         return "?"
+    if abs(n) < 2**20:
+        return f"{n / 2**10:.1f} KiB" if abs(n) >= 2**10 else f"{n:.0f} B"
     return (
         f"{n / 2**30:.2f} GiB"
         if abs(n) >= 2**30
@@ -358,6 +363,12 @@ def judge_memory(d: Diagnosis, gpu: MemoryReading | None) -> Judgement:
     total, free = sum(x.total_bytes for x in devs), sum(x.free_bytes for x in devs)
     used = total - free
     where = ", ".join(f"GPU {x.index} {x.name}" for x in devs)
+    budget = d.memory_budget_bytes
+    if budget is not None and budget < total:  # the engine's share: the budget less what it holds already
+        held_now = gpu.engine_bytes if gpu.engine_bytes is not None else used
+        free, total = max(0, min(free, budget - held_now)), budget
+        used = total - free
+        where += f" (the --memory-budget {size(budget)})"
     tight = max(TIGHT_BYTES, 0.05 * total)
     held = f"; the engine holds {size(gpu.engine_bytes)}" if gpu.engine_bytes is not None else ""
     frac = d.started.memory_fraction
@@ -379,7 +390,9 @@ def judge_memory(d: Diagnosis, gpu: MemoryReading | None) -> Judgement:
         return Judgement(True, f"memory is the constraint: {size(free)} free of {size(total)} on {where}{held}")
     more = ""
     if d.kv and d.kv.per_slot_bytes:
-        more = f"; room for about {int(free // d.kv.per_slot_bytes)} more slots at {d.kv.per_slot_bytes / 2**20:.0f} MiB of KV each"
+        n = int(free // d.kv.per_slot_bytes)
+        room = f"about {n:,}" if n < 1000 else "over 1,000"  # a tiny model's slot is KiB: the count says nothing
+        more = f"; room for {room} more slots at {size(d.kv.per_slot_bytes)} of KV each"
     return Judgement(
         False,
         f"memory is not the constraint: {size(free)} free of {size(total)} ({size(used)} used) on {where}{held}{more}",

@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from proxy.bench.run.client import RequestOutcome, send_one
+from proxy.bench.run.options import UsageError, size_bytes
 from proxy.diagnosis import Diagnosis, gather, size
 from proxy.gpu.memory import GpuMemory
 
@@ -34,6 +37,7 @@ eval (decode) first, prompt eval next, load last. See docs/diagnose.md."""
 EPILOG = """\
 examples:
   enginemeter diagnose http://127.0.0.1:8081
+  enginemeter diagnose http://127.0.0.1:8081/v1 --memory-budget 72GiB   # an OpenAI SDK base_url works too
   enginemeter diagnose http://127.0.0.1:8081 --log /var/log/llama-server.log --json
   enginemeter diagnose http://127.0.0.1:30000 --probes 0        # SGLang, no probe requests"""
 
@@ -50,7 +54,10 @@ def add_command(sub: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d.add_argument("url", metavar="URL", help="the engine's base URL (no /v1)")
+    d.add_argument("url", metavar="URL", help="the engine's base URL, http://HOST:PORT (a trailing /v1, as an "
+                   "OpenAI SDK's base_url has it, is dropped)")  # fmt: skip
+    d.add_argument("--memory-budget", metavar="SIZE", help="GPU memory the engine may use (e.g. 72GiB): memory is "
+                   "judged against it, and the tune command it ends with carries it")  # fmt: skip
     d.add_argument("--log", type=Path, metavar="FILE", help="the engine's log (default: found through its process)")
     d.add_argument("--pid", type=int, help="the engine's process id (default: the process listening on URL's port)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -66,8 +73,13 @@ def _diagnose(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.log is not None and not args.log.is_file():
-        print(f"enginemeter diagnose: --log {args.log}: no such file", file=sys.stderr)
+    try:
+        args.url = base_url(args.url)
+        args.budget = size_bytes(args.memory_budget)
+        if args.log is not None and not args.log.is_file():
+            raise UsageError(f"--log {args.log}: no such file")
+    except UsageError as exc:
+        print(f"enginemeter diagnose: {exc}", file=sys.stderr)
         return 2
     try:
         d = asyncio.run(run(args))
@@ -75,16 +87,92 @@ def _diagnose(args: argparse.Namespace) -> int:
         print(f"enginemeter diagnose: cannot reach {args.url}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if d.kind is None:
-        print(f"enginemeter diagnose: {args.url} does not answer as an engine ({'; '.join(d.notes)})", file=sys.stderr)
+        cause = next((n.removeprefix("engine: ") for n in d.notes if n.startswith("engine: ")), "no answer")
+        rest = [n for n in d.notes if not n.startswith("engine: ")]
+        print(f"enginemeter diagnose: cannot probe {args.url}: {_cause(cause)}", file=sys.stderr)
+        for n in rest:
+            print(f"  - {n}", file=sys.stderr)
         return 2
-    print(json.dumps(d.to_json(), indent=2, default=str) if args.json else render(d))
-    return 0
+    t = d.timing or {}
+    failed = args.probes > 0 and not t.get("ok")
+    if failed:  # the cause first; what could be read without a token still follows
+        why = "; ".join(t.get("errors") or ["no answer"])
+        print(f"enginemeter diagnose: the probe requests to {args.url} failed: {why}", file=sys.stderr)
+    nxt = next_command(d, args.memory_budget)
+    if args.json:
+        print(json.dumps({**d.to_json(), "next": nxt}, indent=2, default=str))
+    else:
+        print(render(d) + f"\n\nNext: {nxt}")
+    return 1 if failed else 0
+
+
+def base_url(raw: str) -> str:
+    """The engine's base URL from what a person has: ``http://h:p``, ``http://h:p/`` or ``http://h:p/v1`` (an
+    OpenAI SDK's base_url). A ``UsageError`` says what is wrong, first."""
+    url = raw.strip()
+    if "://" not in url:
+        raise UsageError(f"URL {raw!r} has no scheme: write http://{url.lstrip('/')}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise UsageError(f"URL {raw!r}: the scheme must be http or https, not {parts.scheme}")
+    if not parts.hostname:
+        raise UsageError(f"URL {raw!r} names no host")
+    try:
+        parts.port  # noqa: B018 — a port that is not a number raises here, not deep in httpx
+    except ValueError:
+        raise UsageError(f"URL {raw!r}: the port is not a number") from None
+    path = parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _cause(error: str) -> str:
+    low = error.lower()
+    if "connecterror" in low or "connection refused" in low or "all connection attempts failed" in low:
+        return f"connection refused — nothing listens there (is the engine running, the port right?) ({error})"
+    if "timeout" in low:
+        return f"no answer in time ({error})"
+    return error
+
+
+#: the slot counts the suggested tune sweeps
+SWEEP = "{1,2,4,8}"
+
+
+def next_command(d: Diagnosis, budget: str | None) -> str:
+    """What to run next: llama.cpp — ``enginemeter tune`` sweeping ``-np`` over this engine's own command line
+    (the flags it was started with; ``{port}`` for its port); another engine — a bench against a second one."""
+    tail = ["--memory-budget", budget] if budget else []
+    if d.kind != "llamacpp":
+        return shlex.join(["enginemeter", "bench", "--engine", f"{d.kind}={d.url}", "--engine", "OTHER=URL", *tail]) + (
+            "    # OTHER=URL: the engine to compare it with"
+        )
+    argv = list(d.process.argv)
+    if not argv:  # not on this machine: the flags the engine told, the model's path when it says it
+        argv = ["llama-server", "-m", d.model_path or "MODEL.gguf"]
+        for key, flag in _FLAG_NAMES.items():
+            if key in d.flags and key != "parallel":
+                argv += [flag, str(d.flags[key])]
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("-np", "--parallel", "--port"):
+            skip = True
+            continue
+        if a.startswith(("--port=", "--parallel=")):
+            continue
+        out.append(a)
+    launch = shlex.join(out) + f" -np {SWEEP} --port {{port}}"
+    note = "" if d.process.argv else "    # MODEL.gguf: the engine's model file" if not d.model_path else ""
+    return shlex.join(["enginemeter", "tune", "--launch", launch, *tail]) + note
 
 
 async def run(args: argparse.Namespace) -> Diagnosis:
     memory = GpuMemory()
     try:
-        d = await gather(args.url, log=args.log, pid=args.pid, memory=memory)
+        d = await gather(args.url, log=args.log, pid=args.pid, memory=memory, budget_bytes=args.budget)
         if d.kind is not None and args.probes > 0:
             d.timing = await probe(d, args.probes, args.prompt_words, args.max_tokens, args.model, args.timeout)
     finally:

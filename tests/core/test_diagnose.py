@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from proxy.bench.run.sweep import variants
 from proxy.diagnosis import Diagnosis, gather
 from proxy.embedded import make_model
 from proxy.embedded.gguf_meta import model_shape, read_gguf
@@ -213,7 +215,62 @@ def test_a_missing_log_file_and_an_unreachable_engine_exit_2() -> None:
     r = cli("http://127.0.0.1:9", "--log", "/nonexistent.log")
     assert r.returncode == 2 and "no such file" in r.stderr
     r = cli(f"http://127.0.0.1:{free_port()}", "--probes", "0")
-    assert r.returncode == 2 and "does not answer as an engine" in r.stderr
+    assert r.returncode == 2 and "cannot probe" in r.stderr
+
+
+# ---- the URL a person has, the cause first, the next command ---------------------------------------------
+
+
+def test_a_base_url_with_v1_is_diagnosed_and_ends_with_the_tune_command(
+    llama_server_factory: LlamaServerFactory,
+) -> None:
+    engine = llama_server_factory(np=2)
+    r = cli(engine.url + "/v1/", "--probes", "1", "--max-tokens", "4", "--memory-budget", "72GiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"enginemeter diagnose {engine.url}: llama.cpp")
+    assert "eval " in r.stdout and "probes failed" not in r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("Next: enginemeter tune --launch ") and last.endswith(" --memory-budget 72GiB")
+    argv = shlex.split(last.removeprefix("Next: "))
+    launch = argv[argv.index("--launch") + 1]
+    assert launch.endswith(" -np {1,2,4,8} --port {port}") and "-c 2048" in launch
+    assert " -np 2" not in launch and f"--port {engine.port}" not in launch  # the sweep and {port} replace them
+    flag, settings = variants(launch, None, None)  # tune reads it as written
+    assert flag == "-np" and [v.value for v in settings] == ["1", "2", "4", "8"]
+
+
+def test_a_refused_probe_and_a_url_without_scheme_exit_non_zero_with_the_cause_first(
+    llama_server_factory: LlamaServerFactory,
+) -> None:
+    r = cli(f"http://127.0.0.1:{free_port()}/v1")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0].startswith("enginemeter diagnose: cannot probe http://127.0.0.1:")
+    assert "connection refused" in r.stderr.splitlines()[0]
+    r = cli("127.0.0.1:8080")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == (
+        "enginemeter diagnose: URL '127.0.0.1:8080' has no scheme: write http://127.0.0.1:8080"
+    )
+    assert cli("http://127.0.0.1:9", "--memory-budget", "lots").returncode == 2
+    engine = llama_server_factory(ctx_size=512)
+    r = cli(engine.url, "--probes", "1", "--prompt-words", "2000")  # longer than the context: every probe fails
+    assert r.returncode == 1, r.stdout
+    assert r.stderr.splitlines()[0].startswith(f"enginemeter diagnose: the probe requests to {engine.url} failed")
+    assert "Next: enginemeter tune" in r.stdout  # what could be read without a token still follows
+
+
+def test_memory_is_judged_against_the_budget_and_tiny_slots_read_sanely(
+    llama_server_factory: LlamaServerFactory,
+) -> None:
+    engine = llama_server_factory(np=2, extra_args=("-lv", "4"))
+    memory = GpuMemory(opener=lambda: OneReading([engine.pid], held=40 * MIB, used=16 * GIB))
+    d = asyncio.run(gather(engine.url, memory=memory, budget_bytes=40 * GIB))
+    assert d.memory is not None and d.memory.value is False
+    assert "39.96 GiB free of 40.00 GiB" in d.memory.why and "--memory-budget 40.00 GiB" in d.memory.why
+    assert "at 0 MiB" not in d.memory.why and "KiB of KV each" in d.memory.why, d.memory.why
+    tight = asyncio.run(gather(engine.url, memory=GpuMemory(opener=lambda: OneReading([engine.pid], held=40 * MIB)),
+                               budget_bytes=48 * MIB))  # fmt: skip
+    assert tight.memory is not None and tight.memory.value is True, tight.memory
 
 
 # ---- SGLang: the same facts where it says them -----------------------------------------------------------
