@@ -198,7 +198,8 @@ def _start_embedded(args: argparse.Namespace, embedded: list[object]) -> tuple[S
         workdir.mkdir(parents=True, exist_ok=True)
         log = logging.getLogger("enginemeter")
         log.info("no engines configured: starting the embedded demo in %s", workdir)
-        log.info("the first run builds llama-server from source (about 8 min on 2 cores; cached afterwards)")
+        if not os.environ.get("LLAMA_SERVER_BIN") and not (emb.server_dir() / "bin" / "llama-server").is_file():
+            log.info("building llama-server from source first (about 8 min on 2 cores; cached afterwards)")
         embedded += emb.start_default_engines(workdir, log=_LogLines(logging.getLogger("enginemeter.embedded")))
         named = [f"{e.name}={e.url}" for e in embedded]  # type: ignore[attr-defined]
         settings = load(
