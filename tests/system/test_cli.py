@@ -350,6 +350,7 @@ def test_bare_serve_is_the_demo_and_ctrl_c_stops_its_engines(
         rc, err = s.stop()
     assert rc == 0, err
     assert all(LOG_LINE.match(ln) for ln in err.splitlines() if ln.strip()), err
+    assert "no engines configured" in err and "llama-server from source" not in err  # the binary is there: no build
     for _, url in engines:  # the engines went with the proxy
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=5)

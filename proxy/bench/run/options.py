@@ -162,7 +162,8 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-timeout", type=float, metavar="S",
                    help="launched engines: seconds from launch to ready before the launch fails (default 900)")  # fmt: skip
     p.add_argument("--quick", action="store_true", default=None,
-                   help="CI-sized preset: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))  # fmt: skip
+                   help="CI-sized preset: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (what 4 slots "
+                   "buy shows only at c=4: add --concurrency 1,4)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
 
