@@ -41,7 +41,10 @@ log() { printf '[orch %5ss %(%H:%M:%S)T] %s\n' "$SECONDS" -1 "$*"; }
 tl() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "${6//$'\n'/ }" >> "$TL"; }  # step lane t0 t1 rc note
 fail() { printf '%s\n' "$2" > "$S/$1.failed"; log "FAILED $1: $2"; }
 mark() { touch "$S/$1"; }
-fits() { (( SECONDS + $1 + ${2:-0} + MARGIN_S <= DEADLINE_S )); }  # fits EST [LATER]
+# the deadline may be moved by a later device call (DEADLINE_S=... device.sh stage|wait writes state/deadline_s):
+# the lease's clock is only known once the machine's start time is (scripts/gpu/lease.py)
+deadline() { [ -s "$S/deadline_s" ] && DEADLINE_S=$(cat "$S/deadline_s"); return 0; }
+fits() { deadline; (( SECONDS + $1 + ${2:-0} + MARGIN_S <= DEADLINE_S )); }  # fits EST [LATER]
 # wait_for FILE...: until every state file exists; 1 (cause in NOTE) when one failed, on stop or at the deadline
 wait_for() {
   local f ok
@@ -53,6 +56,7 @@ wait_for() {
     done
     [ $ok = 1 ] && return 0
     [ -f "$S/stop" ] && { NOTE="stopped (state/stop)"; return 1; }
+    deadline
     (( SECONDS >= DEADLINE_S )) && { NOTE="deadline reached waiting for $*"; return 1; }
     sleep 2
   done
