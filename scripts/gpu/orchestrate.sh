@@ -272,7 +272,11 @@ want=math.ceil((fit+(n-h+0.5)*1024/t)*1000)/1000; print(f'{min(cap, want):.3f}',
 step_vllm() {
   local step=vllm_fp8 out=$R/vllm-fp8 target rc attempt=1 retry why
   NOTE=""
-  if ! wait_for vl.extracted model.extracted em.ready; then skip "$step" "$NOTE"; return; fi
+  # vLLM's carries may not come at all (no VLLM=1, or calls 3-5 not made): a bounded wait, never the deadline
+  local t_end=$(( SECONDS + VL_WAIT_S ))
+  while [ ! -f "$S/vl.extracted" ] && [ ! -f "$S/vl.extracted.failed" ] && (( SECONDS < t_end )); do sleep 2; done
+  [ -f "$S/vl.extracted" ] || { skip "$step" "vLLM's install tree not here after $VL_WAIT_S s (its carries: VLLM=1 fetch-wheels.sh, the stage calls c2-c5): no vLLM arm"; return; }
+  if ! wait_for model.extracted em.ready; then skip "$step" "$NOTE"; return; fi
   has_cli bench --launch || { skip "$step" "this tree's enginemeter has no bench --launch (issue 22): merge it"; return; }
   fits "$EST_VL_FP8" "$LATER" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $EST_VL_FP8 + $LATER after it + margin $MARGIN_S > $DEADLINE_S s)"; return; }
   target="vllm-fp8=$(vllm_fp8_cmd)"

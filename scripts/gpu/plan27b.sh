@@ -87,6 +87,7 @@ VL_RETRY=${VL_RETRY:-auto}
 VL_CTX_MIN=${VL_CTX_MIN:-32768}
 VL_CTX_FALLBACK=${VL_CTX_FALLBACK:-131072}  # when the log gives no estimate
 VL_FLAGS="--attention-backend TRITON_ATTN --max-num-seqs 64"
+VL_WAIT_S=${VL_WAIT_S:-240}          # how long the arm waits for vLLM's carries to be unpacked (all 5 stage calls)
 vllm_fp8_cmd() {  # vllm_fp8_cmd [CTX] [EXTRA...]
   local ctx=${1:-$VL_CTX}; shift || true
   echo "$VL_ENV $PYTHON -m vllm.entrypoints.openai.api_server --model $HF --served-model-name $ALIAS --load-format dummy --dtype bfloat16 --quantization fp8 $VL_FLAGS --max-model-len $ctx $* --host 127.0.0.1 --port {port}"
