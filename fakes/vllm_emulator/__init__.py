@@ -66,7 +66,7 @@ def startup_log(config: Config) -> str | None:
         )
     if kv is not None and config.max_model_len > kv:
         need, have = config.max_model_len * KV_BYTES_PER_TOKEN, kv * KV_BYTES_PER_TOKEN
-        print(KV_ERROR.format(need=config.max_model_len, need_gib=need / gib, have_gib=have / gib, have=kv),
+        print(KV_ERROR.format(need=config.max_model_len, need_gib=round(need / gib, 2), have_gib=round(have / gib, 2), have=kv),
               file=sys.stderr, flush=True)  # fmt: skip
         return None
     kv = kv or config.max_model_len * 4

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 VERSION = "0.26.0"
 FINGERPRINT = "vllm-0.26.0-42466141"
 NOT_FOUND = ("/health_generate", "/ready", "/server_info", "/get_server_info", "/model_info", "/props", "/slots")
-#: vLLM's KV check at startup (v1/core/kv_cache_utils.py), the part enginemeter's harness reads back
+#: vLLM 0.26.0's KV check at startup (vllm/v1/core/kv_cache_utils.py ``_check_enough_kv_cache_memory``, GiB as its
+#: ``format_gib``: rounded to 2 places), less its closing documentation link; the harness's retry reads it back
 KV_ERROR = (
-    "ValueError: To serve at least one request with the models's max seq len ({need}), ({need_gib:.2f} GiB KV cache "
-    "is needed, which is larger than the available KV cache memory ({have_gib:.2f} GiB). Based on the available "
-    "memory, the estimated maximum model length is {have}. Try increasing `gpu_memory_utilization` or decreasing "
-    "`max_model_len` when initializing the engine."
+    "ValueError: To serve at least one request with the model's max seq len ({need}), ({need_gib} GiB KV cache "
+    "is needed, which is larger than the available KV cache memory ({have_gib} GiB). Based on the available "
+    "memory, the estimated maximum model length is {have}. Try increasing `gpu_memory_utilization` (which also "
+    "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine."
 )
 KV_BYTES_PER_TOKEN = 232 * 1024  # the 27B shape's f16 KV per token (scripts/gpu/README.md), for the log lines
 

@@ -254,9 +254,9 @@ vl_retry_target() {  # vl_retry_target OUT -> "TARGET<TAB>why" on stdout; 1 when
   need=$(grep -o '([0-9.]* GiB KV cache is needed' <<< "$logs" | grep -o '[0-9.]*' | tail -n 1)
   have=$(grep -o 'available KV cache memory ([0-9.]* GiB)' <<< "$logs" | grep -o '[0-9.]*' | tail -n 1)
   if [ "$VL_RETRY" != ctx ] && [ -n "$need" ] && [ -n "$have" ]; then
-    # the share that gives the KV it lacked (+0.5 GiB), and whether it stays under the budget's share of the card
+    # the share that gives the KV it lacked (+0.25 GiB), and whether it stays under the budget's share of the card
     read -r share ok < <("$PYTHON" -c "import math,sys; b,t,n,h=map(float,sys.argv[1:]); fit=(b-1)*1024/t; cap=math.floor(b*1024/t*1000)/1000
-want=math.ceil((fit+(n-h+0.5)*1024/t)*1000)/1000; print(f'{min(cap, want):.3f}', int(want <= cap))" \
+want=math.ceil((fit+(n-h+0.25)*1024/t)*1000)/1000; print(f'{min(cap, want):.3f}', int(want <= cap))" \
       "$BUDGET_GIB" "$GPU_TOTAL_MIB" "$need" "$have")
     if [ "$VL_RETRY" = share ] || [ "$ok" = 1 ]; then
       printf '%s\t%s\n' "vllm-fp8=$(vllm_fp8_cmd "$VL_CTX" --gpu-memory-utilization "$share")" \

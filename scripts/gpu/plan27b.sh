@@ -77,7 +77,7 @@ VL_CTX=${VL_CTX:-$CTX}                # --max-model-len; the retry may lower it 
 # vLLM refuses to start when one request of --max-model-len does not fit its KV cache (at 0.505 of the card: FP8
 # weights ~25 GiB, activations ~2-3 GiB, the 43.5 GiB for 196,608 tokens is short by ~1 GiB). The arm then
 # retries once, by VL_RETRY:
-#   share  --gpu-memory-utilization raised by the KV it lacked (+0.5 GiB), at most the budget's share of the card
+#   share  --gpu-memory-utilization raised by the KV it lacked (+0.25 GiB), at most the budget's share of the card
 #          (0.512): the same context as llama.cpp, the peak up to ~0.5 GiB over the budget (a caveat of the
 #          memory gate, not a stop)
 #   ctx    --max-model-len at vLLM's own estimate (rounded down to 1 k, >= VL_CTX_MIN): the 72 GiB share kept,

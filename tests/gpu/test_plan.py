@@ -97,3 +97,39 @@ def test_live_profile_and_the_traffic_spec() -> None:
     assert live.traffic_spec(line, None) == ("c1=50,c64=50", "serve's shutdown line")  # type: ignore[attr-defined]
     spec, source = live.traffic_spec("", {"traffic": {"busy_shares": {"1": 0.25, "33-64": 0.75}}})  # type: ignore[attr-defined]
     assert source.startswith("/health") and spec.startswith("c1=25,c")
+
+
+def _retry(log: str, tmp_path: Path, mode: str = "auto") -> tuple[str, str]:
+    """orchestrate.sh's vl_retry_target on an engine log, as the plan runs it (H200 card, 72 GiB budget)."""
+    (tmp_path / "engines").mkdir(parents=True)
+    (tmp_path / "engines" / "vllm-fp8.log").write_text(log)
+    text = (GPU / "orchestrate.sh").read_text()
+    fn = text[text.index("vl_retry_target() {") :]
+    fn = fn[: fn.index("\n}\n") + 3]
+    script = f". scripts/gpu/plan27b.sh\nGPU_TOTAL_MIB={H200_MIB}\nVL_RETRY={mode}\n{fn}\nvl_retry_target {tmp_path}"
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, check=False,
+                       env={k: v for k, v in os.environ.items() if k != "SMOKE"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    target, why = r.stdout.rstrip("\n").split("\t")
+    return target, why
+
+
+# vLLM 0.26.0's own words (vllm/v1/core/kv_cache_utils.py), with numbers of a 27B FP8 start at the 0.505 share
+REFUSAL = ("ValueError: To serve at least one request with the model's max seq len (196608), ({need} GiB KV cache is "
+           "needed, which is larger than the available KV cache memory ({have} GiB). Based on the available memory, "
+           "the estimated maximum model length is {est}. Try increasing `gpu_memory_utilization` (which also "
+           "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine.")  # fmt: skip
+
+
+def test_vllm_retry_raises_the_share_when_the_budget_has_room(tmp_path: Path) -> None:
+    target, why = _retry(REFUSAL.format(need=43.5, have=43.3, est=195700), tmp_path)
+    assert "--gpu-memory-utilization 0.509" in target and "--max-model-len 196608" in target
+    assert why.startswith("VL_RETRY=auto -> share")
+
+
+def test_vllm_retry_lowers_the_context_when_the_share_would_pass_the_budget(tmp_path: Path) -> None:
+    target, why = _retry(REFUSAL.format(need=43.5, have=41.2, est=186000), tmp_path)
+    assert "--max-model-len 185344" in target and "--gpu-memory-utilization" not in target  # 181 x 1024
+    assert why.startswith("VL_RETRY=auto -> ctx")
+    target, _ = _retry(REFUSAL.format(need=43.5, have=41.2, est=186000), tmp_path / "x", "share")
+    assert "--gpu-memory-utilization 0.512" in target  # forced: capped at the budget's share of the card
