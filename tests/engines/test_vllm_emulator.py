@@ -117,6 +117,6 @@ def test_refuses_to_start_when_one_request_does_not_fit_the_kv_cache(llama_serve
     proc, _ = _start(llama_server.url, "--max-model-len", "4096", "--emulate-kv-tokens", "3000")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert "To serve at least one request with the models's max seq len (4096)" in out
+    assert "To serve at least one request with the model's max seq len (4096)" in out
     assert "the estimated maximum model length is 3000" in out
     assert "non-default args:" in out and "'gpu_memory_utilization': 0.505" in out
