@@ -71,9 +71,9 @@ def server_info(engine: SGLangEmulator, template: dict[str, Any]) -> dict[str, A
         if config.mem_fraction_static is not None
         else args.get("mem_fraction_static"),
         # SGLang's ServerArgs: a model path that is a GGUF file sets quantization = load_format = "gguf"
-        load_format="gguf" if _is_gguf(engine.model_path) else "auto",
-        quantization="gguf" if _is_gguf(engine.model_path) else args.get("quantization"),
-        dtype="auto",
+        load_format="gguf" if _is_gguf(engine.model_path) else config.load_format or "auto",
+        quantization="gguf" if _is_gguf(engine.model_path) else config.quantization or args.get("quantization"),
+        dtype=config.dtype or "auto",
         enable_metrics=config.enable_metrics,
         enable_cache_report=config.enable_cache_report,
         stream_response_default_include_usage=config.stream_response_default_include_usage,

@@ -22,6 +22,9 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-queued-requests", type=int, default=None)
+    p.add_argument("--quantization", default=None, help="reported in /server_info (e.g. fp8), as SGLang does")
+    p.add_argument("--load-format", default=None, help="reported in /server_info (e.g. dummy)")
+    p.add_argument("--dtype", default=None, help="reported in /server_info (e.g. bfloat16)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="reported in /server_info, as SGLang does")
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
@@ -40,6 +43,9 @@ def _parse_args(argv: list[str] | None) -> EmulatorConfig:
         max_running_requests=a.max_running_requests,
         max_queued_requests=a.max_queued_requests,
         mem_fraction_static=a.mem_fraction_static,
+        quantization=a.quantization,
+        load_format=a.load_format,
+        dtype=a.dtype,
         enable_metrics=a.enable_metrics,
         enable_cache_report=a.enable_cache_report,
         version=a.sglang_version,

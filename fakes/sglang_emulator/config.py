@@ -28,6 +28,9 @@ class EmulatorConfig:
     max_running_requests: int | None = None  # None: the backend's total_slots
     max_queued_requests: int | None = None  # None: no limit (SGLang's default)
     mem_fraction_static: float | None = None  # None: the captured server's 0.192 (SGLang picks it from the GPU)
+    quantization: str | None = None  # --quantization (fp8, ...): /server_info's quantization; None: the template's
+    load_format: str | None = None  # --load-format (dummy, ...): /server_info's; None: auto (gguf for a GGUF file)
+    dtype: str | None = None  # --dtype: /server_info's; None: auto
     enable_metrics: bool = False
     enable_cache_report: bool = False
     stream_response_default_include_usage: bool = False

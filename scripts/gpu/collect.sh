@@ -7,7 +7,7 @@
 #
 # DEST/raw/    every run as it came back: NAME/results.jsonl.gz, NAME/command.txt, NAME/report-as-run.md,
 #              NAME/verdict-as-run.json, NAME/engines/*.log; tune/tune.json; diag/ (diagnose.txt/.json, live/,
-#              session.json); plan.txt (the commands, the card)
+#              session.json); live/ (live traffic: live/traffic.txt, the profile); plan.txt (the commands, the card)
 # DEST/logs/   the plan's logs (trimmed on the machine) and timeline.tsv, status.txt
 # DEST/make.sh rebuilds DEST/report/ (the runs joined: enginemeter report --results ... --accept-quantization-
 #              difference) and DEST/tune-report/ from raw/ (scripts/gpu/report.sh) -- run now, its output in
@@ -31,7 +31,7 @@ for r in "$dest"/raw/*/; do  # the device's own reports are kept as what it said
   [ -f "$r/verdict.json" ] && mv "$r/verdict.json" "$r/verdict-as-run.json"
   rm -f "$r"/report.html "$r"/*.svg
 done
-rm -rf "$dest/raw/joined"  # rebuilt by make.sh from the runs themselves
+rm -rf "$dest/raw/joined" "$dest/raw/joined-traffic"  # rebuilt by make.sh from the runs themselves
 [ -d "$work/logs" ] && cp -r "$work/logs/." "$dest/logs/"
 for f in timeline.tsv status.txt; do [ -f "$src/$f" ] && cp "$src/$f" "$dest/logs/"; done
 cat > "$dest/make.sh" <<'EOF'

@@ -30,6 +30,8 @@ mkdir -p "$W/parts" "$S" "$L" "$W/results" "$OUT"
 log() { printf '[device %(%H:%M:%S)T] %s\n' -1 "$*"; }
 phase=${1:-status}
 export PYTHONUNBUFFERED=1
+# DEADLINE_S on a later call moves the running plan's deadline (plan seconds from its start, call 1)
+if [ -n "${DEADLINE_S:-}" ] && [ -d "$W/src" ]; then echo "$DEADLINE_S" > "$S/deadline_s"; log "deadline: plan second $DEADLINE_S"; fi
 
 # the plan is running when its orchestrator is (by its command line: `$!` of the start below is setsid's pid,
 # which forks the orchestrator and exits -- a pid file of it made the second stage call start a second plan)

@@ -5,6 +5,14 @@ fails -- never "0 errors" beside a degraded proxy (issue 26).
 
     python3 scripts/gpu/live.py --out DIR --engine NAME=URL [--engine NAME=URL ...] [--pid NAME=PID ...]
         [--shadow NAME] [--requests 6 --concurrency 2 --max-tokens 256] [--fake-nvml]
+        [--profile 1:15,2:10,32:15,1:10,64:20,2:10,8:15]
+
+``--profile``: live traffic instead of a fixed batch -- a recorded concurrency mix replayed through the proxy,
+CONCURRENCY:SECONDS segments one after another (each segment keeps that many streams in flight, back to back,
+until its time is up; requests started in it finish). The traffic profile the proxy saw is then taken from
+serve itself (its last log line ``traffic served: ...; to weigh a bench's answer by it: --traffic SPEC``, else
+its /health ``traffic`` section read just before shutdown) and written to DIR/traffic.txt (SPEC, one line) and
+summary.json, for ``enginemeter report --traffic SPEC``; the check ``traffic`` fails when none was recorded.
 
 The first engine is the primary; ``--shadow NAME`` mirrors every request to NAME (sample_rate 1, comparison log
 on). The checks (DIR/check.txt, one PASS/FAIL row each; DIR/summary.json):
@@ -16,6 +24,7 @@ on). The checks (DIR/check.txt, one PASS/FAIL row each; DIR/summary.json):
   memory         (with --pid) GPU memory used/total and each engine's memory vs nvidia-smi within 1 %, and each
                  engine found by its port with its own pid (scripts/gpu/memcheck.py); without nvidia-smi: skipped,
                  or with --fake-nvml a recorded reading replayed through the proxy's NVML seam (the CPU smoke)
+  traffic        (with --profile) the proxy's traffic profile recorded (traffic.txt)
 Files: enginemeter.yaml, proxy.log, health-before.json, health-after.json, metrics.txt, requests.jsonl (the
 proxy's request log), client.json (what the client saw), compare.jsonl (with --shadow).
 """
@@ -25,10 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +54,10 @@ sys.path.insert(1, str(ROOT))
 
 import memcheck  # noqa: E402
 
+from proxy.levels import representative  # noqa: E402
 from proxy.process import free_port  # noqa: E402
+
+TRAFFIC_LINE = re.compile(r"to weigh a bench's answer by it: --traffic (\S+)")
 
 PROMPTS = [
     "Explain, step by step, how a transformer language model turns a prompt into its next token.",
@@ -122,6 +136,55 @@ def one(url: str, i: int, max_tokens: int) -> dict[str, Any]:
     return res
 
 
+def parse_profile(text: str) -> list[tuple[int, float]]:
+    """``1:15,2:10,32:15`` -> [(1, 15.0), (2, 10.0), (32, 15.0)]: concurrency and seconds per segment."""
+    out = []
+    for part in text.split(","):
+        c, _, s = part.strip().partition(":")
+        if not s or int(c) < 1 or float(s) <= 0:
+            raise ValueError(f"--profile: {part!r} is not CONCURRENCY:SECONDS")
+        out.append((int(c), float(s)))
+    return out
+
+
+def replay(url: str, profile: list[tuple[int, float]], max_tokens: int) -> list[dict[str, Any]]:
+    """Each segment: ``c`` workers sending streams back to back until the segment's end (the last ones finish)."""
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    counter = iter(range(10**9))
+    for seg, (c, seconds) in enumerate(profile):
+        end = time.monotonic() + seconds
+        log(f"segment {seg + 1}/{len(profile)}: concurrency {c} for {seconds:g} s")
+
+        def worker(end: float = end, seg: int = seg) -> None:
+            while time.monotonic() < end:
+                with lock:
+                    i = next(counter)
+                r = one(url, i, max_tokens)
+                r["segment"] = seg
+                with lock:
+                    results.append(r)
+
+        threads = [threading.Thread(target=worker) for _ in range(c)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return results
+
+
+def traffic_spec(proxy_log: str, health: Any) -> tuple[str | None, str]:
+    """The ``--traffic`` spec serve printed at shutdown, else one built from /health's ``traffic`` section."""
+    found = TRAFFIC_LINE.findall(proxy_log)
+    if found:
+        return found[-1], "serve's shutdown line"
+    shares = ((health or {}).get("traffic") or {}).get("busy_shares") if isinstance(health, dict) else None
+    if shares:
+        spec = ",".join(f"c{representative(k):g}={v * 100:.0f}" for k, v in shares.items() if round(v * 100) > 0)
+        return spec, "/health traffic before shutdown"
+    return None, "none: serve printed no traffic line and /health had no busy shares"
+
+
 class Checks:
     def __init__(self) -> None:
         self.rows: list[tuple[str, str, bool | None]] = []  # (check, detail, passed; None: skipped)
@@ -177,6 +240,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tolerance", type=float, default=0.01, help="memory vs nvidia-smi (default 1 %%)")
     ap.add_argument("--decode-tolerance", type=float, default=0.02, help="proxy vs engine decode (default 2 %%)")
+    ap.add_argument("--profile", type=parse_profile, default=None, help="CONCURRENCY:SECONDS,...: live traffic")
     ap.add_argument("--fake-nvml", action="store_true", help="no GPU here: replay a recorded reading (CPU smoke)")
     a = ap.parse_args()
     out = a.out.resolve()
@@ -230,8 +294,12 @@ def main() -> int:
             raise RuntimeError("; ".join(problems))
 
         t1 = time.perf_counter()
-        with ThreadPoolExecutor(a.concurrency) as pool:
-            client = list(pool.map(lambda i: one(url, i, a.max_tokens), range(a.requests)))
+        if a.profile:
+            summary["profile"] = [{"concurrency": c, "seconds": s} for c, s in a.profile]
+            client = replay(url, a.profile, a.max_tokens)
+        else:
+            with ThreadPoolExecutor(a.concurrency) as pool:
+                client = list(pool.map(lambda i: one(url, i, a.max_tokens), range(a.requests)))
         summary["client_wall_s"] = round(time.perf_counter() - t1, 2)
         (out / "client.json").write_text(json.dumps(client, indent=1) + "\n")
         bad = [c for c in client if c.get("status") != 200 or c.get("error") or not c.get("usage")]
@@ -264,6 +332,7 @@ def main() -> int:
         summary["memory_rows"] = [list(r) for r in table.rows] if pids and gpu else []
 
         _, h1 = get_json(f"{url}/health")
+        summary["traffic_health"] = h1.get("traffic") if isinstance(h1, dict) else None
         (out / "health-after.json").write_text(json.dumps(h1, indent=1) + "\n")
         problems = health_problems(h1)
         checks.add("health after", "; ".join(problems) or "ok, every engine up", not problems)
@@ -276,6 +345,14 @@ def main() -> int:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+    if a.profile:
+        spec, source = traffic_spec(
+            (out / "proxy.log").read_text(errors="replace"), {"traffic": summary.get("traffic_health")}
+        )
+        summary["traffic"], summary["traffic_source"] = spec, source
+        if spec:
+            (out / "traffic.txt").write_text(spec + "\n")
+        checks.add("traffic", f"--traffic {spec} (from {source})" if spec else source, spec is not None)
     summary["checks"] = [{"check": c, "detail": d, "passed": ok} for c, d, ok in checks.rows]
     summary["passed"] = checks.passed
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")

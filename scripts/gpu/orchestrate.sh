@@ -7,13 +7,17 @@
 # Two lanes at once:
 #   CPU  enginemeter's wheels -> $W/em-site; llama-quantize (CPU build) and llama-server (CUDA build); the F16
 #        GGUF in RAM-backed $SHM (python -m proxy.embedded model); llama-quantize -> Q4_K_M; the F16 deleted
-#   GPU  one engine at a time, each launched by enginemeter itself:
-#        sg_bf16   enginemeter bench --launch sglang=<bf16, dummy>     (its own run, while the CPU lane works)
-#        sg_gguf   enginemeter bench --launch sglang-gguf=<the Q4_K_M>  (its own run)
-#        diag      scripts/gpu/session.py: llama-server launched; enginemeter diagnose; scripts/gpu/live.py
-#        tune      enginemeter tune --launch 'llama-server ... -np {16,64}'
-#        bench     enginemeter bench --launch llama=<the tuned -np> (+ its A/A relaunch)
-#        join      enginemeter report --results llama sglang sglang-gguf (--accept-quantization-difference)
+#   GPU  one engine at a time, each launched by enginemeter itself (issue 37: the arms a switch uses first):
+#        sg_fp8    enginemeter bench --launch sglang-fp8=<dummy, --quantization fp8>  (while the CPU lane works)
+#        vllm_fp8  enginemeter bench --launch vllm-fp8=<vLLM 0.26, dummy, fp8; the share set by the bench>;
+#                  refused for KV room at --max-model-len: retried once (VL_RETRY: smaller context or share)
+#        bench     enginemeter bench --launch llama=<Q4_K_M, -np 16> (+ its A/A relaunch)
+#        live      scripts/gpu/session.py: llama-server launched; scripts/gpu/live.py --profile (live traffic
+#                  through enginemeter serve; the traffic profile it recorded -> results/live/live/traffic.txt)
+#        join      enginemeter report --results llama sglang-fp8 vllm-fp8 [...] --baseline llama
+#                  (--accept-quantization-difference), and once more with --traffic <the recorded profile>
+#        extras    (EXTRAS, when the clock allows, in order; cut from the end): tune (-np 16 vs 64 at c=64),
+#                  diag (diagnose + live.py), sg_bf16, sg_gguf (GGUF=1 moves it into the core); the join again
 # A step that would not finish before DEADLINE_S is cut (README: the cut list); a launch that dies within
 # seconds is retried once with its cause logged. State: $W/state, logs: $W/logs, results: $W/results, one line
 # per step in $W/timeline.tsv. `touch $W/state/stop` ends it after the running step.
@@ -37,7 +41,10 @@ log() { printf '[orch %5ss %(%H:%M:%S)T] %s\n' "$SECONDS" -1 "$*"; }
 tl() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "${6//$'\n'/ }" >> "$TL"; }  # step lane t0 t1 rc note
 fail() { printf '%s\n' "$2" > "$S/$1.failed"; log "FAILED $1: $2"; }
 mark() { touch "$S/$1"; }
-fits() { (( SECONDS + $1 + ${2:-0} + MARGIN_S <= DEADLINE_S )); }  # fits EST [LATER]
+# the deadline may be moved by a later device call (DEADLINE_S=... device.sh stage|wait writes state/deadline_s):
+# the lease's clock is only known once the machine's start time is (scripts/gpu/lease.py)
+deadline() { [ -s "$S/deadline_s" ] && DEADLINE_S=$(cat "$S/deadline_s"); return 0; }
+fits() { deadline; (( SECONDS + $1 + ${2:-0} + MARGIN_S <= DEADLINE_S )); }  # fits EST [LATER]
 # wait_for FILE...: until every state file exists; 1 (cause in NOTE) when one failed, on stop or at the deadline
 wait_for() {
   local f ok
@@ -49,6 +56,7 @@ wait_for() {
     done
     [ $ok = 1 ] && return 0
     [ -f "$S/stop" ] && { NOTE="stopped (state/stop)"; return 1; }
+    deadline
     (( SECONDS >= DEADLINE_S )) && { NOTE="deadline reached waiting for $*"; return 1; }
     sleep 2
   done
@@ -205,10 +213,11 @@ cpu_lane() {
       echo $! > "$S/smoke-backend.pid"
       for _ in $(seq 120); do
         "$PYTHON" -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \
-          "http://127.0.0.1:$SMOKE_BACKEND_PORT/health" 2> /dev/null && { mark sg.extracted; exit; }
+          "http://127.0.0.1:$SMOKE_BACKEND_PORT/health" 2> /dev/null && { mark sg.extracted; mark vl.extracted; exit; }
         sleep 1
       done
-      fail sg.extracted "the emulator's backend did not start: $(tail -n 3 "$L/smoke-backend.log")" ) &
+      fail sg.extracted "the emulator's backend did not start: $(tail -n 3 "$L/smoke-backend.log")"
+      cp "$S/sg.extracted.failed" "$S/vl.extracted.failed" ) &
   fi
   wait
 }
@@ -232,6 +241,80 @@ step_sg() {  # step_sg STEP NAME CMD_FN EST CAP OUT [BENCH FLAGS...]
   has_cli bench --launch || { skip "$step" "this tree's enginemeter has no bench --launch (issue 22): merge it"; return; }
   fits "$est" "$LATER" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $est + $LATER after it + margin $MARGIN_S > $DEADLINE_S s)"; return; }
   bench_step "$step" "$cap" "$est" "$out" "$name=$($fn)" --aa off "$@"
+}
+# vllm-fp8: vLLM's share is set by the bench from --memory-budget (proxy.launch.fit_memory_share). vLLM refuses
+# to start when one request of --max-model-len does not fit its KV cache: then one retry, VL_RETRY=ctx with the
+# context its error estimates (>= VL_CTX_MIN; else VL_CTX_FALLBACK), or VL_RETRY=share with the share raised by
+# the KV it lacked (capped at the budget's share of the card); the timeline says which and why
+vl_retry_target() {  # vl_retry_target OUT -> "TARGET<TAB>why" on stdout; 1 when it was no KV refusal
+  local logs est need have ctx share
+  logs=$(cat "$1"/engines/*.log 2>/dev/null)
+  grep -q 'KV cache is needed\|estimated maximum model length\|No available memory for the cache blocks' <<< "$logs" || return 1
+  est=$(grep -o 'estimated maximum model length is [0-9]*' <<< "$logs" | grep -o '[0-9]*$' | tail -n 1)
+  need=$(grep -o '([0-9.]* GiB KV cache is needed' <<< "$logs" | grep -o '[0-9.]*' | tail -n 1)
+  have=$(grep -o 'available KV cache memory ([0-9.]* GiB)' <<< "$logs" | grep -o '[0-9.]*' | tail -n 1)
+  if [ "$VL_RETRY" != ctx ] && [ -n "$need" ] && [ -n "$have" ]; then
+    # the share that gives the KV it lacked (+0.25 GiB), and whether it stays under the budget's share of the card
+    read -r share ok < <("$PYTHON" -c "import math,sys; b,t,n,h=map(float,sys.argv[1:]); fit=(b-1)*1024/t; cap=math.floor(b*1024/t*1000)/1000
+want=math.ceil((fit+(n-h+0.25)*1024/t)*1000)/1000; print(f'{min(cap, want):.3f}', int(want <= cap))" \
+      "$BUDGET_GIB" "$GPU_TOTAL_MIB" "$need" "$have")
+    if [ "$VL_RETRY" = share ] || [ "$ok" = 1 ]; then
+      printf '%s\t%s\n' "vllm-fp8=$(vllm_fp8_cmd "$VL_CTX" --gpu-memory-utilization "$share")" \
+        "VL_RETRY=$VL_RETRY -> share: KV for --max-model-len $VL_CTX needs $need GiB, $have GiB available: retry at --gpu-memory-utilization $share (the same context; the peak may pass the $BUDGET_GIB GiB budget by up to ~0.5 GiB)"
+      return 0
+    fi
+  fi
+  if [ -n "$est" ]; then ctx=$(( est / 1024 * 1024 )); (( ctx < VL_CTX_MIN )) && ctx=$VL_CTX_MIN
+  else ctx=$VL_CTX_FALLBACK; fi
+  printf '%s\t%s\n' "vllm-fp8=$(vllm_fp8_cmd "$ctx")" \
+    "VL_RETRY=$VL_RETRY -> ctx: KV for --max-model-len $VL_CTX needs ${need:-?} GiB, ${have:-?} GiB available (vLLM's estimate: ${est:-none}): retry at --max-model-len $ctx (the same 72 GiB share; context differs from llama.cpp's $CTX)"
+}
+step_vllm() {
+  local step=vllm_fp8 out=$R/vllm-fp8 target rc attempt=1 retry why
+  NOTE=""
+  # vLLM's carries may not come at all (no VLLM=1, or calls 3-5 not made): a bounded wait, never the deadline
+  local t_end=$(( SECONDS + VL_WAIT_S ))
+  while [ ! -f "$S/vl.extracted" ] && [ ! -f "$S/vl.extracted.failed" ] && (( SECONDS < t_end )); do sleep 2; done
+  [ -f "$S/vl.extracted" ] || { skip "$step" "vLLM's install tree not here after $VL_WAIT_S s (its carries: VLLM=1 fetch-wheels.sh, the stage calls c2-c5): no vLLM arm"; return; }
+  if ! wait_for model.extracted em.ready; then skip "$step" "$NOTE"; return; fi
+  has_cli bench --launch || { skip "$step" "this tree's enginemeter has no bench --launch (issue 22): merge it"; return; }
+  fits "$EST_VL_FP8" "$LATER" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $EST_VL_FP8 + $LATER after it + margin $MARGIN_S > $DEADLINE_S s)"; return; }
+  target="vllm-fp8=$(vllm_fp8_cmd)"
+  while :; do
+    rm -rf "$out"
+    # shellcheck disable=SC2086
+    run "$step" gpu "$CAP_VL_FP8" "${EM[@]}" bench --launch "$target" $WORKLOAD $BENCH_FLAGS --out "$out" --aa off $VL_FP8_BENCH
+    rc=$?
+    reap_gpu "$step"
+    if [ "$rc" = 2 ] && [ $attempt = 1 ] && died_early "$out" && fits "$EST_VL_RETRY" "$LATER"; then
+      if retry=$(vl_retry_target "$out"); then
+        target=${retry%%$'\t'*} why=${retry#*$'\t'}
+      else
+        why="the engine died at launch: $(cause_of "$out"); retrying once, the same command"
+      fi
+      log "$step: $why"
+      tl "$step" gpu "$SECONDS" "$SECONDS" retry "$why"
+      mv "$out" "$out-attempt1"
+      attempt=2
+      continue
+    fi
+    [ "$rc" = 2 ] && tl "$step" gpu "$SECONDS" "$SECONDS" cause "$(cause_of "$out")"
+    return "$rc"
+  done
+}
+step_live() {  # live traffic through enginemeter serve in front of the bench's llama.cpp (-np as benched)
+  NOTE=""
+  wait_for server.built q4.done tiny.done em.ready || { skip live "$NOTE"; return; }
+  fits "$EST_LIVE" "$EST_JOIN" || { skip live "cut: no time left for it before the join"; return; }
+  local d=$R/live np tiny="$LLAMA_BIN -m $TINY -ngl 99 -c 2048 -np 1 -t 1 --no-webui --host 127.0.0.1 --port {port}"
+  np=$(tuned_np)
+  rm -rf "$d"; mkdir -p "$d"
+  # shellcheck disable=SC2086
+  run live gpu "$CAP_LIVE" "${EMPY[@]}" "$SRC/scripts/gpu/session.py" --out "$d" \
+    --launch "llama=$(llama_cmd "$np")" --launch "tiny=$tiny" -- \
+    "${EMPY[*]} $SRC/scripts/gpu/live.py --out $d/live --engine llama={url:llama} --pid llama={pid:llama} --engine tiny={url:tiny} --pid tiny={pid:tiny} --profile $LIVE_PROFILE $LIVE_TRAFFIC_ARGS"
+  reap_gpu live
+  [ -s "$d/live/traffic.txt" ] && tl traffic cpu "$SECONDS" "$SECONDS" 0 "recorded: --traffic $(cat "$d/live/traffic.txt")"
 }
 step_diag() {
   NOTE=""
@@ -280,25 +363,53 @@ step_bench() {
   NOTE="llama.cpp -np $np ($( [ -f "$R/tune/tune.json" ] && echo "tune's best under load" || echo "the default: no tune"))"
   bench_step bench "$CAP_BENCH" "$EST_BENCH" "$R/llama" "llama=$(llama_cmd "$np")"
 }
+JOINED=""  # the result files the last join used
 step_join() {
-  local files=() f
-  for f in llama sglang sglang-gguf; do [ -s "$R/$f/results.jsonl" ] && files+=("$R/$f/results.jsonl"); done
+  local files=() f spec
+  for f in llama sglang-fp8 vllm-fp8 sglang sglang-gguf; do [ -s "$R/$f/results.jsonl" ] && files+=("$R/$f/results.jsonl"); done
   if [ ! -s "$R/llama/results.jsonl" ] || [ ${#files[@]} -lt 2 ]; then
     skip join "needs llama.cpp's run and another: have ${files[*]:-none}"; return
   fi
+  [ "$JOINED" = "${files[*]}" ] && return 0  # nothing new since the last join
+  JOINED="${files[*]}"
   rm -rf "$R/joined"
   run join cpu "$CAP_JOIN" "${EM[@]}" report --results "${files[@]}" --baseline llama --accept-quantization-difference \
     --out "$R/joined"
   cp "$L/join.log" "$R/joined/output.txt" 2>/dev/null
+  # the same answer weighed by the traffic the proxy recorded in front of llama.cpp (live): one report per profile
+  for f in "$R"/live/live/traffic.txt; do
+    [ -s "$f" ] || continue
+    spec=$(head -n 1 "$f")
+    rm -rf "$R/joined-traffic"
+    run join_traffic cpu "$CAP_JOIN" "${EM[@]}" report --results "${files[@]}" --baseline llama \
+      --accept-quantization-difference --traffic "$spec" --out "$R/joined-traffic"
+    cp "$L/join_traffic.log" "$R/joined-traffic/output.txt" 2>/dev/null
+    echo "$spec" > "$R/joined-traffic/traffic.txt" 2>/dev/null
+  done
+}
+arm() {  # arm NAME: one arm of the plan
+  case $1 in
+    # shellcheck disable=SC2086
+    sg_fp8) step_sg sg_fp8 sglang-fp8 sg_fp8_cmd "$EST_SG_FP8" "$CAP_SG_FP8" "$R/sglang-fp8" $SG_FP8_BENCH ;;
+    vllm_fp8) step_vllm ;;
+    # shellcheck disable=SC2086
+    sg_bf16) step_sg sg_bf16 sglang sg_bf16_cmd "$EST_SG_BF16" "$CAP_SG_BF16" "$R/sglang" $SG_BF16_BENCH ;;
+    # shellcheck disable=SC2086
+    sg_gguf) step_sg sg_gguf sglang-gguf sg_gguf_cmd "$EST_SG_GGUF" "$CAP_SG_GGUF" "$R/sglang-gguf" $SG_GGUF_BENCH ;;
+    diag) step_diag ;;
+    tune) step_tune ;;
+    *) skip "$1" "unknown arm" ;;
+  esac
 }
 gpu_lane() {
-  # shellcheck disable=SC2086
-  step_sg sg_bf16 sglang sg_bf16_cmd "$EST_SG_BF16" "$CAP_SG_BF16" "$R/sglang" $SG_BF16_BENCH
-  # shellcheck disable=SC2086
-  step_sg sg_gguf sglang-gguf sg_gguf_cmd "$EST_SG_GGUF" "$CAP_SG_GGUF" "$R/sglang-gguf" $SG_GGUF_BENCH
-  step_diag
-  step_tune
+  local a
+  for a in $ARMS; do arm "$a"; done
   step_bench
+  step_live
+  step_join
+  # the extras, after the join so that they never delay it; each must end (with a join after it) by the deadline
+  LATER=$EST_JOIN
+  for a in $EXTRAS; do arm "$a"; done
   step_join
 }
 
@@ -311,7 +422,9 @@ if [ "$GPU" = 1 ]; then
 fi
 log "plan: W=$W deadline ${DEADLINE_S} s; CTX $CTX; SGLang --mem-fraction-static $(sg_frac) ($BUDGET_GIB GiB budget, $SG_RESERVE_GIB reserved, $GPU_TOTAL_MIB MiB card); tune -np {$TUNE_NP} / {$TUNE_NP_FULL}${SMOKE:+; SMOKE}"
 { echo "date_utc: $(date -u '+%Y-%m-%d %H:%M:%S')"; echo "gpu_total_mib: $GPU_TOTAL_MIB"; echo "sg_frac: $(sg_frac)"
-  echo "llama: $(llama_cmd N)"; echo "sglang: $(sg_bf16_cmd)"; echo "sglang-gguf: $(sg_gguf_cmd)"
+  echo "arms: $ARMS; extras: $EXTRAS"; echo "llama: $(llama_cmd N)"; echo "sglang-fp8: $(sg_fp8_cmd)"
+  echo "vllm-fp8: $(vllm_fp8_cmd)"; echo "sglang: $(sg_bf16_cmd)"; echo "sglang-gguf: $(sg_gguf_cmd)"
+  echo "live profile: $LIVE_PROFILE"
   echo "workload: $WORKLOAD"; echo "tune: $TUNE_WORKLOAD"; nproc; free -g | head -n 2; df -h "$W" /dev/shm | tail -n 2
   [ "$GPU" = 1 ] && nvidia-smi; } > "$R/plan.txt" 2>&1
 sampler &

@@ -3,8 +3,11 @@
 #
 #   scripts/gpu/report.sh DIR      DIR as scripts/gpu/collect.sh made it (DIR/raw/NAME/results.jsonl.gz)
 #
-# DIR/report/       the runs joined: enginemeter report --results raw/llama raw/sglang raw/sglang-gguf --baseline llama
-#                   --accept-quantization-difference (the runs made one engine at a time, joined as separate runs)
+# DIR/report/       the runs joined: enginemeter report --results raw/llama raw/sglang-fp8 raw/vllm-fp8 raw/sglang
+#                   raw/sglang-gguf (those there) --baseline llama --accept-quantization-difference (the runs made
+#                   one engine at a time, joined as separate runs)
+# DIR/traffic-report/  the same weighed by the traffic live.py recorded through the proxy (raw/live/live/traffic.txt):
+#                   enginemeter report ... --traffic <that profile>
 # DIR/tune-report/  enginemeter report --results raw/tune (the tune run's table, rule and verdicts)
 # DIR/output.txt    every command as run in DIR with its output and exit status
 # EM_ROOT: the enginemeter tree to run (default: this repo); PYTHON (default its .venv, else this repo's).
@@ -26,7 +29,7 @@ em() {  # em ARGS...: one enginemeter command, run in DIR on its relative paths,
   return "$rc"
 }
 runs=()
-for r in llama sglang sglang-gguf; do
+for r in llama sglang-fp8 vllm-fp8 sglang sglang-gguf; do
   [ -f "$dir/raw/$r/results.jsonl.gz" ] && runs+=("raw/$r")
 done
 rc=0
@@ -34,6 +37,11 @@ rc=0
   if [ -f "$dir/raw/llama/results.jsonl.gz" ] && [ ${#runs[@]} -ge 2 ]; then
     rm -rf "$dir/report"
     em report --results "${runs[@]}" --baseline llama --accept-quantization-difference --out report || rc=$?
+    if [ -s "$dir/raw/live/live/traffic.txt" ]; then
+      rm -rf "$dir/traffic-report"
+      em report --results "${runs[@]}" --baseline llama --accept-quantization-difference \
+        --traffic "$(head -n 1 "$dir/raw/live/live/traffic.txt")" --out traffic-report || rc=$?
+    fi
   else
     echo "no join: needs llama.cpp's run and another (have: ${runs[*]##*/})"
   fi

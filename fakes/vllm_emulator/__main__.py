@@ -1,0 +1,3 @@
+from fakes.vllm_emulator import main
+
+main()
