@@ -106,8 +106,8 @@ def test_np4_against_np1_for_the_traffic_a_real_serve_carried(
     busy = sum(v for c, v in from_log.concurrency.items() if c >= 3)
     assert from_log.requests == 36 and from_log.concurrency.get(1.0, 0) > 0.2 and busy > 0.2, from_log
     # the proxy's own counters: levels 1 and 3-4 (stood for by 3.5) hold the time
-    assert from_metrics.concurrency.get(1.0, 0) > 0.2 and from_metrics.concurrency.get(3.5, 0) > 0.2
-    assert health["busy_shares"]["1"] > 0.2 and health["busy_shares"]["3-4"] > 0.2
+    assert from_metrics.concurrency.get(1.0, 0) > 0.2 and from_metrics.concurrency.get(3.5, 0) > 0.1
+    assert health["busy_shares"]["1"] > 0.2 and health["busy_shares"]["3-4"] > 0.1
     out = tmp_path / "bench"
     rc = main(["bench", "--engine", f"np1={np1.url}", "--engine", f"np4={np4.url}", *SMALL, "--concurrency", "1,4",
                "--prompt-lengths", "short", "--max-tokens", "24", "--output-lengths", "24", "--repeats", "3",
