@@ -24,6 +24,7 @@ import httpx
 from proxy.bench.run.client import RequestOutcome, send_one
 from proxy.bench.run.options import UsageError, size_bytes
 from proxy.diagnosis import Diagnosis, gather, size
+from proxy.engines.startup import without_flags
 from proxy.gpu.memory import GpuMemory
 
 DESCRIPTION = """\
@@ -152,19 +153,7 @@ def next_command(d: Diagnosis, budget: str | None) -> str:
         for key, flag in _FLAG_NAMES.items():
             if key in d.flags and key != "parallel":
                 argv += [flag, str(d.flags[key])]
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("-np", "--parallel", "--port"):
-            skip = True
-            continue
-        if a.startswith(("--port=", "--parallel=")):
-            continue
-        out.append(a)
-    launch = shlex.join(out) + f" -np {SWEEP} --port {{port}}"
+    launch = shlex.join(without_flags(argv, "-np", "--parallel", "--port")) + f" -np {SWEEP} --port {{port}}"
     note = "" if d.process.argv else "    # MODEL.gguf: the engine's model file" if not d.model_path else ""
     return shlex.join(["enginemeter", "tune", "--launch", launch, *tail]) + note
 

@@ -76,6 +76,20 @@ def has_flag(argv: Sequence[str], *names: str) -> bool:
     return any(a in names or (a.startswith("--") and a.split("=", 1)[0] in names) for a in argv)
 
 
+def without_flags(argv: Sequence[str], *names: str) -> list[str]:
+    """``argv`` without ``names`` and their values (``--x V`` or ``--x=V``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not (a.startswith("--") and "=" in a and a.split("=", 1)[0] in names):
+            out.append(a)
+    return out
+
+
 def int_flag(argv: Sequence[str], *names: str) -> int | None:
     v = flag_value(argv, *names)
     try:

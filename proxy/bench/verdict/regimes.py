@@ -37,6 +37,7 @@ from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.model import FAILS, STEPS, Decision, LiveFinding, Reason, Results
 from proxy.bench.verdict.notation import band, faster, faster_interval, unit
 from proxy.bench.verdict.traffic import TrafficAnswer, crossing
+from proxy.engines.startup import without_flags
 from proxy.sequential import MIN_PAIRS
 
 #: (step, the regime as a person names it), in reading order
@@ -215,18 +216,7 @@ def rerun(command: str | None, flags: str) -> str:
         default = "tune-out" if "tune" in argv[1:2] else "bench-out"
         new += ["--out", next_name(old or default)]
     names = {a for a in new if a.startswith("--")}
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        key = a.split("=", 1)[0]
-        if key in names:
-            skip = "=" not in a
-            continue
-        out.append(a)
-    return shlex.join(out + new)
+    return shlex.join(without_flags(argv, *names) + new)
 
 
 def _names(xs: Sequence[RegimeAnswer]) -> str:
