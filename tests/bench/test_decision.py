@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.live.traffic import from_records
+from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.decide import decide, decide_all
 from proxy.bench.verdict.headline import headline
 from proxy.bench.verdict.merge import load_runs
 from proxy.bench.verdict.model import Cell, LiveFinding, Traffic
 from proxy.bench.verdict.notation import band, faster, faster_interval
+from proxy.bench.verdict.regimes import RegimeAnswer, answer
+from proxy.bench.verdict.stats import Paired
 from proxy.bench.verdict.traffic import crossing, parse_spec, prompt_class, weigh
 from proxy.cli import main
 from tests.bench.test_verdict import C1, C8, LONG, loaded, results, run, trio
@@ -145,6 +148,72 @@ def test_a_throughput_tie_is_decided_by_the_first_token_under_load() -> None:
     load = next(a for a in decide(r, "sglang").regimes if a.step == "throughput")
     assert load.answer == "win" and load.decided_by == "TTFT at c=8"
     assert "the deciding figure (output tok/s at c=8) tied" in load.text
+
+
+C4 = Cell("cold", 4, 32, "short")
+
+
+def under_load(
+    tps: tuple[float, float, float], ttft: tuple[float, float, float], floor: float = 0.074
+) -> list[Comparison]:
+    """The two figures of the under-load regime, np4 against np1: output tok/s (deciding) and TTFT at c=4, each
+    as (relative change, 95 % interval) over a relaunch's noise floor of ``floor``."""
+
+    def comp(
+        metric: str, what: str, higher: bool, base: float, rel: tuple[float, float, float], primary: bool
+    ) -> Comparison:
+        stats = Paired(8, 8, base, base * (1 + rel[0]), *rel, None)
+        return Comparison("throughput", what, metric, "tok/s" if higher else "s", higher, C4, stats, floor, "A/A", {},
+                          primary=primary)  # fmt: skip
+
+    return [comp("output_tps", "output tok/s at c=4", True, 886.0, tps, True),
+            comp("ttft_s", "TTFT at c=4", False, 0.110, ttft, False)]  # fmt: skip
+
+
+def load_answer(comps: list[Comparison]) -> RegimeAnswer:
+    return answer("throughput", "under load", comps, "np1", "np4", 4)
+
+
+# CI's 2-core tune run: -np 4 serves four requests together, the same tokens (compute-bound), none queued
+SAME_TOKENS = (-0.077, -0.10, -0.055)  # beyond the ±7.4 % floor in its estimate, its interval reaching inside it
+SOONER = (-0.79, -0.83, -0.74)  # TTFT 110 ms -> 23 ms
+TTFT_TIE = (-0.02, -0.05, 0.01)
+
+
+def test_a_throughput_that_does_not_separate_them_leaves_it_to_the_first_token_under_load() -> None:
+    load = load_answer(under_load(SAME_TOKENS, SOONER))
+    assert [c.outcome for c in load.comparisons] == ["unresolved", "win"]
+    assert (load.answer, load.decided_by) == ("win", "TTFT at c=4")
+    assert load.head.startswith("np4 ×4.8 faster (TTFT at c=4: np1 110 ms, np4 23.1 ms)"), load.head
+    # the throughput's lean goes with the answer, in the short form and the long one
+    assert load.head.endswith("; output tok/s at c=4 unresolved"), load.head
+    assert "output tok/s at c=4 unresolved: np1 8.3 % faster (5.8–11 % faster), reaching inside the band ±7.4 %" in (
+        load.line)  # fmt: skip
+    assert "the deciding figure (output tok/s at c=4) did not separate them" in load.text
+    # both ways: the same tokens, later
+    later = load_answer(under_load(SAME_TOKENS, (3.0, 2.5, 3.5)))
+    assert (later.answer, later.decided_by) == ("loss", "TTFT at c=4")
+
+
+def test_an_unresolved_throughput_with_no_clear_first_token_stays_unresolved() -> None:
+    load = load_answer(under_load(SAME_TOKENS, TTFT_TIE))
+    assert [c.outcome for c in load.comparisons] == ["unresolved", "tie"]
+    assert (load.answer, load.decided_by) == ("unresolved", "output tok/s at c=4")
+    # nor does an unresolved TTFT decide
+    load = load_answer(under_load(SAME_TOKENS, (-0.10, -0.20, 0.02)))
+    assert [c.outcome for c in load.comparisons] == ["unresolved", "unresolved"] and load.answer == "unresolved"
+
+
+def test_a_throughput_resolved_either_way_is_never_overruled_by_the_first_token() -> None:
+    """Clearly fewer tokens beyond the floor: TTFT ×4.8 sooner is a trade-off beside the loss, never the answer
+    (and a clear gain is not undone by a slower first token)."""
+    slower = load_answer(under_load((-0.20, -0.25, -0.15), SOONER))
+    assert [c.outcome for c in slower.comparisons] == ["loss", "win"]
+    assert (slower.answer, slower.decided_by) == ("loss", "output tok/s at c=4")
+    assert slower.tradeoffs == ("np4 is ×4.8 faster (TTFT at c=4; 95% CI ×3.8–×5.9 faster)",)
+    assert "did not separate" not in slower.text and "unresolved" not in slower.head
+    faster_ = load_answer(under_load((0.20, 0.15, 0.25), (3.0, 2.5, 3.5)))
+    assert (faster_.answer, faster_.decided_by) == ("win", "output tok/s at c=4")
 
 
 def test_candidates_are_read_together_and_the_same_file_arm_is_attribution() -> None:

@@ -3,10 +3,11 @@ from the bench's own verdicts of each setting against the first (``proxy.bench.v
 chart and a look for a free ``--out`` name.
 
 The rule (the people who asked for this tool, docs/tune.md): if a setting raises throughput under load (or single-
-request decode) beyond the noise floor, **tuning helps** — keep llama.cpp with it, and when its memory peak rose
-with it the bottleneck is batching and KV allocation (keep tuning: ``-b``/``-ub``, ``-c``); if no setting is
-better beyond the noise and every estimate sits inside it, **tuning is flat** — and with memory not full, the
-limit is the engine's: compare engines next (the bench command is given). Memory nearly full (≥ 90 % of the
+request decode) beyond the noise floor — or, where the throughput does not separate the settings, cuts TTFT under
+load beyond its floor (``proxy.bench.verdict.regimes``) — **tuning helps** — keep llama.cpp with it, and when
+its memory peak rose with it the bottleneck is batching and KV allocation (keep tuning: ``-b``/``-ub``, ``-c``);
+if no setting is better beyond the noise and every estimate sits inside it, **tuning is flat** — and with memory
+not full, the limit is the engine's: compare engines next (the bench command is given). Memory nearly full (≥ 90 % of the
 budget or of the GPU) changes the advice to freeing memory first. An estimate beyond the noise floor whose
 interval still reaches inside it is neither: **unresolved**, with the repeats that would decide it.
 """
@@ -28,7 +29,7 @@ from proxy.bench.report.charts import tune_chart
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Comparison, Verdict, decide_all
 from proxy.bench.verdict.model import Cell, Sample
-from proxy.bench.verdict.notation import band, faster, faster_ci
+from proxy.bench.verdict.notation import band, faster, faster_ci, faster_interval
 from proxy.bench.verdict.regimes import GATES, rerun
 
 #: a peak this close to the budget (or the GPU's total) is "memory is full"
@@ -244,8 +245,10 @@ def summarize(d: Data, out: Path) -> TuneSummary:
         extra = ""
         if c.metric != "output_tps":
             tps = next((x for x in v.comparisons if x.metric == "output_tps"), None)
-            if tps is not None:
-                extra = f"; {tps.what} {faster(tps.speed[0])}, {tps.outcome}"
+            if tps is not None:  # TTFT decided: the throughput did not separate them, and how far it leans
+                extra = f"; {tps.what} {faster(tps.speed[0])}, {tps.outcome}" + (
+                    f" (95% CI {faster_interval(*tps.speed[1:])}, band {band(tps.win_band)})"
+                    if tps.outcome == "unresolved" else "")  # fmt: skip
         lines.append(f"tuning helps: keep llama.cpp with {flag} {row.value} ({_gain(c)}{extra})")
         for x in v.comparisons:
             if x.outcome == "loss":

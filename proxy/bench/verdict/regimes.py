@@ -5,8 +5,10 @@ Each regime is judged as the person of that regime feels it, on one **deciding f
 - **single request** (c=1): the whole request — first token plus the rest of the answer, at the output length
   measured; TTFT and decode TPOT beside it. When they point different ways the answer says where they cross: the
   **break-even output length** ("sglang is faster for answers under 9 tokens, llama beyond");
-- **under load**: output tok/s at the highest concurrency measured; TTFT under load beside it (it decides when
-  the throughput ties: the same tokens, sooner);
+- **under load**: output tok/s at the highest concurrency measured; TTFT under load beside it. When the throughput
+  does not separate the two — a tie, or unresolved (its interval reaches inside the band) — a TTFT under load
+  resolved beyond its own band decides: the same tokens as far as the run can tell, sooner. A throughput resolved
+  either way is never overruled by TTFT (it is a trade-off beside it);
 - **long prompts**: the whole long request (prefill plus the answer); TTFT and TPOT beside it.
 
 A figure beside the deciding one that points the other way is a **trade-off**, stated with its numbers, never a
@@ -146,7 +148,9 @@ def answer(
         text = f"{title}: not measured — " + (f"needs {flags}" if live else f"add {flags}")
         return RegimeAnswer(step, title, "not measured", text, fix=None if live else flags, head="not measured")
     decider, a = prim, prim.outcome
-    if a == "tie" and step == "throughput":  # the same tokens per second: whichever serves the first token sooner
+    if step == "throughput" and a in ("tie", "unresolved"):
+        # the throughput does not separate them (an unresolved interval reaches inside the band as a tie's does):
+        # whichever serves the first token sooner, when that is resolved; a throughput win or loss stays the answer
         side = next((c for c in mine if not c.primary and c.outcome in ("win", "loss")), None)
         if side is not None:
             decider, a = side, side.outcome
@@ -178,9 +182,15 @@ def answer(
         head = f"unresolved ({figs_})"
         line = (f"unresolved — {figs_} ({ci} crosses the band {band(decider.win_band)}; "
                 + (f"about {n} repeats would resolve it)" if n else "no feasible number of repeats resolves it)"))  # fmt: skip
+    if decider is not prim and prim.outcome == "unresolved":
+        # an unresolved throughput may lean against the answer: its estimate goes with the answer, in every form
+        head += f"; {prim.what} unresolved"
+        line += (f"; {prim.what} unresolved: {prim.difference(base, cand)}, reaching inside the band "
+                 f"{band(prim.win_band)}")  # fmt: skip
     text = f"{title} ({decider.cell.label()}): {line}"
     if decider is not prim:
-        text += f" — decided by {decider.what}: the deciding figure ({prim.what}) tied"
+        held = "tied" if prim.outcome == "tie" else "did not separate them"
+        text += f" — decided by {decider.what}: the deciding figure ({prim.what}) {held}"
     if tradeoffs:
         text += "; trade-off: " + "; ".join(tradeoffs)
     if be is not None:
