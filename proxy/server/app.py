@@ -224,7 +224,7 @@ class Gateway:
             ctx.rollout = decision.rollout  # the request's attempts, copies included, count for its rollout
         mirrored = False
         if self.mirror is not None and decision.shadows:
-            mirrored = self.mirror.submit(decision, body, endpoint, request_id, client_id)
+            mirrored = self.mirror.submit(decision, body, endpoint, request_id, client_id, timer.t_received_ns)
         await self.respond(scope, receive, send, request_id, client_id, endpoint, decision, body, timer, mirrored)
 
     async def respond(

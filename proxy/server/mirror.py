@@ -190,10 +190,13 @@ class Mirror:
         endpoint: Endpoint,
         request_id: str,
         client_request_id: str | None = None,
+        received_ns: int | None = None,
     ) -> bool:
-        """Called on the primary's path before its attempt; never awaits, never raises. True = copies sent."""
+        """Called on the primary's path before its attempt; never awaits, never raises. True = copies sent.
+        ``received_ns``: the primary's ``t_received_ns`` (``perf_counter_ns``), the pair's start (``t_start``);
+        None: now."""
         try:
-            return self._submit(decision, body, endpoint, request_id, client_request_id)
+            return self._submit(decision, body, endpoint, request_id, client_request_id, received_ns)
         except Exception:
             log.exception("mirroring %s failed", request_id)
             return False
@@ -210,6 +213,7 @@ class Mirror:
         endpoint: Endpoint,
         request_id: str,
         client_request_id: str | None,
+        received_ns: int | None = None,
     ) -> bool:
         shadows = decision.shadows
         if not shadows:
@@ -232,6 +236,9 @@ class Mirror:
             sent.append(name)
         if not sent:
             return False
+        # the wall time the primary was received, as its e2e_s counts from: the log's intervals (start, start +
+        # e2e_s) are where the requests were, not late by the body read, the routing and a wait for the loop
+        waited_ns = max(0, time.perf_counter_ns() - received_ns) if received_ns is not None else 0
         self.pairs.add(
             request_id,
             Pending(
@@ -239,7 +246,7 @@ class Mirror:
                 engines=decision.engines,
                 expected=set(sent),
                 prompt=(body.get("messages", body.get("prompt")) if self.record_text else None),
-                t_start=time.time(),
+                t_start=time.time() - waited_ns / 1e9,
                 rollout=decision.rollout,
             ),
         )

@@ -37,7 +37,7 @@ class Pending:
     primary: Result | None = None
     primary_final: bool = False
     prompt: Any = None
-    t_start: float = 0.0  # time.time() at submit
+    t_start: float = 0.0  # time.time() of the primary's receipt (its t_received_ns), as its e2e_s counts from
     #: engine -> (mirrored requests in flight on it at the start, itself included; started count then)
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: (role, engine) -> the normalized request that engine got (what sampling it really ran)

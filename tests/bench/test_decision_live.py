@@ -81,22 +81,22 @@ def test_np4_against_np1_for_the_traffic_a_real_serve_carried(
     with ExitStack() as stack:
         p = start_proxy(stack, s)
 
-        def one(_: int) -> None:
-            with (
-                httpx.Client(base_url=p.url, timeout=120) as c,
-                c.stream("POST", "/v1/chat/completions", json=body) as r,
-            ):
-                r.read()
+        def client(rounds: int) -> None:
+            # one client, one kept-alive connection: a new httpx.Client a request costs ~40 ms of CPU under the GIL
+            # the proxy shares, against ~50 ms for a whole request through it; four clients building theirs in turn
+            # had mostly one or two requests in flight, not four
+            with httpx.Client(base_url=p.url, timeout=120) as c:
+                for _ in range(rounds):
+                    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        r.read()
 
-        for i in range(12):  # one at a time
-            one(i)
+        client(12)  # one at a time
 
-        def client(_: int) -> None:
-            for _ in range(6):  # four clients, each sending as its last answer ends: four in flight
-                one(0)
+        def four(_: int) -> None:
+            client(6)  # four clients, each sending as its last answer ends: four in flight
 
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(client, range(4)))
+            list(pool.map(four, range(4)))
         wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="np1", shadow="np4") >= 36, timeout=90)
         assert p.gateway.mirror is not None and p.gateway.mirror.log is not None and p.gateway.mirror.log.flush()
         from_metrics = traffic_from(f"{p.url}/metrics")
@@ -106,8 +106,9 @@ def test_np4_against_np1_for_the_traffic_a_real_serve_carried(
     busy = sum(v for c, v in from_log.concurrency.items() if c >= 3)
     assert from_log.requests == 36 and from_log.concurrency.get(1.0, 0) > 0.2 and busy > 0.2, from_log
     # the proxy's own counters: levels 1 and 3-4 (stood for by 3.5) hold the time
-    assert from_metrics.concurrency.get(1.0, 0) > 0.2 and from_metrics.concurrency.get(3.5, 0) > 0.1
-    assert health["busy_shares"]["1"] > 0.2 and health["busy_shares"]["3-4"] > 0.1
+    # (measured ~0.4-0.5 each, the rest at 2: the clients' ramp-up and ramp-down)
+    assert from_metrics.concurrency.get(1.0, 0) > 0.2 and from_metrics.concurrency.get(3.5, 0) > 0.2, from_metrics
+    assert health["busy_shares"]["1"] > 0.2 and health["busy_shares"]["3-4"] > 0.2, health
     out = tmp_path / "bench"
     rc = main(["bench", "--engine", f"np1={np1.url}", "--engine", f"np4={np4.url}", *SMALL, "--concurrency", "1,4",
                "--prompt-lengths", "short", "--max-tokens", "24", "--output-lengths", "24", "--repeats", "3",

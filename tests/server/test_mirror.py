@@ -598,3 +598,34 @@ def test_a_run_writes_its_id_on_every_record_between_its_run_and_end_records(tmp
         for side in ("primary", "shadow"):
             assert r[side]["sampling"]["params"]["temperature"] == 0 and r[side]["sampling"]["params"]["top_k"] == 0
             assert r[side]["sampling"]["dropped"] == [] and "top_p" in r[side]["sampling"]["defaulted"]
+
+
+def test_a_pair_starts_when_its_primary_was_received_as_its_e2e_counts(tmp_path: Path) -> None:
+    """The log's ``t_start`` is the wall time the primary was received, the start its ``e2e_s`` counts from: a body
+    that arrives 0.6 s after its head does not move the pair 0.6 s late, so ``t_start + e2e_s`` is when the answer
+    ended and a client's next request does not overlap its last one (``--traffic LOG`` sweeps these intervals)."""
+    from tests.helpers import start_proxy
+
+    log = tmp_path / "pairs.jsonl"
+    body = json.dumps({"model": "m", "messages": MSGS, "max_tokens": 3}).encode()
+
+    def late_body() -> Iterator[bytes]:
+        time.sleep(0.6)  # the head is sent; the body (chunked) comes later
+        yield body
+
+    with (
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as primary,
+        run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=3))) as shadow,
+        ExitStack() as stack,
+    ):
+        p = start_proxy(stack, mirrored(engine("p", primary), engine("s", shadow), log_path=str(log)))
+        sent = time.time()
+        r = p.client.post("/v1/chat/completions", content=late_body(), headers={"content-type": "application/json"})
+        ended = time.time()
+        assert r.status_code == 200
+        wait_until(lambda: p.value("enginemeter_compared_pairs_total", primary="p", shadow="s") == 1)
+        assert p.gateway.mirror is not None and p.gateway.mirror.log is not None and p.gateway.mirror.log.flush()
+    (pair,) = read_log(log)
+    assert pair["primary"]["e2e_s"] >= 0.6  # the primary's clock started with the head
+    assert sent <= pair["t_start"] < sent + 0.3, pair["t_start"] - sent
+    assert pair["t_start"] + pair["primary"]["e2e_s"] <= ended + 0.05
