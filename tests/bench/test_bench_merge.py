@@ -64,6 +64,17 @@ def test_two_result_files_merged_give_the_verdict_of_one_run(
         "A/A noise floor: a-aa = the baseline launched again in its own run (restart-to-restart noise) — the drift "
         "between separate runs is not in it"
     ) in (tmp_path / "rep" / "report.md").read_text()
+    # a run cut short before its A/A pass (the lease ended) declares that pass and never measured it: no floor is
+    # claimed from it, and the engines table shows it as the baseline's engine, not measured
+    cut = tmp_path / "cut" / "results.jsonl"
+    cut.parent.mkdir()
+    cut.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(fa)
+                           if r.get("engine", r.get("name")) != "a-aa" or r["type"] not in ENGINE_RECORDS))  # fmt: skip
+    assert main(["report", "--results", str(cut), str(fb), "--out", str(tmp_path / "rep-cut")]) == 0
+    text = (tmp_path / "rep-cut" / "report.md").read_text()
+    assert "**no A/A noise floor**: a was measured in one run only" in text and "A/A noise floor: a-aa" not in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| a-aa (A/A pass of a)")]
+    assert "not measured" in row and "| llamacpp |" in row and "None" not in row, row
 
 
 def test_separate_runs_joined_with_the_baseline_repeated_as_the_floor_or_refused(

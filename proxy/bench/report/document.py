@@ -96,8 +96,16 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
 
     out.append(Block("h2", "Engines"))
     rows = []
+    measured = {s.engine for s in r.samples}
+    meta = {e["name"]: e for e in d.engines_meta}
     for e in d.engines_meta:
+        if e.get("aa_of") and e.get("kind") is None:  # an A/A never launched: the same engine, its original's
+            keep = ("kind", "model", "quantization", "quantization_source", "slots", "context_per_slot", "info",
+                    "dropped")  # fmt: skip
+            e = {**e, **{k: v for k, v in meta.get(e["aa_of"], {}).items() if k in keep}}
         tag = " (baseline)" if e["name"] == r.baseline else f" (A/A pass of {e['aa_of']})" if e.get("aa_of") else ""
+        if e["name"] not in measured:
+            tag += ", not measured (the run ended first)" if d.stopped or d.interrupted else ", not measured"
         q = e.get("quantization") or "undeclared"
         src = e.get("quantization_source")
         dropped = e.get("dropped")

@@ -196,7 +196,8 @@ def _protocol(datas: Sequence[Data], renames: Sequence[dict[str, str]], bl: str,
     mine = [n for n in floors if n.startswith(f"{bl}-aa")]
     in_run = [(ren[e.name], bool(next((m.get("launch") for m in d.engines_meta if m["name"] == e.name), None)))
               for d, ren in zip(datas, renames, strict=True) for e in d.results.engines
-              if e.aa_of == bl or (e.aa_of and ren.get(e.aa_of) == bl)]  # fmt: skip
+              if (e.aa_of == bl or (e.aa_of and ren.get(e.aa_of) == bl))
+              and any(s.engine == e.name for s in d.results.samples)]  # an interrupted run declares an A/A it never ran
     if mine:
         out.append(f"A/A noise floor: {mine[0]} = the baseline {bl}'s run repeated (run-to-run noise, what separate "
                    "runs have)")  # fmt: skip
