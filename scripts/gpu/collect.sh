@@ -3,7 +3,8 @@
 # status.txt of scripts/gpu/device.sh) into a dated directory of docs/gpu-results/ and rebuild its reports with
 # this tree's code.
 #
-#   scripts/gpu/collect.sh FILES_DIR [DEST]     DEST default docs/gpu-results/h200-<date of the run>-27b
+#   scripts/gpu/collect.sh FILES_DIR [DEST]     DEST default docs/gpu-results/<card>-<date of the run>-27b
+#                                               (card: h200, h100, ... from plan.txt's nvidia-smi)
 #
 # DEST/raw/    every run as it came back: NAME/results.jsonl.gz, NAME/command.txt, NAME/report-as-run.md,
 #              NAME/verdict-as-run.json, NAME/engines/*.log; tune/tune.json; diag/ (diagnose.txt/.json, live/,
@@ -21,7 +22,8 @@ trap 'rm -rf "$work"' EXIT
 tar -xzf "$src/results.tar.gz" -C "$work"
 [ -f "$src/logs.tar.gz" ] && tar -xzf "$src/logs.tar.gz" -C "$work"
 day=$(sed -n 's/^date_utc: \([0-9-]*\).*/\1/p' "$work/results/plan.txt" 2>/dev/null | head -n 1)
-dest=${2:-docs/gpu-results/h200-${day:-$(date -u +%F)}-27b}
+card=$(grep -o -m 1 'NVIDIA H[0-9]*' "$work/results/plan.txt" 2>/dev/null | head -n 1 | sed 's/NVIDIA //' | tr '[:upper:]' '[:lower:]')
+dest=${2:-docs/gpu-results/${card:-h200}-${day:-$(date -u +%F)}-27b}
 mkdir -p "$dest/raw" "$dest/logs"
 cp -r "$work/results/." "$dest/raw/"
 for r in "$dest"/raw/*/; do  # the device's own reports are kept as what it said; make.sh rebuilds them

@@ -97,7 +97,7 @@ VL_FP8_BENCH="--quantization vllm-fp8=fp8"
 # which arms run (ARMS: the core plan, in order; EXTRAS: after the join, when the clock allows, in this order --
 # cut from the end: sg_gguf first, then sg_bf16, diag, tune). GGUF=1 puts the same-file arm sg_gguf in the core
 ARMS=${ARMS:-sg_fp8 vllm_fp8}
-EXTRAS=${EXTRAS:-tune diag sg_bf16 sg_gguf}
+EXTRAS=${EXTRAS-tune diag sg_bf16 sg_gguf}  # EXTRAS="" runs none
 if [ -n "${GGUF:-}" ]; then ARMS="$ARMS sg_gguf"; EXTRAS=${EXTRAS//sg_gguf/}; fi
 # the precision each SGLang run declares: bf16 as launched (SGLang reports its dtype too); the GGUF arm's comes
 # from the file's own header (the bench reads it when the engine says gguf)
