@@ -42,7 +42,7 @@ def test_a_sooner_first_token_and_slower_tokens_break_even_at_an_output_length(
     base = llama_server_factory(model=wider_model, alias="m", ctx_size=4096, extra_args=["-ub", "8", "-b", "8"])
     cand = llama_server_factory(model=wider_model, alias="m", ctx_size=4096, extra_args=["-ctk", "f32", "-ctv", "f32"])
     rc = main(["bench", "--engine", f"ub8={base.url}", "--engine", f"kvf32={cand.url}", *SMALL, "--concurrency",
-               "1", "--prompt-lengths", "long", "--max-tokens", "160", "--output-lengths", "160", "--repeats", "5",
+               "1", "--prompt-lengths", "long", "--max-tokens", "160", "--output-lengths", "160", "--repeats", "7",
                "--out", str(tmp_path)])  # fmt: skip
     assert rc == 0
     (v,) = verdict(tmp_path)["verdicts"]
