@@ -194,10 +194,11 @@ def _protocol(datas: Sequence[Data], renames: Sequence[dict[str, str]], bl: str,
            + "; ".join(f"{src} ({', '.join(ren.values())})" for d, ren, src in _each(datas, renames))]  # fmt: skip
     floors = [n for ren in renames for n in ren.values() if n in cross_aa]
     mine = [n for n in floors if n.startswith(f"{bl}-aa")]
+    # an A/A counts only if it was measured: an interrupted run declares an A/A it never ran
     in_run = [(ren[e.name], bool(next((m.get("launch") for m in d.engines_meta if m["name"] == e.name), None)))
               for d, ren in zip(datas, renames, strict=True) for e in d.results.engines
               if (e.aa_of == bl or (e.aa_of and ren.get(e.aa_of) == bl))
-              and any(s.engine == e.name for s in d.results.samples)]  # an interrupted run declares an A/A it never ran
+              and any(s.engine == e.name for s in d.results.samples)]  # fmt: skip
     if mine:
         out.append(f"A/A noise floor: {mine[0]} = the baseline {bl}'s run repeated (run-to-run noise, what separate "
                    "runs have)")  # fmt: skip
