@@ -41,11 +41,13 @@ def commands(body: list[str]) -> list[str]:
     return [line for line in out if not line.strip().startswith(SETUP)]
 
 
-def marked_pages() -> list[tuple[str, list[str]]]:
-    """(page, the shell lines of its marked blocks in order) of every page with a marked block."""
+def marked_pages() -> list[tuple[str, list[str], list[str]]]:
+    """(page, the shell lines of its marked blocks in order, the output lines the page shows for them) of every
+    page with a marked block."""
     found = []
     for path in DOCS:
         script: list[str] = []
+        prints: list[str] = []
         lines = path.read_text(encoding="utf-8").splitlines()
         for i, line in enumerate(lines):
             if not line.startswith(MARK):
@@ -56,23 +58,33 @@ def marked_pages() -> list[tuple[str, list[str]]]:
             )
             end = next(j for j in range(fence + 1, len(lines)) if lines[j].startswith("```"))
             script += [f"# {path.name}:{fence + 1}", *commands(lines[fence + 1 : end])]
+            prints += printed(lines, end + 1)
         if script:
-            found.append((str(path.relative_to(REPO)), script))
+            found.append((str(path.relative_to(REPO)), script, prints))
     return found
+
+
+def printed(lines: list[str], after: int) -> list[str]:
+    """The output a page shows for a marked block: the plain fence right after it, introduced by a line "prints"."""
+    nxt = [j for j in range(after, min(after + 4, len(lines))) if lines[j].strip()]
+    if len(nxt) < 2 or lines[nxt[0]].strip() != "prints" or lines[nxt[1]] != "```":
+        return []
+    end = next(j for j in range(nxt[1] + 1, len(lines)) if lines[j].startswith("```"))
+    return lines[nxt[1] + 1 : end]
 
 
 PAGES = marked_pages()
 
 
 def test_the_readme_the_tune_page_and_the_bench_page_have_marked_blocks() -> None:
-    where = {name for name, _ in PAGES}
+    where = {name for name, _, _ in PAGES}
     assert {"README.md", "docs/tune.md", "docs/bench.md"} <= where
     assert commands(["$ a \\", "  b", "output", "$ c"]) == ["a \\", "  b", "c"]
 
 
-@pytest.mark.parametrize(("name", "lines"), PAGES, ids=[name for name, _ in PAGES])
-def test_the_marked_blocks_of_a_page_run_as_written(name: str, lines: list[str], llama_server_bin: Path, tiny_model: Path,
-                                        tmp_path: Path) -> None:  # fmt: skip
+@pytest.mark.parametrize(("name", "lines", "shown"), PAGES, ids=[name for name, _, _ in PAGES])
+def test_the_marked_blocks_of_a_page_run_as_written(name: str, lines: list[str], shown: list[str],
+                                                    llama_server_bin: Path, tiny_model: Path, tmp_path: Path) -> None:  # fmt: skip
     (tmp_path / "scripts").symlink_to(REPO / "scripts")
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     env = {**os.environ, "LLAMA_SERVER_BIN": str(llama_server_bin),
@@ -80,4 +92,8 @@ def test_the_marked_blocks_of_a_page_run_as_written(name: str, lines: list[str],
     script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
     r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"{name}: exit {r.returncode}\n{script}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    assert "report:" in r.stdout or "report.md" in r.stdout, r.stdout[-2000:]
+    if shown:  # a page that shows what its commands print: they print it
+        missing = [line for line in shown if line not in r.stdout.splitlines()]
+        assert not missing, f"{name}: shown but not printed: {missing}\n{r.stdout[-2000:]}"
+    else:
+        assert "report:" in r.stdout or "report.md" in r.stdout, r.stdout[-2000:]
