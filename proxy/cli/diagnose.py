@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.bench.run.client import RequestOutcome, send_one
-from proxy.bench.run.options import UsageError, size_bytes
+from proxy.bench.run.options import UsageError, size_arg
 from proxy.diagnosis import Diagnosis, gather, size
 from proxy.engines.startup import without_flags
 from proxy.gpu.memory import GpuMemory
@@ -76,7 +76,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         args.url = base_url(args.url)
-        args.budget = size_bytes(args.memory_budget)
+        args.budget = size_arg(args.memory_budget)
         if args.log is not None and not args.log.is_file():
             raise UsageError(f"--log {args.log}: no such file")
     except UsageError as exc:

@@ -16,7 +16,7 @@ from proxy.bench.run.options import (
     fail_on,
     pairs,
     percent_arg,
-    size_bytes,
+    size_arg,
 )
 from proxy.cli.bench import ACCEPT_HELP
 from proxy.cli.common import (
@@ -115,7 +115,7 @@ def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
             expand(args.log), run=args.run, since=parse_time(args.since) if args.since else None,
             until=parse_time(args.until) if args.until else None, primary=args.primary or args.baseline,
             shadow=args.shadow, quantization=quant, blocks=args.blocks, proxy=info,
-            memory_budget_bytes=size_bytes(args.memory_budget),
+            memory_budget_bytes=size_arg(args.memory_budget),
             min_effect=MIN_EFFECT if args.min_effect is None else args.min_effect, max_error_rate=MAX_ERROR_RATE if args.max_error_rate is None else args.max_error_rate,
         )  # fmt: skip
         declared = random_declared(args)

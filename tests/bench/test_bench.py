@@ -37,7 +37,9 @@ from proxy.bench.verdict.data import load_bench, read_jsonl
 from proxy.cli import main
 from proxy.configfile import load
 from proxy.gpu import scraped
+from proxy.gpu.nvml import NvmlUnavailable, ProcReading
 from proxy.timing import EngineTimings, Usage
+from tests.gpu.test_gpu import TOTAL, RecordedReader, Step, dev
 from tests.helpers import ProxyFactory, free_port, run_uvicorn_app, wait_until
 
 Factory = Callable[..., Any]
@@ -619,6 +621,45 @@ def test_memory_probe_keeps_the_peak_while_a_cell_runs() -> None:
         peak, source = asyncio.run(scenario(url))
     assert peak == 5_000
     assert source == "proxy engine gauge"
+
+
+def test_memory_probe_reads_the_whole_device_through_the_nvml_seam() -> None:
+    """No proxy to scrape: NVML's whole-device figure, replayed from recorded readings of two GPUs. Used is
+    total - free (the driver's reservation counts), a failed read is skipped, the peak is the highest sum."""
+    reserved = 600 * 2**20
+    procs: dict[int, list[ProcReading]] = {0: [ProcReading(1234, 15_370_000_000)]}
+    steps: list[Step] = [
+        ([dev(0, used=16_030_000_000), dev(1, used=1_000_000_000)], procs),
+        RuntimeError("NVML lost the GPU"),
+        ([dev(0, used=30_000_000_000), dev(1, used=2_000_000_000)], procs),
+        ([dev(0, used=20_000_000_000), dev(1, used=1_000_000_000)], procs),
+    ]
+    reader = RecordedReader(steps)
+
+    async def scenario() -> int | None:
+        async with probe.watch(None, "a", period_s=0.01) as box:
+            deadline = asyncio.get_running_loop().time() + 10
+            while reader.calls < len(steps):  # the "cell": every recorded reading has been read
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+        return box["peak"]
+
+    probe = memory.MemoryProbe(None, opener=lambda: reader)
+    assert probe.source == "NVML (whole device)"
+    assert asyncio.run(scenario()) == 32_000_000_000 + 2 * reserved
+    assert probe.total_bytes == 2 * TOTAL and probe.gpus == {}
+
+    def no_gpu() -> RecordedReader:
+        raise NvmlUnavailable("NVML reports no GPU")
+
+    none = memory.MemoryProbe(None, opener=no_gpu)
+    assert none.source == "unknown"
+    assert asyncio.run(none.read(None, "a")) is None
+
+    def never() -> RecordedReader:
+        raise AssertionError("a proxy to scrape: NVML is not opened")
+
+    assert memory.MemoryProbe("http://127.0.0.1:1/metrics", opener=never).source == "unknown"
 
 
 def test_arrivals_percentiles_goodput() -> None:

@@ -1,7 +1,7 @@
 """The package's shape, held by its own imports: no import cycle anywhere in ``proxy/`` (an import inside a function
 or under ``TYPE_CHECKING`` counts: it only hides the cycle), the bench wing's layers (``run`` -> ``verdict`` <-
-``report``, ``live`` -> ``verdict``), the GPU package below the server, no module over 450 lines, every module
-named in its package's map, and no aiohttp."""
+``report``, ``live`` -> ``verdict``), the GPU package below the server and NVML read only through its seam, no
+module over 450 lines, every module named in its package's map, and no aiohttp."""
 
 from __future__ import annotations
 
@@ -164,6 +164,12 @@ def test_the_package_does_not_depend_on_aiohttp() -> None:
     assert not [d for d in project["dependencies"] if d.lower().startswith("aiohttp")]
     users = [m for m, p in modules(REPO / "proxy").items() if "aiohttp" in import_names(p)]
     assert users == []
+
+
+def test_only_the_nvml_seam_imports_pynvml() -> None:
+    """GPU reading goes through ``proxy.gpu.nvml``'s reader, which the tests replay; nothing else calls NVML."""
+    users = [m for m, p in modules(REPO / "proxy").items() if "pynvml" in import_names(p)]
+    assert users == ["proxy.gpu.nvml"]
 
 
 def import_names(path: Path) -> set[str]:

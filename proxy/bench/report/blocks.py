@@ -13,7 +13,3 @@ class Block:
     header: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
     path: str = ""
-
-
-def gib(b: float | None) -> str:
-    return "unknown" if b is None else f"{b / 2**30:.2f} GiB"

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from proxy.bench.report.blocks import Block, gib
+from proxy.bench.report.blocks import Block
+from proxy.bench.verdict.notation import gib
 
 _ROLE = {"baseline": "baseline", "candidate": "candidate", "aa": "A/A: the baseline again"}
 

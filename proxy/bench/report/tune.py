@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.outdir import fresh, held
-from proxy.bench.report.blocks import Block, gib
+from proxy.bench.report.blocks import Block
 from proxy.bench.report.charts import tune_chart
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Comparison, Verdict, decide_all
 from proxy.bench.verdict.model import Cell, Sample
-from proxy.bench.verdict.notation import band, faster, faster_ci, faster_interval
+from proxy.bench.verdict.notation import band, faster, faster_ci, faster_interval, gib
 from proxy.bench.verdict.regimes import GATES, rerun
 
 #: a peak this close to the budget (or the GPU's total) is "memory is full"

@@ -54,7 +54,7 @@ class InFlight:
 
 
 @dataclass
-class Watch:
+class ForeignLoad:
     """What one repeat saw: the record's ``foreign`` field."""
 
     before: int | None = None
@@ -97,9 +97,9 @@ class BusyWatch:
         return n
 
     @contextlib.asynccontextmanager
-    async def repeat(self, server: str | None) -> AsyncIterator[Watch]:
+    async def repeat(self, server: str | None) -> AsyncIterator[ForeignLoad]:
         """Watch one cell repeat on ``server``: idle before it, no excess while it runs."""
-        w = Watch()
+        w = ForeignLoad()
         if server is None or self._kinds.get(server) is None:
             yield w
             return
@@ -122,7 +122,7 @@ class BusyWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _during(self, server: str, w: Watch) -> None:
+    async def _during(self, server: str, w: ForeignLoad) -> None:
         streak = 0
         while True:
             await asyncio.sleep(self._interval)

@@ -3,9 +3,9 @@
 Sources, best first: a launched engine's own processes (``ProcessMemory``: NVML through the launcher's pid
 attribution, ``proxy.gpu.memory``), the proxy's ``/metrics`` per-engine gauges
 (``enginemeter_engine_gpu_memory_used_bytes`` then ``..._peak_bytes``: the proxy attributes GPU processes to
-engines through /proc), then its device gauge, then NVML locally (whole device). Only a per-engine source can
-judge "memory fits"; a device-wide reading includes whatever else runs on that GPU (the other engine too), and
-the verdict says so instead of judging.
+engines through /proc), then its device gauge, then NVML locally (whole device, read through the seam tests
+replay: ``proxy.gpu.nvml``, ``opener``). Only a per-engine source can judge "memory fits"; a device-wide reading
+includes whatever else runs on that GPU (the other engine too), and the verdict says so instead of judging.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
+from proxy.gpu.nvml import NvmlReader, Opener, PynvmlReader
 from proxy.gpu.scraped import PROCESS, read_memory
 
 if TYPE_CHECKING:
@@ -43,31 +44,25 @@ class MemoryProbe:
     gpus: dict[str, tuple[int, ...]]
     total_bytes: int | None
 
-    def __init__(self, metrics_url: str | None) -> None:
+    def __init__(self, metrics_url: str | None, opener: Opener = PynvmlReader) -> None:
         self.metrics_url = metrics_url
         self.source = "unknown"
         self.gpus = {}
         self.total_bytes = None
-        self._nvml: Any = None
+        self._nvml: NvmlReader | None = None
         if metrics_url is None:
             try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                if pynvml.nvmlDeviceGetCount() > 0:
-                    self._nvml = pynvml
-                    self.source = "NVML (whole device)"
+                self._nvml = opener()  # NvmlUnavailable without a GPU
+                self.source = "NVML (whole device)"
             except Exception:  # no driver, no GPU: memory stays unknown
                 self._nvml = None
 
     def _nvml_used(self) -> tuple[int, int]:
-        nv = self._nvml
-        used = total = 0
-        for i in range(nv.nvmlDeviceGetCount()):
-            info = nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i))
-            used += int(info.used)
-            total += int(info.total)
-        return used, total
+        """(used, total) over every device; used is total - free (NVML's v1 figure: the driver's reservation
+        counts as used), as this source has always read it."""
+        assert self._nvml is not None
+        devices = self._nvml.devices()
+        return sum(d.total_bytes - d.free_bytes for d in devices), sum(d.total_bytes for d in devices)
 
     async def read(self, client: httpx.AsyncClient | None, engine: str) -> int | None:
         if self.metrics_url and client is not None:

@@ -104,7 +104,9 @@ def pairs(items: Sequence[str] | None, what: str) -> dict[str, str]:
 _SIZE = re.compile(r"(?i)^\s*([0-9.]+)\s*([kmgt]i?b?)?\s*$")
 
 
-def size_bytes(s: str | int | None) -> int | None:
+def size_arg(s: str | int | None) -> int | None:
+    """A size as a person gives it (``--memory-budget 80GiB``, ``24G``, ``1073741824``; K/M/G/T are binary) ->
+    bytes; None and ints pass through."""
     if s is None or isinstance(s, int):
         return s
     m = _SIZE.match(s)
@@ -232,7 +234,7 @@ def build_config(args: argparse.Namespace, file: BenchFile | None, targets: list
         no_prompt_cache=bool(val("no_prompt_cache", False)),
         ignore_eos=not (args.no_ignore_eos or (file is not None and file.ignore_eos is False)),
         timeout_s=val("timeout", 600.0),
-        memory_budget_bytes=size_bytes(val("memory_budget")),
+        memory_budget_bytes=size_arg(val("memory_budget")),
         quick=quick,
         progress=not args.no_progress,
         min_effect=min_effect,
