@@ -20,6 +20,7 @@ The base, used by every wing:
     stream        one stream-event reader (token, finish reason, usage) shared by relay, bench and perf
     timing        stream timestamps -> TTFT, gaps, TPOT, decode rate; usage and the engines' own timings
     sequential    anytime-valid confidence sequences: the live verdict per regime
+    notation      how every number is written (speed ratios, bands, figures with units), on every screen
     levels        the bounded levels of requests in flight a traffic profile is counted in
     jsonlog       the size-rotated JSONL files the server writes (comparison, request log) and the bench reads
     diagnosis     what a running llama-server says about itself: flags, log, model header, KV, memory

@@ -47,6 +47,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.notation import band, faster, faster_interval, unit
+
 ALPHA = 0.05
 MIN_EFFECT = 0.05
 #: nothing is decided before this many pairs in a stream: the plug-in variance of the first few pairs is often
@@ -248,25 +250,37 @@ class LiveVerdict:
 
 
 def sentence(shadow: str, primary: str, s: Stream, st: Interval, min_effect: float) -> str:
-    """One line a person reads: "np4 faster than np1 by ≥ 5 % under load (TTFT), decided after 37 pairs"."""
+    """One line a person reads, in the bench's notation (``proxy.notation``): "under load (TTFT): np4
+    is faster than np1 beyond the band ±5.0 %, decided after 30 pairs (37 now: 44 % faster, anytime-valid interval
+    21–71 % faster)"."""
     where = f"{REGIME_LABEL[s.regime]} ({s.label})"
-    m = f"{min_effect:.0%}"
     if st.n == 0:
         return f"{where}: no pairs yet"
-    ci = f"Δ {st.estimate:+.1%}" if st.estimate is not None else ""
-    if st.lo is not None and st.hi is not None:
-        ci += f", anytime-valid interval {st.lo:+.1%} … {st.hi:+.1%}"
-    tail = f" after {st.decided_after} pairs ({st.n} now; {ci})"
+    m = band(min_effect)
+    tail = f" after {st.decided_after} pairs ({st.n} now: {speed(st)})"
     if st.drift:
         tail += " — the traffic has changed since: the current interval no longer supports the decision"
     if st.decision == "faster":
-        return f"{where}: {shadow} faster than {primary} by ≥ {m}, decided{tail}"
+        return f"{where}: {shadow} is faster than {primary} beyond the band {m}, decided{tail}"
     if st.decision == "slower":
-        return f"{where}: {shadow} slower than {primary} by ≥ {m}, decided{tail}"
+        return f"{where}: {shadow} is slower than {primary} beyond the band {m}, decided{tail}"
     if st.decision == "tie":
-        return f"{where}: no difference of {m} or more between {shadow} and {primary}, decided{tail}"
+        return f"{where}: a tie between {shadow} and {primary}, inside the band {m}, decided{tail}"
     need = f"; nothing is decided before {MIN_PAIRS} pairs" if st.n < MIN_PAIRS else ""
-    return f"{where}: not yet — {st.n} pairs ({ci}){need}"
+    return f"{where}: not yet — {st.n} pairs ({shadow} {speed(st)}){need}"
+
+
+def speed(st: Interval) -> str:
+    """The state as the shadow's speed ratio over the primary (the primary's time over the shadow's), in one unit:
+    "44 % faster, anytime-valid interval 21–71 % faster"."""
+    if st.estimate is None:
+        return "no estimate"
+    r = 1 / (1 + st.estimate)
+    if st.lo is None or st.hi is None:
+        return faster(r)
+    lo, hi = 1 / (1 + st.hi), 1 / (1 + st.lo)  # a higher time ratio is a lower speed ratio
+    u = unit(r, lo, hi)
+    return f"{faster(r, u)}, anytime-valid interval {faster_interval(lo, hi, u)}"
 
 
 def replay(

@@ -6,7 +6,8 @@
     vllm       vLLM
     openai     anything else OpenAI-compatible: the catch-all
     quant      quant_key: quantization names made comparable
-    startup    the helpers every dialect shares to read a command line and its start-up log (LogFacts)
+    startup    the helpers every dialect shares to read a command line and its start-up log (LogFacts);
+               ``started`` reads a launched engine's log file by its kind's dialect
 
 Each dialect knows how to recognize its engine, its cheap health check, its state poll (model, context
 length, slots, busy slots, quantization, build), how it counts prompt tokens without generating, how its prompt
@@ -20,14 +21,17 @@ Docs: docs/engines.md.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from proxy.engines import llamacpp, openai, sglang, vllm
 from proxy.engines.base import Dialect, Facts, Health, PollError, TokenCount, as_int, as_str, get_json, model_card
 from proxy.engines.quant import quant_from_name, quant_key
+from proxy.engines.startup import LogFacts, last_launch
 from proxy.types import EngineKind
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "probe",
     "quant_from_name",
     "quant_key",
+    "started",
 ]
 
 #: in detection order; the catch-all last
@@ -118,6 +123,26 @@ async def probe(
     except (httpx.HTTPError, PollError, ValueError) as exc:
         p.error = f"{type(exc).__name__}: {exc}"[:200]
     return p
+
+
+#: the most of a log file ``started`` reads (an engine logs its start first; a run's request lines follow)
+MAX_LOG_BYTES = 256 * 2**20
+
+
+def started(path: Path, kind: EngineKind | None) -> LogFacts:
+    """What an engine's log file (``proxy.launch`` writes ``OUT/engines/NAME.log``; ``scripts/gpu/collect.sh`` may
+    keep it as ``NAME.log.gz``) says of the engine's last start, read by its kind's dialect: the KV pool in tokens
+    and bytes, the weights, the memory share, ... Empty when there is no such file, or no kind to read it by."""
+    if kind is None:
+        return LogFacts()
+    for f in (path, path.with_name(path.name + ".gz")):
+        try:
+            with gzip.open(f, "rb") if f.suffix == ".gz" else open(f, "rb") as fh:
+                text = fh.read(MAX_LOG_BYTES).decode(errors="replace")
+        except (OSError, EOFError):  # absent, unreadable, a gzip cut short
+            continue
+        return dialect(kind).parse_log(last_launch(text))
+    return LogFacts()
 
 
 def normalize_error(body: bytes, status: int, kind: EngineKind | None = None) -> bytes:

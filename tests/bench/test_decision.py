@@ -4,25 +4,29 @@ the committed 27B H200 run's raw results."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gzip
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
 
 from proxy.bench.live.traffic import from_records
+from proxy.bench.run.config import Target
+from proxy.bench.run.engines import probe
 from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.decide import decide, decide_all
 from proxy.bench.verdict.headline import headline
 from proxy.bench.verdict.merge import load_runs
 from proxy.bench.verdict.model import Cell, LiveFinding, Traffic
-from proxy.bench.verdict.notation import band, faster, faster_interval
-from proxy.bench.verdict.regimes import RegimeAnswer, answer
+from proxy.bench.verdict.regimes import RegimeAnswer, answer, even_split, weigh_next
 from proxy.bench.verdict.stats import Paired
 from proxy.bench.verdict.traffic import crossing, parse_spec, prompt_class, weigh
 from proxy.cli import main
+from proxy.notation import band, faster, faster_interval
 from tests.bench.test_verdict import C1, C8, LONG, loaded, results, run, trio
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,9 +69,75 @@ def test_the_27b_run_is_an_answer_per_workload_with_its_crossing_points(run27: t
     # 0.19 GiB over the 72 GiB budget through a share setting: a caveat with the share that fits, not a stop
     assert v.stopped_at is None and len(v.caveats) == 1
     assert "0.19 GiB (0.3 %) over budget 72.00 GiB" in v.caveats[0] and "--mem-fraction-static 0.48" in v.caveats[0]
+    assert "token" not in v.caveats[0]  # the results alone (no engine log beside them) do not hold the KV pool
     assert v.next_step is not None and "--traffic" in v.next_step
     x = crossing(v.cells, "short")
     assert x is not None and x[:2] == (1, 4) and 1 < x[2] < 4
+
+
+def test_the_27b_headline_says_discounted_and_its_next_is_a_command_that_runs(
+    run27: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first screen says the answer includes the precision difference (first line and a note, before the
+    regimes), and "next" is the report command on these results with the concurrency levels measured — pasted as
+    printed (the even split standing in for the user's shares), it runs and weighs the answer by that traffic."""
+    d = load_runs(list(run27), baseline="llama", accept_quantization_difference=True)
+    vs = decide_all(d.results)
+    h = headline(vs)
+    assert h.lines()[0].startswith("DEPENDS (discounted): depends on your traffic"), h.lines()[0]
+    assert h.discounted is not None and h.to_json()["discounted"] == h.discounted
+    (note,) = h.notes
+    assert "precision difference Q4_K - Medium vs bf16" in note and "same-weights comparison is the clean test" in note
+    assert h.lines()[1] == f"  note: {note}"  # right under the decision, before the regimes
+    cmd, _, comment = (h.next_step or "").partition("  # ")
+    assert cmd == shlex.join(["enginemeter", "report", "--results", *map(str, run27), "--baseline", "llama",
+                              "--accept-quantization-difference", "--traffic", "c1=25,c4=25,c16=25,c64=25",
+                              "--out", "traffic-report"]), h.next_step  # fmt: skip
+    assert "share of busy time" in comment and "placeholder" in comment
+    argv = shlex.split(cmd)[1:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "traffic-report")
+    capsys.readouterr()
+    assert main(argv) == 0
+    vj = json.loads((tmp_path / "traffic-report" / "verdict.json").read_text())
+    assert vj["traffic"]["concurrency"] == {"1": 0.25, "4": 0.25, "16": 0.25, "64": 0.25}, vj["traffic"]
+    assert vj["headline"]["decision"] in ("switch", "stay") and vj["headline"]["discounted"]
+    assert vj["headline"]["next"] is None  # the traffic decided: nothing left to weigh
+    md = (tmp_path / "traffic-report" / "report.md").read_text()
+    assert f"**{vj['headline']['decision'].upper()}** (discounted) — " in md.split("## Verdict")[0]
+    # a live report's next takes the profile from its own comparison log; without a known command, words
+    (v,) = vs
+    live = dataclasses.replace(
+        d.results, live=True, report_command="enginemeter report --log 'c 1.jsonl' --primary llama"
+    )
+    assert weigh_next(live, v.cells).startswith(
+        "enginemeter report --log 'c 1.jsonl' --primary llama --traffic 'c 1.jsonl' --out traffic-report  # "
+    )
+    bare = weigh_next(dataclasses.replace(d.results, report_command=None), v.cells)
+    assert bare.startswith("weigh it by your traffic: the report again with --traffic c1=25,c4=25,c16=25,c64=25")
+    assert even_split([1, 4, 64]) == "c1=34,c4=33,c64=33"
+
+
+def test_the_27b_memory_caveat_states_its_kv_cost_in_tokens() -> None:
+    """The runs as collected, each launched engine's log in its engines/: SGLang's says its KV pool (77,941 tokens
+    in 2 x 8.62 GiB), so the 0.56 GiB a smaller share gives back is stated in tokens of that pool too."""
+    d = load_runs([RAW27 / "llama", RAW27 / "sglang"], baseline="llama", accept_quantization_difference=True)
+    sg = next(e for e in d.results.engines if e.name == "sglang")
+    assert (sg.kv_pool_tokens, sg.kv_cache_bytes) == (77941, round(8.62 * 2**30) * 2)
+    (v,) = decide_all(d.results)
+    (caveat,) = v.caveats
+    assert "~0.56 GiB less, from its KV cache (≈2,539 tokens of its 77,941-token KV pool): launch it so" in caveat
+    # 0.004 of the GPU's 140.40 GiB is 0.56 GiB: 3.3 % of the pool's 17.24 GiB, so 3.3 % of its 77,941 tokens
+
+
+def test_a_launched_engines_log_gives_the_bench_its_kv_pool() -> None:
+    """The bench records the pool a launched engine logged (SGLang's /server_info has the tokens, not the bytes),
+    so a new run's results carry it without the log beside them."""
+    t = Target("sglang", "http://127.0.0.1:9", kind="sglang")  # nothing answers: the log alone speaks
+    asyncio.run(probe(t, timeout=1.0, log=RAW27 / "sglang" / "engines" / "sglang.log"))
+    assert (t.info["kv_pool_tokens"], t.info["kv_cache_bytes"]) == (77941, round(8.62 * 2**30) * 2)
+    bare = Target("sglang", "http://127.0.0.1:9", kind="sglang")
+    asyncio.run(probe(bare, timeout=1.0))
+    assert "kv_cache_bytes" not in bare.info
 
 
 @pytest.mark.parametrize(("spec", "decision", "words"), [
@@ -90,9 +160,9 @@ def test_the_27b_run_for_a_traffic_profile(
     assert vj["traffic"]["source"] == f"inline: {spec}" and vj["verdicts"][0]["traffic"]["decision"] == decision
     # one headline everywhere: the console's last lines, the report's first screen
     printed = capsys.readouterr().out
-    assert f"{decision.upper()}: {vj['headline']['sentence']}" in printed
+    assert f"{decision.upper()} (discounted): {vj['headline']['sentence']}" in printed  # Q4_K_M vs bf16
     md = (out / "report.md").read_text()
-    assert md.index("## The answer") < md.index("## Verdict") and f"**{decision.upper()}** — " in md
+    assert md.index("## The answer") < md.index("## Verdict") and f"**{decision.upper()}** (discounted) — " in md
 
 
 def test_a_directory_without_results_is_refused_plainly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,7 +309,9 @@ def test_live_traffic_says_not_yet_until_the_sequence_decides() -> None:
     few = {"sglang": {"decode": LiveFinding("not yet", "...", 3, "TPOT")}}
     v = decide(dataclasses.replace(r, live_findings=few), "sglang")
     assert v.decision == "not yet" and "nothing is decided before 30" in v.summary
-    done = {"sglang": {"decode": LiveFinding("faster", "sglang faster than llama by ≥ 5 %", 41, "TPOT")}}
+    done = {
+        "sglang": {"decode": LiveFinding("faster", "sglang is faster than llama beyond the band ±5.0 %", 41, "TPOT")}
+    }
     assert decide(dataclasses.replace(r, live_findings=done), "sglang").decision == "switch"
 
 

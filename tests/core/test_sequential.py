@@ -156,7 +156,9 @@ def test_regimes_and_the_pairs_each_stream_reads() -> None:
     assert by[("long", "ttft_s")].n == 0
     assert v.history is not None and len(v.history[STREAMS[1]]) == 40
     lines = v.lines()
-    assert lines[1].startswith("under load (TTFT): np4 faster than np1 by ≥ 5%, decided after 30 pairs")
+    assert lines[1].startswith(
+        "under load (TTFT): np4 is faster than np1 beyond the band ±5.0 %, decided after 30 pairs (40 now: ×"
+    )
     assert lines[0].startswith("single-request decode (TPOT): not yet — 5 pairs")
     assert lines[3] == "long context (TTFT): no pairs yet"
     doc = v.to_json()
@@ -169,8 +171,22 @@ def test_a_sentence_for_each_decision() -> None:
     s = STREAMS[0]
     tie = Interval(n=80, estimate=0.01, lo=-0.03, hi=0.04, decision="tie", decided_after=60)
     assert sentence("b", "a", s, tie, 0.05) == (
-        "single-request decode (TPOT): no difference of 5% or more between b and a, decided after 60 pairs "
-        "(80 now; Δ +1.0%, anytime-valid interval -3.0% … +4.0%)"
+        "single-request decode (TPOT): a tie between b and a, inside the band ±5.0 %, decided after 60 pairs "
+        "(80 now: 1.0 % slower, anytime-valid interval between 4.0 % slower and 3.1 % faster)"
     )
     slow = Interval(n=50, estimate=0.3, lo=0.2, hi=0.4, decision="slower", decided_after=44)
-    assert "b slower than a by ≥ 5%, decided after 44 pairs" in sentence("b", "a", s, slow, 0.05)
+    assert sentence("b", "a", s, slow, 0.05) == (
+        "single-request decode (TPOT): b is slower than a beyond the band ±5.0 %, decided after 44 pairs "
+        "(50 now: 30 % slower, anytime-valid interval 20–40 % slower)"
+    )
+    # the bench's notation: a speed ratio in words, never a signed Δ, the interval in the estimate's unit
+    fast = Interval(n=119, estimate=-0.7, lo=-0.8, hi=-0.5, decision="faster", decided_after=30, drift=True)
+    assert sentence("b", "a", s, fast, 0.05) == (
+        "single-request decode (TPOT): b is faster than a beyond the band ±5.0 %, decided after 30 pairs "
+        "(119 now: ×3.3 faster, anytime-valid interval ×2.0–×5.0 faster) — the traffic has changed since: the "
+        "current interval no longer supports the decision"
+    )
+    few = Interval(n=1, estimate=-0.407, lo=None, hi=None, decision="not yet", decided_after=None)
+    assert sentence("b", "a", s, few, 0.05) == (
+        "single-request decode (TPOT): not yet — 1 pairs (b 69 % faster); nothing is decided before 30 pairs"
+    )

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engines import llamacpp, sglang, vllm
+from proxy.engines import llamacpp, sglang, started, vllm
 from proxy.engines.llamacpp import launch_flags
 from proxy.engines.startup import LogFacts, flag_value, last_launch, python_module, size_bytes
 from tests.helpers import REPO, LlamaServerFactory
 
 LOGS = REPO / "docs" / "gpu-results" / "three-engines" / "logs" / "engines"
+#: the 27B run's engines as ``proxy.launch`` logged them (``OUT/engines/NAME.log``)
+RAW27 = REPO / "docs" / "gpu-results" / "h200-2026-12-03-27b" / "raw"
 GIB = 2**30
 
 
@@ -111,6 +113,20 @@ def test_sglang_0517_log() -> None:
     assert (f.kv_cache_tokens, f.kv_cache_bytes, f.kv_cache_type) == (107716, round(6.57 * GIB) * 2, "float16")
     assert (f.slots, f.context_per_slot, f.memory_fraction) == (4096, 8192, 0.192)
     assert f.cuda_graphs == "off"  # started with --disable-cuda-graph
+
+
+def test_sglang_27b_kv_pool_from_the_launched_engines_log(tmp_path: Path) -> None:
+    """SGLang 0.5.17, 27B bf16 at --mem-fraction-static 0.484 on the H200: its KV pool in tokens and bytes, read from
+    the log file as the bench and the report read it (``proxy.engines.started``), gzipped as collect.sh keeps
+    some logs too. What a share's excess costs in tokens rests on it (``proxy.bench.verdict.gates``)."""
+    log = RAW27 / "sglang" / "engines" / "sglang.log"
+    # "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 77941, K size: 8.62 GB, V size: 8.62 GB"
+    f = started(log, "sglang")
+    assert (f.kv_cache_tokens, f.kv_cache_bytes, f.kv_cache_type) == (77941, round(8.62 * GIB) * 2, "bfloat16")
+    assert (f.memory_fraction, f.context_per_slot) == (0.484, 196608)
+    (tmp_path / "sglang.log.gz").write_bytes(gzip.compress(log.read_bytes()))
+    assert started(tmp_path / "sglang.log", "sglang") == f
+    assert started(tmp_path / "absent.log", "sglang") == LogFacts() == started(log, None)
 
 
 def test_sglang_graph_capture_lines() -> None:

@@ -241,7 +241,7 @@ def test_a_slower_candidate_rolls_back_by_itself_at_the_first_step_and_says_why(
             wait_until(lambda: len(t.served) >= n_back + 20, timeout=60)
         assert not t.failures, t.failures
         assert back["state"] == "rolled_back" and back["cause"] == "slower" and back["share"] == 0.0, back
-        assert back["step"] == 0 and "cand slower than base" in back["detail"], back["detail"]
+        assert back["step"] == 0 and "cand is slower than base" in back["detail"], back["detail"]
         assert [e["event"] for e in back["events"]] == ["started", "rolled_back"]
         assert set(t.served) == {"base"}
         copies = len(p.of("shadow", "cand"))
@@ -501,7 +501,7 @@ def test_llama_np1_candidate_is_slower_at_concurrency_4_and_rolls_back(
             back = wait_state(proxy.url, lambda d: d["state"] != "running", 240, "the rollout to end")
         assert not t.failures, t.failures[:3]
         assert back["state"] == "rolled_back" and back["cause"] == "slower" and back["step"] <= 1, back
-        assert "cand slower than base" in back["detail"] and "under load" in back["detail"], back["detail"]
+        assert "cand is slower than base" in back["detail"] and "under load" in back["detail"], back["detail"]
         assert fresh(proxy.url, 4) == {"base"}
         assert "ROLLED BACK" in proxy.output()
 

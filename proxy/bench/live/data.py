@@ -26,6 +26,8 @@ gates) plus what only live traffic has (the anytime-valid verdict, outcomes by c
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import shlex
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -165,8 +167,13 @@ def load_live(
     out = []
     for p in sorted({k[0] for k in sel.pairs}):
         mine = {s: recs for (pp, s), recs in sel.pairs.items() if pp == p}
-        out.append(_live(p, mine, sel, conc, notes, quantization or {}, blocks, min_repeats, info,
-                         memory_budget_bytes, min_effect, max_error_rate, dict(lost)))  # fmt: skip
+        lv = _live(p, mine, sel, conc, notes, quantization or {}, blocks, min_repeats, info, memory_budget_bytes,
+                   min_effect, max_error_rate, dict(lost))  # fmt: skip
+        again = ["enginemeter", "report", "--log", *map(str, log.files), "--primary", p]
+        run_id = sel.runs[0].id if len(sel.runs) == 1 else "all" if len(sel.runs) > 1 else None
+        again += ["--run", run_id] if run_id else []
+        lv.data.results = dataclasses.replace(lv.data.results, report_command=shlex.join(again))
+        out.append(lv)
     return out
 
 

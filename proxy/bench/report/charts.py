@@ -82,8 +82,9 @@ def robust_top(ax: Any, tops: Sequence[float]) -> bool:
 
 
 def forest(verdicts: Sequence[Verdict], ax: Any) -> bool:
-    """Each comparison's speed ratio (candidate faster by ×) with its 95 % interval, log scale, the band a win
-    must clear shaded around ×1; primary figures filled, the ones beside them hollow."""
+    """Each comparison's speed ratio (the candidate's speed over the baseline's: ×2 is "×2.0 faster", ×0.5 "×2.0
+    slower") with its 95 % interval, log scale, the band a win must clear shaded around ×1; primary figures
+    filled, the ones beside them hollow."""
     rows: list[tuple[str, Any]] = []
     for v in verdicts:
         for c in v.comparisons:
@@ -102,7 +103,7 @@ def forest(verdicts: Sequence[Verdict], ax: Any) -> bool:
     ax.set_xscale("log")
     ax.set_yticks(range(len(rows)), [lab for lab, _ in reversed(rows)], fontsize=7)
     ax.set_xlabel(
-        "candidate faster by × (log; < 1: slower) — grey: the band a win must clear (noise floor, min effect)"
+        "candidate's speed ratio (log; < 1: slower) — grey: the band a win must clear (noise floor, min effect)"
     )
     return True
 
@@ -153,7 +154,7 @@ def make_charts(d: Data, out: Path, verdicts: Sequence[Verdict] = ()) -> tuple[d
 
     fig, ax = plt.subplots(figsize=(7.5, 0.45 * sum(len(v.comparisons) for v in verdicts) + 1.2))
     if forest(verdicts, ax):
-        ax.set_title("Each comparison: Δ with its 95 % interval against the band", fontsize=9)
+        ax.set_title("Each comparison: the speed ratio with its 95 % interval against the band", fontsize=9)
         save(fig, "verdict_forest", "The verdict's comparisons")
     else:
         plt.close(fig)
@@ -300,10 +301,11 @@ def live_delta_chart(
     primary: str,
     out: Path,
 ) -> Path | None:
-    """Δ per regime as the pairs arrived: shadow / primary of the running (geometric) mean and its anytime-valid
-    interval, one panel per stream (``proxy.sequential.STREAMS``), one colour per shadow; the grey band is the
-    minimum effect (inside it: no difference worth a switch). ``histories``: shadow -> stream -> (pairs, Δ,
-    lo, hi) after each pair."""
+    """The shadow's speed ratio per regime as the pairs arrived (the primary's time over the shadow's, of the
+    running geometric mean: above 1 the shadow is faster, the notation's ratio) and its anytime-valid interval,
+    one panel per stream (``proxy.sequential.STREAMS``), one colour per shadow; the grey band is the minimum
+    effect (inside it: no difference worth a switch). ``histories``: shadow -> stream -> (pairs, Δ, lo, hi) after
+    each pair, Δ = shadow / primary − 1 of the time (``proxy.sequential.Interval``)."""
     plt = _pyplot()
     streams = [s for s in dict.fromkeys(k for h in histories.values() for k, v in h.items() if v)]
     if plt is None or not streams:
@@ -315,8 +317,9 @@ def live_delta_chart(
             if not pts:
                 continue
             xs = [p[0] for p in pts]
-            ax.plot(xs, [1 + p[1] for p in pts], color=f"C{i}", label=f"{shadow} / {primary}")
-            band = [(p[0], 1 + p[2], 1 + p[3]) for p in pts if p[2] is not None and p[3] is not None]
+            ax.plot(xs, [1 / (1 + p[1]) for p in pts], color=f"C{i}", label=f"{shadow} vs {primary}")
+            # a higher time ratio is a lower speed ratio: the interval's ends swap
+            band = [(p[0], 1 / (1 + p[3]), 1 / (1 + p[2])) for p in pts if p[2] is not None and p[3] is not None]
             if band:
                 ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=f"C{i}",
                                 alpha=0.25, linewidth=0)  # fmt: skip
@@ -324,7 +327,7 @@ def live_delta_chart(
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_xlabel("pairs in this regime")
-        ax.set_ylabel("shadow / primary (log)")
+        ax.set_ylabel("shadow's speed ratio (log)")
         label = getattr(stream, "label", str(stream))
         regime = {"decode": "single-request decode", "load": "under load", "long": "long context"}.get(
             getattr(stream, "regime", ""), ""

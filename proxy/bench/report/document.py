@@ -26,9 +26,9 @@ from proxy.bench.verdict.decide import Verdict, decide_all
 from proxy.bench.verdict.gates import cache_flags
 from proxy.bench.verdict.headline import Headline, headline
 from proxy.bench.verdict.model import Cell
-from proxy.bench.verdict.notation import band, faster, faster_interval
 from proxy.bench.verdict.regimes import GATES
 from proxy.bench.verdict.workload import meets_slo, percentile
+from proxy.notation import band, faster, faster_interval
 
 __all__ = ["Block", "Data", "load_bench", "read_jsonl", "verdict_json", "write_report"]
 
@@ -144,21 +144,21 @@ def document(d: Data, charts: Mapping[str, Path], chart_note: str | None, verdic
                      "client feels it. TPOT = (last token − first token) / (completion tokens − 1); decode tok/s is "
                      "its inverse (llama.cpp `predicted_per_second` definition); ITL = the gaps between token events "
                      "(per chunk). Output tok/s = all completion tokens of a cell repeat / its wall time. The verdict "
-                     "compares paired requests (same prompt on each engine): Δ is the relative difference of the "
-                     "means with a 95 % bootstrap interval (repeats, then requests, resampled) and Cohen's d_z; a "
-                     "difference counts only when the whole interval clears the noise floor measured by the A/A "
-                     "pass. See docs/bench.md."))  # fmt: skip
+                     "compares paired requests (same prompt on each engine): each difference is the speed ratio of "
+                     "the means in words (\"12 % faster\", \"×2.1 slower\") with a 95 % bootstrap interval "
+                     "(repeats, then requests, resampled) and Cohen's d_z; a difference counts only when the whole "
+                     "interval clears the noise floor measured by the A/A pass. See docs/bench.md."))  # fmt: skip
     return out
 
 
 def answer_blocks(h: Headline) -> list[Block]:
     """The report's first screen: the decision in one sentence, the regimes with their figures, the trade-offs, the
     caveats and what to run next — the same lines the console ends with (``Headline.lines``)."""
-    out = [Block("h2", "The answer"), Block("p", f"**{h.decision.upper()}** — {h.sentence}")]
+    out = [Block("h2", "The answer"), Block("p", f"**{h.decision.upper()}**{h.tag} — {h.sentence}")]
     if h.traffic:
         out.append(Block("p", f"*For the traffic given:* {h.traffic}"))
-    items = list(h.regimes) + [f"*trade-off:* {t}" for t in h.tradeoffs] + [f"*caveat:* {c}" for c in h.caveats]
-    items += list(h.others) + [f"*note:* {n}" for n in h.notes]
+    items = [f"*note:* {n}" for n in h.notes] + list(h.regimes) + [f"*trade-off:* {t}" for t in h.tradeoffs]
+    items += [f"*caveat:* {c}" for c in h.caveats] + list(h.others)
     if items:
         out.append(Block("ul", items=items))
     if h.next_step:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.bench.report.blocks import Block
-from proxy.bench.verdict.notation import gib
+from proxy.notation import gib
 
 _ROLE = {"baseline": "baseline", "candidate": "candidate", "aa": "A/A: the baseline again"}
 

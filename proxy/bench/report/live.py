@@ -4,7 +4,7 @@ verdict.json, the charts and switch-plan.md.
 It is the bench report's document (the verdict through the gates, the engines, the protocol, the tables) with
 the live sections right after the verdict: the anytime-valid verdict per regime (``proxy.sequential``), the
 pairs by cause, the sampling the traffic carried, greedy-output agreement, and the live charts. ``verdict.json``
-gains ``live``: each engine pair's streams (pairs, Δ, interval, decision, decided after).
+gains ``live``: each engine pair's streams (pairs, ``delta``, interval, decision, decided after).
 
 The document is assembled here from ``proxy.bench.report.document``'s public pieces (``document``, the two renderers,
 ``verdict_json``), so both files still come from one list of blocks.
@@ -104,7 +104,7 @@ def write_live_report(live: Live, out: Path) -> dict[str, Any]:
     extra: dict[str, Path] = {}
     delta = live_delta_chart({s: v.history or {} for s, v in live.verdicts.items()}, live.min_effect, live.primary, out)
     if delta is not None:
-        extra["Δ per regime as the pairs arrived"] = delta
+        extra["The shadow's speed ratio per regime as the pairs arrived"] = delta
     conc = live_concurrency_chart(live.points, out)
     if conc is not None:
         extra["TTFT and decode tok/s by observed concurrency"] = conc

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from proxy.bench.report.agreement import Agreement
 from proxy.bench.verdict.model import FAILS, Sample
-from proxy.bench.verdict.notation import gib
 from proxy.engines.startup import flag_value, subcommand
+from proxy.notation import gib
 from proxy.settings import DEFAULT_LISTEN, DEFAULT_SAMPLING, RolloutSettings
 
 if TYPE_CHECKING:
@@ -136,9 +136,10 @@ def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> 
     text = o.text if o is not None else "greedy-output agreement not measured"
     random = [n for n in (v.baseline, v.candidate) if n in random_weights]
     if random:
+        # only that: the agreement's own text judges it ("the same weights should agree"), which random weights
+        # cannot be held to
         return Item(name, UNKNOWN, f"cannot be judged: {', '.join(random)} ran on random weights (a generated GGUF, "
-                    "--load-format dummy), whose outputs say nothing of the model's; compare on the real weights. "
-                    + text)  # fmt: skip
+                    "--load-format dummy), whose outputs say nothing of the model's; compare on the real weights")  # fmt: skip
     if unlike:
         return Item(name, NO, f"not sampled alike: {unlike[0].text}. {text}")
     alike = f"sampling: {sampling[0].text}. " if sampling else ""
@@ -188,7 +189,9 @@ def _medians(samples: Sequence[Sample], attr: str) -> dict[int, float]:
 
 def _queueing(d: Data, v: Verdict) -> Item:
     """Queueing shows as a first token that waits longer than a whole request takes alone: a request waited for
-    others to finish, not only shared a batch with them (batched prefill raises TTFT a little, not that much)."""
+    others to finish, not only shared a batch with them (batched prefill raises TTFT a little, not that much); or as
+    fewer slots than requests at once. The mark is the candidate's (the engine switched to), but the evidence judges
+    both engines in words: a baseline that queues is a reason to switch and is said so, never hidden behind a ✓."""
     name = "No obvious queueing as concurrency rises"
     r, cache = d.results, _judged(d)
     slots = {e.name: e.slots for e in r.engines}
@@ -204,25 +207,34 @@ def _queueing(d: Data, v: Verdict) -> Item:
         return Item(name, UNKNOWN, f"{v.candidate}: TTFT measured at {len(cand)} concurrency level(s) without c=1 "
                     "beside a higher one (--concurrency 1,N)")  # fmt: skip
     top = max(cand)
-    parts = []
-    for e, f in ttft.items():
-        if 1 in f and top in f:
-            alone = e2e[e].get(1)
-            parts.append(f"{e}: TTFT {f[1] * 1000:.1f} ms at c=1 → {f[top] * 1000:.1f} ms at c={top} "
-                         f"(×{f[top] / f[1]:.2f}; a whole request alone: "
-                         + (f"{alone * 1000:.1f} ms" if alone else "unknown") + f"), {slots.get(e) or 'unknown'} "
-                         "slot(s)")  # fmt: skip
-    why = []
-    alone = e2e[v.candidate].get(1)
-    if alone and cand[top] > alone:
-        why.append(f"at c={top} {v.candidate}'s first token waits longer than a whole request takes alone: requests "
-                   "wait for others to finish")  # fmt: skip
-    if slots.get(v.candidate) is not None and (slots.get(v.candidate) or 0) < top:
-        why.append(f"{v.candidate} has {slots[v.candidate]} slot(s) for {top} concurrent requests: the rest wait "
-                   "inside the engine")  # fmt: skip
+
+    def judged(e: str) -> tuple[bool | None, str]:
+        """(queues: True / False / None unknown, the engine's figures and why)."""
+        f, alone, n = ttft[e], e2e[e].get(1), slots.get(e)
+        if 1 not in f or top not in f:
+            return None, f"{e}: TTFT not measured at c=1 and c={top}"
+        why = []
+        if alone and f[top] > alone:
+            why.append(f"at c={top} its first token waits longer than a whole request takes alone: requests wait "
+                       "for others to finish")  # fmt: skip
+        if n is not None and n < top:
+            why.append(f"{n} slot(s) for {top} concurrent requests: the rest wait inside the engine")
+        figures = (f"{e}: TTFT {f[1] * 1000:.1f} ms at c=1 → {f[top] * 1000:.1f} ms at c={top} (×{f[top] / f[1]:.2f}; "
+                   "a whole request alone: " + (f"{alone * 1000:.1f} ms" if alone else "unknown")
+                   + f"), {n or 'unknown'} slot(s)")  # fmt: skip
+        return (True if why else False if alone else None), figures + (f" — {'; '.join(why)}" if why else "")
+
+    cq, ctext = judged(v.candidate)
+    bq, btext = judged(v.baseline)
+    said = {True: "queues", False: "no obvious queueing", None: "queueing not known"}
+    lead = f"{v.candidate} (candidate): {said[cq]}; {v.baseline} (baseline): {said[bq]}"
+    if bq and not cq:
+        lead += f" — queueing the switch to {v.candidate} removes"
+    elif bq and cq:
+        lead += " — both queue: the switch does not remove it"
     cell = "medians of the per-repeat medians" + (f", {cache} cache" if cache else "")
-    mark = NO if why else OK if alone else UNKNOWN
-    return Item(name, mark, "; ".join([*why, *parts]) + f" ({cell}; c={top} is the highest measured)")
+    mark = NO if cq else OK if cq is False else UNKNOWN
+    return Item(name, mark, f"{lead}. {ctext}; {btext} ({cell}; c={top} is the highest measured)")
 
 
 def _memory(d: Data, v: Verdict) -> Item:

@@ -29,8 +29,8 @@ from proxy.bench.report.charts import tune_chart
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Comparison, Verdict, decide_all
 from proxy.bench.verdict.model import Cell, Sample
-from proxy.bench.verdict.notation import band, faster, faster_ci, faster_interval, gib
 from proxy.bench.verdict.regimes import GATES, rerun
+from proxy.notation import band, faster, faster_ci, faster_interval, gib
 
 #: a peak this close to the budget (or the GPU's total) is "memory is full"
 FULL = 0.90
@@ -158,7 +158,7 @@ def _winning(v: Verdict, step: str) -> Comparison | None:
 
 
 def _gain(c: Comparison) -> str:
-    """The candidate's gain in words, one notation (``proxy.bench.verdict.notation``): "output tok/s at c=16 90 %
+    """The candidate's gain in words, one notation (``proxy.notation``): "output tok/s at c=16 90 %
     faster (78–104 % faster)"."""
     r, lo, hi = c.speed
     return f"{c.what} {faster_ci(r, lo, hi)}"

@@ -80,9 +80,11 @@ def gguf_name(t: Target) -> None:
             t.info["gguf_name"] = v[1]
 
 
-async def probe(t: Target, timeout: float = 5.0) -> None:
+async def probe(t: Target, timeout: float = 5.0, *, log: Path | None = None) -> None:
     """Kind, served model, slots, context per slot and quantization from the engine's dialect
-    (``proxy.engines``); a declared quantization wins, the GGUF header or the model's name is the last resort."""
+    (``proxy.engines``); a declared quantization wins, the GGUF header or the model's name is the last resort.
+    ``log``: a launched engine's log, whose start-up lines give its KV pool in tokens and bytes (what a memory
+    share's excess costs in tokens: ``proxy.bench.verdict.gates``)."""
     if not t.url:
         return
     async with httpx.AsyncClient(base_url=t.url, timeout=timeout, trust_env=False) as c:
@@ -103,6 +105,11 @@ async def probe(t: Target, timeout: float = 5.0) -> None:
         t.info["weights_format"] = f.weights_format
     if f is not None and f.memory_share is not None:
         t.info["memory_share"] = f.memory_share
+    if log is not None:
+        logged = engines.started(log, t.kind)
+        if logged.kv_cache_tokens and logged.kv_cache_bytes:  # one pool, both from the same line
+            t.info["kv_pool_tokens"] = t.info.get("kv_pool_tokens") or logged.kv_cache_tokens
+            t.info["kv_cache_bytes"] = logged.kv_cache_bytes
 
 
 async def count_prompt_tokens(

@@ -164,7 +164,7 @@ async def _stint(run: _Run, s: Stint, i: int, n: int, launcher: Launcher) -> Non
     try:
         t.url, t.kind = eng.url, eng.kind
         run.say(f"enginemeter bench: {t.name} ready after {eng.ready_s or 0:.1f} s at {eng.url}")
-        await _measure(run, s, mem, label, fresh=False)
+        await _measure(run, s, mem, label, fresh=False, log=launcher.log_path(spec))
     finally:
         await asyncio.shield(launcher.stop(eng))
         rec["ended"] = time.time()
@@ -203,10 +203,11 @@ def _write(run: _Run, rec: dict[str, Any]) -> None:
         run.w.write(rec)
 
 
-async def _measure(run: _Run, s: Stint, mem: MemorySource, label: str, *, fresh: bool) -> None:
-    """Probe, preflight, count the prompts' tokens, plan (first stint) or fit the plan (later ones), measure."""
+async def _measure(run: _Run, s: Stint, mem: MemorySource, label: str, *, fresh: bool, log: Path | None = None) -> None:
+    """Probe (a launched engine's ``log`` too), preflight, count the prompts' tokens, plan (first stint) or fit
+    the plan (later ones), measure."""
     cfg, t = run.cfg, s.target
-    await probe(t)
+    await probe(t, log=log)
     run.clients[t.name] = client_for(cfg, t)
     run.headers[t.name] = headers_for(cfg, t)
     await preflight(cfg, [t], run.clients, run.headers)

@@ -12,5 +12,4 @@ traffic     a traffic profile (``--traffic``) and the decision for it: the cells
 headline    the one answer every screen prints: the verdicts read together, the best switch first
 checks      checks of the protocol itself (first repeat, order, foreign load)
 workload    arrivals, percentiles, goodput: per-cell figures
-notation    how every number is written (relative differences, bands, figures with units)
 """

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.verdict.model import Assessment, Cell
-from proxy.bench.verdict.notation import band, faster, faster_interval, figure, unit
 from proxy.bench.verdict.stats import Paired
+from proxy.notation import band, faster, faster_interval, figure, unit
 
 #: more repeats than this is not a rerun anyone will make: "no feasible number resolves it"
 MAX_FEASIBLE_REPEATS = 30

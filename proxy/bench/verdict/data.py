@@ -11,13 +11,14 @@ import datetime as dt
 import gzip
 import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from proxy.bench.suite import SHARED_PREFIX
 from proxy.bench.verdict.model import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
+from proxy.types import ENGINE_KINDS
 
 
 @dataclass
@@ -57,6 +58,31 @@ def results_file(path: Path) -> Path:
     raise ValueError(f"{path}: no results.jsonl (or results.jsonl.gz) in this directory — not a bench --out")
 
 
+def report_command(
+    paths: Sequence[Path | str],
+    *,
+    baseline: str | None = None,
+    accept_quantization_difference: bool = False,
+    min_effect: float | None = None,
+    max_error_rate: float | None = None,
+    quantization: Mapping[str, str] | None = None,
+) -> str:
+    """``enginemeter report`` reading these results files again with the settings that change their verdict (no
+    ``--out``): a results file as the bench wrote it is named by its directory, as ``--results`` takes it."""
+    names = [str(p.parent if p.name in ("results.jsonl", "results.jsonl.gz") else p) for p in map(Path, paths)]
+    argv = ["enginemeter", "report", "--results", *names]
+    if baseline:
+        argv += ["--baseline", baseline]
+    for name, q in (quantization or {}).items():
+        argv += ["--quantization", f"{name}={q}"]
+    if accept_quantization_difference:
+        argv.append("--accept-quantization-difference")
+    for flag, v in (("--min-effect", min_effect), ("--max-error-rate", max_error_rate)):
+        if v is not None:
+            argv += [flag, f"{v * 100:g}"]
+    return shlex.join(argv)
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSONL file, gzipped or not; a line cut by Ctrl-C is skipped."""
     recs: list[dict[str, Any]] = []
@@ -83,6 +109,19 @@ def _cell(r: Mapping[str, Any]) -> Cell:
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _kv_pool(info: Mapping[str, Any], log: Path, kind: Any) -> dict[str, int | None]:
+    """The engine's KV pool in tokens and bytes: as the run recorded them (``info``), else as the launched engine's
+    log beside the results says (``OUT/engines/NAME.log``: runs made before the bench recorded them, or an engine
+    whose HTTP state leaves one out — SGLang's ``/server_info`` has the tokens, not the bytes)."""
+    tokens, bytes_ = _int(info.get("kv_pool_tokens")), _int(info.get("kv_cache_bytes"))
+    if (tokens is None or bytes_ is None) and kind in ENGINE_KINDS:
+        from proxy.engines import started
+
+        logged = started(log, kind)
+        tokens, bytes_ = tokens or logged.kv_cache_tokens, bytes_ or logged.kv_cache_bytes
+    return {"kv_pool_tokens": tokens, "kv_cache_bytes": bytes_}
 
 
 def load_bench(
@@ -122,7 +161,7 @@ def load_bench(
                 dropped=tuple(dropped) if isinstance(dropped, list) else None, context_per_slot=ctx,
                 slots=_int(e.get("slots")), aa_of=e.get("aa_of"),
                 quantization_source="declared" if declared else e.get("quantization_source"),
-                kv_pool_tokens=_int(info.get("kv_pool_tokens")),
+                **_kv_pool(info, path.parent / "engines" / f"{e['name']}.log", e.get("kind")),
             )
         )  # fmt: skip
         e["quantization"] = q
@@ -169,6 +208,9 @@ def load_bench(
         min_effect=min_effect if min_effect is not None else float(cfg.get("min_effect") or MIN_EFFECT),
         max_error_rate=max_error_rate if max_error_rate is not None else float(cfg.get("max_error_rate", MAX_ERROR_RATE)),
         flags=_busy_flags(recs), command=bench_command(run),
+        report_command=report_command([path], baseline=baseline, min_effect=min_effect, max_error_rate=max_error_rate,
+                                      accept_quantization_difference=accept_quantization_difference,
+                                      quantization=quantization),
         accept_quantization_difference=accept_quantization_difference or bool(cfg.get("accept_quantization_difference")),
         expected=frozenset(cfg.get("expected_differences") or ()), alone=_alone(stints),
         time_shared=bool(run.get("time_shared")), memory_share=_memory_share(run),

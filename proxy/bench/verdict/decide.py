@@ -41,10 +41,10 @@ from proxy.bench.verdict.checks import first_repeat
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.gates import CAVEAT, data_gate, discount, memory_gate, parity_gate, quant_differs
 from proxy.bench.verdict.model import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
-from proxy.bench.verdict.notation import band, faster_ci, figure
 from proxy.bench.verdict.regimes import REGIMES, RegimeAnswer, conclude
 from proxy.bench.verdict.stats import paired_bootstrap, variation
 from proxy.bench.verdict.traffic import TrafficAnswer, weigh
+from proxy.notation import band, faster_ci, figure
 
 __all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", "Results", "Sample", "Verdict",
            "decide", "decide_all"]  # fmt: skip

@@ -9,9 +9,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from proxy.bench.verdict.model import Assessment, Cell, EngineInfo, Reason, Req, Results, Sample
-from proxy.bench.verdict.notation import gib
 from proxy.engines import quant_key
 from proxy.gpu.scraped import PER_ENGINE
+from proxy.notation import gib
 
 
 def _reason(step: str, outcome: Assessment, text: str, check: str) -> Reason:
@@ -285,12 +285,12 @@ def share_that_fits(share: tuple[str, float], peak: int, budget: int, total: int
 
 
 def _kv_tokens(info: EngineInfo | None, bytes_: float) -> str:
-    """What ``bytes_`` of KV pool hold in tokens, when the engine said its pool's size in tokens and bytes."""
+    """What ``bytes_`` of KV pool hold in tokens, when the engine said its pool's size in tokens and bytes (its
+    HTTP state or its start-up log: ``proxy.bench.verdict.data``)."""
     if info is None or not info.kv_pool_tokens or not info.kv_cache_bytes:
         return ""
-    return (
-        f", ≈{bytes_ / info.kv_cache_bytes * info.kv_pool_tokens:,.0f} tokens of its {info.kv_pool_tokens:,}-token pool"
-    )
+    n = bytes_ / info.kv_cache_bytes * info.kv_pool_tokens
+    return f" (≈{n:,.0f} tokens of its {info.kv_pool_tokens:,}-token KV pool)"
 
 
 def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> list[Reason]:

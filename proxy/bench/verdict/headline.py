@@ -12,7 +12,9 @@ several, the candidates are read together:
   traffic, its time-weighted speed ratio; else the mean of its regimes' deciding figures (log scale);
 - candidates that do not switch say what they say, in a line each.
 
-Decisions a headline can carry: switch (to whom), stay, depends (per workload), partial, not yet, inconclusive.
+Decisions a headline can carry: switch (to whom), stay, depends (per workload), partial, not yet, inconclusive. A
+deciding verdict that is *discounted* (a declared precision difference accepted) says so on the first line and in
+a note: the answer includes that difference, and a same-weights comparison is the clean test.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.bench.verdict.decide import Verdict
-from proxy.bench.verdict.notation import faster
+from proxy.notation import faster
 
 #: the overall decision of several verdicts when none switches: the most telling first
 _RANK = ("depends", "stay", "partial", "not yet", "inconclusive")
@@ -46,16 +48,23 @@ class Headline:
     #: the traffic profile the answer is for, in words (None: none given)
     traffic: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: the deciding verdict is discounted: what the answer includes besides the engines (a precision difference)
+    discounted: str | None = None
+
+    @property
+    def tag(self) -> str:
+        """``" (discounted)"`` after the decision when the answer includes more than the engines, else ``""``."""
+        return " (discounted)" if self.discounted else ""
 
     def lines(self) -> list[str]:
-        out = [f"{self.decision.upper()}: {self.sentence}"]
+        out = [f"{self.decision.upper()}{self.tag}: {self.sentence}"]
         if self.traffic:
             out.append(f"  traffic: {self.traffic}")
+        out += [f"  note: {x}" for x in self.notes]
         out += [f"  {x}" for x in self.regimes]
         out += [f"  trade-off: {x}" for x in self.tradeoffs]
         out += [f"  caveat: {x}" for x in self.caveats]
         out += [f"  {x}" for x in self.others]
-        out += [f"  note: {x}" for x in self.notes]
         if self.next_step:
             out.append(f"  next: {self.next_step}")
         return out
@@ -64,7 +73,7 @@ class Headline:
         return {"decision": self.decision, "sentence": self.sentence, "candidate": self.candidate,
                 "regimes": list(self.regimes), "tradeoffs": list(self.tradeoffs), "caveats": list(self.caveats),
                 "others": list(self.others), "next": self.next_step, "traffic": self.traffic,
-                "notes": list(self.notes)}  # fmt: skip
+                "notes": list(self.notes), "discounted": self.discounted}  # fmt: skip
 
 
 def _score(v: Verdict) -> float:
@@ -145,6 +154,9 @@ def headline(
         else:
             r = math.exp(_score(v)) if math.isfinite(_score(v)) else None
             mean = f" (its regimes, on average: {faster(r)})" if r is not None else ""
-            others.append(f"{v.candidate}: {v.decision.upper()}{mean} — {v.summary}")
+            tag = " (discounted)" if v.discounted else ""
+            others.append(f"{v.candidate}: {v.decision.upper()}{tag}{mean} — {v.summary}")
+    notes = (f"this answer is discounted: it {main.discounted}",) if main.discounted else ()
     return Headline(decision, sentence, main.candidate if decision == "switch" else None, _regime_lines(main),
-                    _tradeoffs(main), main.caveats, tuple(others), main.next_step, traffic)  # fmt: skip
+                    _tradeoffs(main), main.caveats, tuple(others), main.next_step, traffic, notes,
+                    main.discounted)  # fmt: skip

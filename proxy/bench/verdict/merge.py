@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.verdict.data import Data, load_bench
+from proxy.bench.verdict.data import Data, load_bench, report_command
 from proxy.bench.verdict.model import Results
 
 
@@ -40,7 +40,11 @@ def load_runs(paths: Sequence[Path], *, baseline: str | None = None, quantizatio
         why = difference(datas[0].runs[0], d.runs[0])
         if why:
             raise ValueError(f"{paths[0]} and {p} are not comparable runs: {why}")
-    return join(datas, baseline=baseline)
+    joined = join(datas, baseline=baseline)
+    joined.results = dataclasses.replace(joined.results, report_command=report_command(
+        paths, baseline=joined.results.baseline, min_effect=min_effect, max_error_rate=max_error_rate,
+        accept_quantization_difference=accept_quantization_difference, quantization=quantization))  # fmt: skip
+    return joined
 
 
 def _comparable(run: Mapping[str, Any]) -> dict[str, Any]:

@@ -197,6 +197,9 @@ class Results:
     flags: Mapping[tuple[str, Cell], str] = field(default_factory=dict)
     #: the command that made the results (for the rerun advice); None when unknown
     command: str | None = None
+    #: ``enginemeter report`` reading these same results (their files, the baseline, the flags that change the
+    #: verdict; no ``--out``): advice that only reweighs them (``--traffic``) names it; None when unknown
+    report_command: str | None = None
     #: launched engines whose GPU memory is a setting: engine -> (flag, share of the GPU) from its command line
     memory_share: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     #: ``--accept-quantization-difference``: a declared precision difference passes parity with a caveat and

@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 from proxy.bench.outdir import next_name
 from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.model import FAILS, STEPS, Decision, LiveFinding, Reason, Results
-from proxy.bench.verdict.notation import band, faster, faster_interval, unit
 from proxy.bench.verdict.traffic import TrafficAnswer, crossing
 from proxy.engines.startup import without_flags
+from proxy.notation import band, faster, faster_interval, unit
 from proxy.sequential import MIN_PAIRS
 
 #: (step, the regime as a person names it), in reading order
@@ -229,6 +229,38 @@ def rerun(command: str | None, flags: str) -> str:
     return shlex.join(without_flags(argv, *names) + new)
 
 
+#: where the report weighed by the traffic goes: beside the per-workload one, never over it
+TRAFFIC_OUT = "traffic-report"
+_TRAFFIC_HOW = ("put your traffic's share of busy time at each number of requests in flight (percent; the even split "
+                "is a placeholder), or --traffic URL/PATH to take it from the proxy's own record (its /metrics, its "
+                "comparison or request log)")  # fmt: skip
+
+
+def even_split(levels: Sequence[float]) -> str:
+    """``c1=34,c4=33,c64=33``: the measured concurrency levels, equal whole-percent shares summing to 100."""
+    n = len(levels)
+    shares = [100 // n + (1 if i < 100 % n else 0) for i in range(n)]
+    return ",".join(f"c{c:g}={x}" for c, x in zip(levels, shares, strict=True))
+
+
+def weigh_next(r: Results, cells: Sequence[Comparison]) -> str:
+    """What to run when the answer depends on the traffic: the report on these same results, weighed by a traffic
+    profile over the concurrency levels measured (an even split to replace with the user's shares; a live report:
+    the profile its own log records), into a fresh ``--out``. A shell comment after the command says what to put."""
+    levels = sorted({c.cell.concurrency for c in cells if c.cell.prompt_len == r.base_prompt_len
+                     and c.cell.rate is None} or {c.cell.concurrency for c in cells})  # fmt: skip
+    spec = even_split(levels) if levels else "c1=50,c16=50"
+    if not r.report_command:
+        return f"weigh it by your traffic: the report again with --traffic {spec} — {_TRAFFIC_HOW}"
+    argv = shlex.split(r.report_command)
+    if r.live and "--log" in argv:  # the comparison log records the traffic it mirrored: its own profile
+        log = argv[argv.index("--log") + 1]
+        return shlex.join([*argv, "--traffic", log, "--out", TRAFFIC_OUT]) + (
+            "  # the traffic profile this log recorded (the time at each number of requests in flight); or "
+            "--traffic c1=PCT,c4=PCT,… with your own shares")  # fmt: skip
+    return shlex.join([*argv, "--traffic", spec, "--out", TRAFFIC_OUT]) + f"  # {_TRAFFIC_HOW}"
+
+
 def _names(xs: Sequence[RegimeAnswer]) -> str:
     return ", ".join(a.title for a in xs)
 
@@ -309,10 +341,7 @@ def conclude(
                           None if decision != "inconclusive" else "traffic", regimes, nxt)  # fmt: skip
     if wins and losses:
         summary = f"depends on your traffic: {depends_on(regimes, cells, base, cand, r.base_prompt_len)}"
-        nxt = ("weigh it by your traffic: add --traffic c1=PCT,c16=PCT (the share of busy time at each number of "
-               "requests in flight), or --traffic URL/PATH to take it from the proxy's own record (its /metrics, its "
-               "comparison or request log)")  # fmt: skip
-        return Conclusion("depends", summary, tuple(reasons), None, None, regimes, nxt)
+        return Conclusion("depends", summary, tuple(reasons), None, None, regimes, weigh_next(r, cells))
     if blocked:
         b = blocked[0]
         leaning = f" (so far: {lean()})" if lean() else ""

@@ -31,8 +31,8 @@ from typing import Any
 from proxy.bench.suite import ORDER, TARGET_TOKENS, length_rank
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.model import Traffic
-from proxy.bench.verdict.notation import band as band_text
-from proxy.bench.verdict.notation import faster_ci
+from proxy.notation import band as band_text
+from proxy.notation import faster_ci
 
 Z = 1.959963984540054
 _ITEM = re.compile(r"^\s*(?:c(?P<c>\d+(?:\.\d+)?)|(?P<p>[a-z0-9]+))\s*=\s*(?P<v>\d+(?:\.\d+)?)\s*%?\s*$")
