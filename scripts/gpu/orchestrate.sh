@@ -361,7 +361,8 @@ step_bench() {
   (( SECONDS + 60 <= DEADLINE_S )) || { skip bench "too late: under 60 s before the deadline"; return; }
   local np; np=$(tuned_np)
   NOTE="llama.cpp -np $np ($( [ -f "$R/tune/tune.json" ] && echo "tune's best under load" || echo "the default: no tune"))"
-  bench_step bench "$CAP_BENCH" "$EST_BENCH" "$R/llama" "llama=$(llama_cmd "$np")"
+  # shellcheck disable=SC2086
+  bench_step bench "$CAP_BENCH" "$EST_BENCH" "$R/llama" "llama=$(llama_cmd "$np")" $LLAMA_BENCH_FLAGS
 }
 JOINED=""  # the result files the last join used
 step_join() {

@@ -136,6 +136,10 @@ EST_SG_GGUF=330 CAP_SG_GGUF=480      # GGUF load + graphs ~200 + bench ~90 (its 
 EST_DIAG=90 CAP_DIAG=240             # launch + diagnose (3 probes) + live checks through the proxy
 EST_TUNE=200 EST_TUNE_FULL=200 CAP_TUNE=420  # 3 launches (16, 64, 16 again) x (~35 s + 5 x c=64)
 EST_BENCH=280 CAP_BENCH=480          # llama.cpp and its A/A relaunch, ~130 s each
+# LLAMA_BENCH_FLAGS: extra flags of llama.cpp's bench; a short lease gives "--aa off" (no A/A relaunch: the floor is
+# run-to-run variation) with EST_BENCH_OVERRIDE=150
+LLAMA_BENCH_FLAGS=${LLAMA_BENCH_FLAGS:-}
+EST_BENCH=${EST_BENCH_OVERRIDE:-$EST_BENCH}
 EST_JOIN=30 CAP_JOIN=120
 
 if [ -n "${SMOKE:-}" ]; then
