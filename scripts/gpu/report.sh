@@ -8,6 +8,8 @@
 #                   one engine at a time, joined as separate runs)
 # DIR/traffic-report/  the same weighed by the traffic live.py recorded through the proxy (raw/live/live/traffic.txt):
 #                   enginemeter report ... --traffic <that profile>
+# DIR/traffic-NAME/   the same weighed by each profile of DIR/traffic.txt (lines "NAME SPEC", SPEC as --traffic takes
+#                   it): the answer for a traffic a team names (one at a time, bursts, their own mix)
 # DIR/tune-report/  enginemeter report --results raw/tune (the tune run's table, rule and verdicts)
 # DIR/output.txt    every command as run in DIR with its output and exit status
 # EM_ROOT: the enginemeter tree to run (default: this repo); PYTHON (default its .venv, else this repo's).
@@ -41,6 +43,14 @@ rc=0
       rm -rf "$dir/traffic-report"
       em report --results "${runs[@]}" --baseline llama --accept-quantization-difference \
         --traffic "$(head -n 1 "$dir/raw/live/live/traffic.txt")" --out traffic-report || rc=$?
+    fi
+    if [ -s "$dir/traffic.txt" ]; then
+      while read -r name spec; do
+        case $name in ''|'#'*) continue ;; esac
+        rm -rf "${dir:?}/traffic-$name"
+        em report --results "${runs[@]}" --baseline llama --accept-quantization-difference --traffic "$spec" \
+          --out "traffic-$name" || rc=$?
+      done < "$dir/traffic.txt"
     fi
   else
     echo "no join: needs llama.cpp's run and another (have: ${runs[*]##*/})"
