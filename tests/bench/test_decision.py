@@ -49,6 +49,8 @@ def test_the_27b_run_is_an_answer_per_workload_with_its_crossing_points(run27: t
     """llama.cpp Q4_K_M vs SGLang bf16 on the H200 under a 72 GiB budget: llama.cpp is faster one request at a
     time, SGLang under load and on long prompts — the answer depends on the traffic, and says where it turns."""
     d = load_runs(list(run27), baseline="llama", accept_quantization_difference=True)
+    # each run called its own first engine the baseline; joined, sglang is the candidate
+    assert {s["engine"]: s["role"] for s in d.stints} == {"llama": "baseline", "llama-aa": "aa", "sglang": "candidate"}
     (v,) = decide_all(d.results)
     assert v.decision == "depends", v.summary
     by = {a.step: a for a in v.regimes}

@@ -180,11 +180,18 @@ def join(datas: Sequence[Data], *, baseline: str | None = None) -> Data:
         duration_s=sum(d.duration_s or 0 for d in datas) or None,
         goodput=first.goodput,
         positions=renamed("positions"),
-        stints=renamed("stints"),
+        stints=[{**s, "role": _joined_role(s.get("engine"), bl, meta)} for s in renamed("stints")],
         stopped=next((d.stopped for d in datas if d.stopped), None),
         sources=[s for d in datas for s in d.sources],
         runs=[r for d in datas for r in d.runs],
     )
+
+
+def _joined_role(engine: Any, bl: str, meta: Sequence[Mapping[str, Any]]) -> str:
+    """A stint's role in the joined comparison: each run called its own first engine the baseline."""
+    if engine == bl:
+        return "baseline"
+    return "aa" if any(m["name"] == engine and m.get("aa_of") for m in meta) else "candidate"
 
 
 def _each(datas: Sequence[Data], renames: Sequence[dict[str, str]]) -> list[tuple[Data, dict[str, str], str]]:
