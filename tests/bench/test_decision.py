@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.live.traffic import from_records
+from proxy.bench.report.document import make_headline
 from proxy.bench.run.config import Target
 from proxy.bench.run.engines import probe
 from proxy.bench.verdict.comparison import Comparison
@@ -129,6 +130,19 @@ def test_the_27b_memory_caveat_states_its_kv_cost_in_tokens() -> None:
     (caveat,) = v.caveats
     assert "~0.56 GiB less, from its KV cache (≈2,539 tokens of its 77,941-token KV pool): launch it so" in caveat
     # 0.004 of the GPU's 140.40 GiB is 0.56 GiB: 3.3 % of the pool's 17.24 GiB, so 3.3 % of its 77,941 tokens
+
+
+def test_a_run_cut_by_the_end_of_its_lease_says_it_ended_before_a_regime() -> None:
+    """The 2026-12-05 H100 run had long prompts in its suite; the lease ended before llama.cpp reached them. The
+    first screen says so, not "add --prompt-lengths" (the flag it already had)."""
+    raw = ROOT / "docs/gpu-results/h100-2026-12-05-27b/raw"
+    d = load_runs([raw / "llama", raw / "sglang-fp8"], baseline="llama", accept_quantization_difference=True)
+    assert d.interrupted
+    h = make_headline(d, decide_all(d.results))
+    assert h.decision == "switch" and "long prompts: not measured (the run ended before it)" in h.regimes, h.regimes
+    d.interrupted = False  # the same data from a run that ended on its own: the flags it lacked
+    (line,) = [r for r in make_headline(d, decide_all(d.results)).regimes if r.startswith("long prompts")]
+    assert "--prompt-lengths" in line, line
 
 
 def test_a_launched_engines_log_gives_the_bench_its_kv_pool() -> None:

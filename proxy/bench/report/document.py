@@ -405,4 +405,5 @@ def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:
     weights = {v.candidate: arms_mod.weights(base, meta[v.candidate]) for v in verdicts if v.candidate in meta}
     kinds = {v.candidate: str(meta[v.candidate].get("kind")) for v in verdicts if v.candidate in meta}
     t = d.results.traffic
-    return headline(verdicts, weights, kinds, f"{t.text()} ({t.source})" if t is not None else None)
+    return headline(verdicts, weights, kinds, f"{t.text()} ({t.source})" if t is not None else None,
+                    ended=bool(d.interrupted or d.stopped))  # fmt: skip

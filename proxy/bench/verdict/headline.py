@@ -83,11 +83,12 @@ def _score(v: Verdict) -> float:
     return sum(gains) / len(gains) if gains else -math.inf
 
 
-def _regime_lines(v: Verdict) -> tuple[str, ...]:
+def _regime_lines(v: Verdict, ended: bool = False) -> tuple[str, ...]:
     out = []
     for a in v.regimes:
-        if a.answer == "not measured":
-            out.append(f"{a.title}: not measured" + (f" ({a.fix})" if a.fix else ""))
+        if a.answer == "not measured":  # a run cut short had the flags: it ended before the regime's cells
+            why = "the run ended before it" if ended else a.fix
+            out.append(f"{a.title}: not measured" + (f" ({why})" if why else ""))
             continue
         out.append(f"{a.title}: {a.line or a.head}")
     return tuple(out)
@@ -122,9 +123,11 @@ def headline(
     weights: Mapping[str, str] | None = None,
     kinds: Mapping[str, str] | None = None,
     traffic: str | None = None,
+    ended: bool = False,
 ) -> Headline:
     """``weights``: candidate -> how its weights relate to the baseline's ("same file", "same quantization",
-    "different precision", "unknown"); ``kinds``: candidate -> engine kind."""
+    "different precision", "unknown"); ``kinds``: candidate -> engine kind; ``ended``: the run was cut short
+    (interrupted or stopped), so what was not measured is what it did not reach."""
     if not verdicts:
         return Headline("inconclusive", "one engine measured: nothing to compare (join runs: enginemeter report "
                         "--results A B)")  # fmt: skip
@@ -157,6 +160,6 @@ def headline(
             tag = " (discounted)" if v.discounted else ""
             others.append(f"{v.candidate}: {v.decision.upper()}{tag}{mean} — {v.summary}")
     notes = (f"this answer is discounted: it {main.discounted}",) if main.discounted else ()
-    return Headline(decision, sentence, main.candidate if decision == "switch" else None, _regime_lines(main),
+    return Headline(decision, sentence, main.candidate if decision == "switch" else None, _regime_lines(main, ended),
                     _tradeoffs(main), main.caveats, tuple(others), main.next_step, traffic, notes,
                     main.discounted)  # fmt: skip
