@@ -363,3 +363,26 @@ def test_cells_compare_each_regimes_own_figure() -> None:
     v = decide(results(*trio(), *loaded(tps=900)), "sglang")
     assert [(c.cell, c.metric) for c in v.cells] == [(C1, "e2e_s"), (C8, "output_tps")]
     assert Cell("cold", 1, 64, "medium") == C1 and isinstance(Traffic({1.0: 1.0}).text(), str)
+
+
+def test_the_forest_chart_keeps_its_row_labels(run27: tuple[Path, Path]) -> None:
+    """Each row of the forest chart is named by its comparison (matplotlib 3.11's ``set_yticks(ticks, labels)``
+    installs a FuncFormatter, which the plain-number formatting had replaced with the row indices)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from proxy.bench.report.charts import forest, plain
+
+    d = load_runs(list(run27), baseline="llama", accept_quantization_difference=True)
+    fig, ax = plt.subplots()
+    try:
+        assert forest(decide_all(d.results), ax)
+        plain(ax)
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        xs = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    finally:
+        plt.close(fig)
+    assert "sglang: whole request, 64-token answer" in labels and "0" not in labels, labels
+    assert xs and all("10^" not in x and "$" not in x for x in xs), xs  # the log axis in plain numbers

@@ -39,11 +39,12 @@ def _label(d: Data, name: str) -> str:
 def plain(ax: Any) -> None:
     """Plain tick labels on both axes (``900``, ``0.9``, ``55,000`` — never ``9×10⁻¹``); on a log axis the minor
     ticks at 2 and 5 of each decade are labelled when the axis spans less than two decades (else none)."""
-    from matplotlib.ticker import FixedFormatter, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogFormatter, NullFormatter, ScalarFormatter
 
     for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()), (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
-        if isinstance(axis.get_major_formatter(), FixedFormatter):
-            continue  # labels of their own (settings, prompt classes, the loads measured)
+        if not isinstance(axis.get_major_formatter(), ScalarFormatter | LogFormatter):
+            continue  # labels of their own (settings, prompt classes, the loads measured): matplotlib 3.11's
+            # set_yticks(ticks, labels) installs a FuncFormatter, older ones a FixedFormatter
         if scale == "linear":
             axis.set_major_formatter(FuncFormatter(lambda v, _: tick(v)))
         elif scale == "log":
@@ -102,9 +103,7 @@ def forest(verdicts: Sequence[Verdict], ax: Any) -> bool:
     ax.axvline(1.0, color="0.4", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_yticks(range(len(rows)), [lab for lab, _ in reversed(rows)], fontsize=7)
-    ax.set_xlabel(
-        "candidate's speed ratio (log; < 1: slower) — grey: the band a win must clear (noise floor, min effect)"
-    )
+    ax.set_xlabel("candidate's speed ratio (log; < 1: slower); grey: the band a win must clear", fontsize=9)
     return True
 
 
