@@ -22,7 +22,7 @@ trap 'rm -rf "$work"' EXIT
 tar -xzf "$src/results.tar.gz" -C "$work"
 [ -f "$src/logs.tar.gz" ] && tar -xzf "$src/logs.tar.gz" -C "$work"
 day=$(sed -n 's/^date_utc: \([0-9-]*\).*/\1/p' "$work/results/plan.txt" 2>/dev/null | head -n 1)
-card=$(grep -o -m 1 'NVIDIA H[0-9]*' "$work/results/plan.txt" 2>/dev/null | head -n 1 | sed 's/NVIDIA //' | tr '[:upper:]' '[:lower:]')
+card=$( (grep -o -m 1 'NVIDIA H[0-9]*' "$work/results/plan.txt" 2>/dev/null || true) | sed 's/NVIDIA //' | tr '[:upper:]' '[:lower:]')  # none in the smoke
 dest=${2:-docs/gpu-results/${card:-h200}-${day:-$(date -u +%F)}-27b}
 mkdir -p "$dest/raw" "$dest/logs"
 cp -r "$work/results/." "$dest/raw/"
