@@ -30,15 +30,13 @@ import httpx
 
 from proxy import engines
 from proxy.engines.llamacpp import ftype_name, launch_flags
-from proxy.engines.startup import LogFacts, flag_value, last_launch
+from proxy.engines.startup import LogFacts, flag_value, last_launch, read_log
 from proxy.gpu.attribution import is_local_host, listening_inodes, parent_pid, pids_holding
 from proxy.gpu.memory import GpuMemory, MemoryReading
 from proxy.kvcache import KvEstimate, Shape, hf_shape, kv_estimate
 from proxy.types import EngineKind
 
 PROC = Path("/proc")
-#: a log larger than this is read from its start only (the start-up lines are there)
-MAX_LOG_BYTES = 256 * 2**20
 #: below this share of the weights in GPU memory, the weights are not resident
 RESIDENT_RATIO = 0.9
 #: free GPU memory below max(this, 5 % of the device) makes memory the constraint
@@ -225,11 +223,6 @@ def _resolve(path: str, pid: int, proc: Path) -> Path:
         return Path(os.readlink(proc / str(pid) / "cwd")) / p
     except OSError:
         return p
-
-
-def read_log(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return fh.read(MAX_LOG_BYTES).decode(errors="replace")
 
 
 # ---- the model and the KV cache ------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Docs: docs/engines.md.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import httpx
 from proxy.engines import llamacpp, openai, sglang, vllm
 from proxy.engines.base import Dialect, Facts, Health, PollError, TokenCount, as_int, as_str, get_json, model_card
 from proxy.engines.quant import quant_from_name, quant_key
-from proxy.engines.startup import LogFacts, last_launch
+from proxy.engines.startup import LogFacts, last_launch, read_log
 from proxy.types import EngineKind
 
 __all__ = [
@@ -125,10 +124,6 @@ async def probe(
     return p
 
 
-#: the most of a log file ``started`` reads (an engine logs its start first; a run's request lines follow)
-MAX_LOG_BYTES = 256 * 2**20
-
-
 def started(path: Path, kind: EngineKind | None) -> LogFacts:
     """What an engine's log file (``proxy.launch`` writes ``OUT/engines/NAME.log``; ``scripts/gpu/collect.sh`` may
     keep it as ``NAME.log.gz``) says of the engine's last start, read by its kind's dialect: the KV pool in tokens
@@ -137,8 +132,7 @@ def started(path: Path, kind: EngineKind | None) -> LogFacts:
         return LogFacts()
     for f in (path, path.with_name(path.name + ".gz")):
         try:
-            with gzip.open(f, "rb") if f.suffix == ".gz" else open(f, "rb") as fh:
-                text = fh.read(MAX_LOG_BYTES).decode(errors="replace")
+            text = read_log(f)
         except (OSError, EOFError):  # absent, unreadable, a gzip cut short
             continue
         return dialect(kind).parse_log(last_launch(text))

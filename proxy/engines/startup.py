@@ -9,14 +9,17 @@ line before each) is cut at the last such line.
 
 from __future__ import annotations
 
+import gzip
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 #: ANSI colour codes (llama.cpp colours its log on a terminal, SGLang its warnings)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+#: the most of a log file read (an engine logs its start first; a run's request lines follow)
+MAX_LOG_BYTES = 256 * 2**20
 #: a Python interpreter's file name: python, python3, python3.12
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
@@ -142,3 +145,10 @@ def size_bytes(number: str, unit: str) -> int:
     """``"6.57", "GB"`` -> bytes; SGLang and llama.cpp write GB and MiB for powers of two (their code divides
     by 1024 ** n), so both spellings count as binary units."""
     return round(float(number.replace(",", "")) * _UNITS[unit.lower()])
+
+
+def read_log(path: Path) -> str:
+    """An engine's log file as text, its first ``MAX_LOG_BYTES``; gzipped when its name ends in ``.gz``
+    (``scripts/gpu/collect.sh`` keeps long logs so). OSError when it cannot be read."""
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as fh:
+        return fh.read(MAX_LOG_BYTES).decode(errors="replace")

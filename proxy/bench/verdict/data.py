@@ -18,6 +18,7 @@ from typing import Any
 
 from proxy.bench.suite import SHARED_PREFIX
 from proxy.bench.verdict.model import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
+from proxy.engines import started
 from proxy.types import ENGINE_KINDS
 
 
@@ -117,8 +118,6 @@ def _kv_pool(info: Mapping[str, Any], log: Path, kind: Any) -> dict[str, int | N
     whose HTTP state leaves one out — SGLang's ``/server_info`` has the tokens, not the bytes)."""
     tokens, bytes_ = _int(info.get("kv_pool_tokens")), _int(info.get("kv_cache_bytes"))
     if (tokens is None or bytes_ is None) and kind in ENGINE_KINDS:
-        from proxy.engines import started
-
         logged = started(log, kind)
         tokens, bytes_ = tokens or logged.kv_cache_tokens, bytes_ or logged.kv_cache_bytes
     return {"kv_pool_tokens": tokens, "kv_cache_bytes": bytes_}
