@@ -142,8 +142,7 @@ def print_summary(out: dict[str, Any]) -> None:
     """Each verdict in a line, then the answer — the headline, as the report's first screen has it — then the
     files."""
     for v in out["verdicts"]:
-        tag = " (discounted)" if v.discounted else ""
-        print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()}{tag} — {v.summary}")
+        print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()}{v.tag} — {v.summary}")
         if v.discounted:
             print(f"  discounted: {v.discounted}")
     for line in out.get("arms_lines", ()):

@@ -168,8 +168,7 @@ def answer_blocks(h: Headline) -> list[Block]:
 
 
 def _verdict_blocks(v: Verdict) -> list[Block]:
-    tag = " (discounted)" if v.discounted else ""
-    out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**{tag}"),
+    out = [Block("h3", f"{v.candidate} vs {v.baseline} (baseline): **{v.decision.upper()}**{v.tag}"),
            Block("p", v.summary)]  # fmt: skip
     if v.discounted:
         out.append(Block("p", f"**Discounted:** this answer {v.discounted}."))

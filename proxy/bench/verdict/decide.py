@@ -50,6 +50,12 @@ __all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", 
            "decide", "decide_all"]  # fmt: skip
 
 
+def discounted_tag(discounted: str | None) -> str:
+    """``" (discounted)"`` after a decision whose answer includes more than the engines (a declared precision
+    difference), else ``""``."""
+    return " (discounted)" if discounted else ""
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     baseline: str
@@ -73,6 +79,11 @@ class Verdict:
     traffic: TrafficAnswer | None = None
     #: what stands beside the answer without changing it (a memory excess a setting makes, within 2 % of the budget)
     caveats: tuple[str, ...] = ()
+
+    @property
+    def tag(self) -> str:
+        """What follows the decision wherever it is written: ``discounted_tag``."""
+        return discounted_tag(self.discounted)
 
     def to_json(self) -> dict[str, Any]:
         return {

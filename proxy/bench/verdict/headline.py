@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.bench.verdict.decide import Verdict
+from proxy.bench.verdict.decide import Verdict, discounted_tag
 from proxy.notation import faster
 
 #: the overall decision of several verdicts when none switches: the most telling first
@@ -53,8 +53,8 @@ class Headline:
 
     @property
     def tag(self) -> str:
-        """``" (discounted)"`` after the decision when the answer includes more than the engines, else ``""``."""
-        return " (discounted)" if self.discounted else ""
+        """What follows the decision: ``proxy.bench.verdict.decide.discounted_tag``."""
+        return discounted_tag(self.discounted)
 
     def lines(self) -> list[str]:
         out = [f"{self.decision.upper()}{self.tag}: {self.sentence}"]
@@ -157,8 +157,7 @@ def headline(
         else:
             r = math.exp(_score(v)) if math.isfinite(_score(v)) else None
             mean = f" (its regimes, on average: {faster(r)})" if r is not None else ""
-            tag = " (discounted)" if v.discounted else ""
-            others.append(f"{v.candidate}: {v.decision.upper()}{tag}{mean} — {v.summary}")
+            others.append(f"{v.candidate}: {v.decision.upper()}{v.tag}{mean} — {v.summary}")
     notes = (f"this answer is discounted: it {main.discounted}",) if main.discounted else ()
     return Headline(decision, sentence, main.candidate if decision == "switch" else None, _regime_lines(main, ended),
                     _tradeoffs(main), main.caveats, tuple(others), main.next_step, traffic, notes,
