@@ -26,7 +26,7 @@ from proxy.bench.verdict.decide import Verdict, decide_all
 from proxy.bench.verdict.gates import cache_flags
 from proxy.bench.verdict.headline import Headline, headline
 from proxy.bench.verdict.model import Cell
-from proxy.bench.verdict.regimes import GATES
+from proxy.bench.verdict.regimes import GATES, weigh_next
 from proxy.bench.verdict.workload import meets_slo, percentile
 from proxy.notation import band, faster, faster_interval
 
@@ -404,5 +404,7 @@ def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:
     weights = {v.candidate: arms_mod.weights(base, meta[v.candidate]) for v in verdicts if v.candidate in meta}
     kinds = {v.candidate: str(meta[v.candidate].get("kind")) for v in verdicts if v.candidate in meta}
     t = d.results.traffic
+    best = next((v for v in verdicts if v.decision == "switch" and v.cells), None)
+    weigh = weigh_next(d.results, best.cells) if best is not None and t is None else None
     return headline(verdicts, weights, kinds, f"{t.text()} ({t.source})" if t is not None else None,
-                    ended=bool(d.interrupted or d.stopped))  # fmt: skip
+                    ended=bool(d.interrupted or d.stopped), weigh=weigh)  # fmt: skip

@@ -293,6 +293,24 @@ def _kv_tokens(info: EngineInfo | None, bytes_: float) -> str:
     return f" (≈{n:,.0f} tokens of its {info.kv_pool_tokens:,}-token KV pool)"
 
 
+def _context_cut(info: EngineInfo | None, bytes_: float) -> str:
+    """vLLM will not start unless its KV cache holds one request of its whole context (``--max-model-len``): when the
+    smaller pool would not, the context must come down with the share."""
+    if (
+        info is None
+        or info.kind != "vllm"
+        or not (info.kv_pool_tokens and info.kv_cache_bytes and info.context_per_slot)
+    ):
+        return ""
+    left = int(info.kv_pool_tokens - bytes_ / info.kv_cache_bytes * info.kv_pool_tokens)
+    if left >= info.context_per_slot:
+        return ""
+    return (
+        f" — with --max-model-len at most {left:,} (its pool would hold {left:,} tokens, and vLLM refuses to "
+        f"start when one request of its {info.context_per_slot:,}-token context does not fit)"
+    )
+
+
 def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> list[Reason]:
     def peak(name: str) -> tuple[int | None, str | None, set[int], int | None]:
         mine = [s for s in samples if s.engine == name and s.gpu_mem_peak_bytes is not None]
@@ -333,9 +351,10 @@ def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> 
     kv = _kv_tokens(info, (now - fits) * (total or 0))
     setting = (f"its footprint is a setting ({flag} {now:g} of the GPU's {gib(total)}: weights and KV cache), not the "
                f"model's — at {flag} {fits:g} it takes ~{gib((now - fits) * (total or 0))} less, from its KV cache{kv}")  # fmt: skip
+    so = "launch it so, and it fits" + _context_cut(info, (now - fits) * (total or 0))
     if excess <= CAVEAT_MAX_EXCESS * budget:
         return [_reason("memory", "note", f"{cand} peaked {gib(excess)} ({excess * 100 / budget:.1f} %) over {what} "
-                        f"{gib(budget)} as launched ({nums}); {setting}: launch it so, and it fits", CAVEAT)]  # fmt: skip
+                        f"{gib(budget)} as launched ({nums}); {setting}: {so}", CAVEAT)]  # fmt: skip
     return [_reason("memory", "inconclusive", f"{cand} does not fit as launched: {nums} > {what} {gib(budget)}; over "
                     f"by {gib(excess)}, and {setting}; rerun it so under a new name and join that run with the "
                     "baseline's", "memory")]  # fmt: skip

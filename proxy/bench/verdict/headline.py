@@ -25,10 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.bench.verdict.decide import Verdict, discounted_tag
-from proxy.notation import faster
+from proxy.notation import faster, unit
 
 #: the overall decision of several verdicts when none switches: the most telling first
 _RANK = ("depends", "stay", "partial", "not yet", "inconclusive")
+#: two switches whose gains (on average, or for the traffic) are within this factor are a close call: the headline
+#: names both and where each leads, and the traffic decides between them
+CLOSE = 1.10
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,28 @@ def _attribution(v: Verdict, kind: str | None) -> str:
             "wins it is with its own formats and scheduler, so switch formats with it")  # fmt: skip
 
 
+def _deciding(v: Verdict) -> dict[str, tuple[str, float]]:
+    """regime step -> (title, the candidate's gain over the baseline on the regime's deciding figure, as a ratio)."""
+    return {a.step: (a.title, math.exp(c.log_gain[0])) for a in v.regimes for c in a.comparisons
+            if c.what == a.decided_by}  # fmt: skip
+
+
+def _versus(v: Verdict, best: Verdict) -> str:
+    """Where ``v`` leads ``best`` and where it trails, regime by regime, both against the same baseline: "against
+    llama, per regime — single request: even (20 % against 19 % faster); under load: ahead (×11.9 against ×10.2
+    faster); long prompts: behind (×2.5 against ×3.1 faster)". Even: the two gains within ``CLOSE``."""
+    mine, theirs = _deciding(v), _deciding(best)
+    parts = []
+    for step, (title, r) in mine.items():
+        if step not in theirs:
+            continue
+        q = theirs[step][1]
+        u = unit(r, q)
+        word = "even" if max(r / q, q / r) < CLOSE else "ahead" if r > q else "behind"
+        parts.append(f"{title}: {word} ({faster(r, u).rsplit(' ', 1)[0]} against {faster(q, u)})")
+    return f"against {v.baseline}, per regime — " + "; ".join(parts) if parts else v.summary
+
+
 def _one(v: Verdict) -> str:
     if v.traffic is not None and v.decision in ("stay", "inconclusive"):
         what = "stay with " + v.baseline if v.decision == "stay" else "no answer"
@@ -124,10 +149,12 @@ def headline(
     kinds: Mapping[str, str] | None = None,
     traffic: str | None = None,
     ended: bool = False,
+    weigh: str | None = None,
 ) -> Headline:
     """``weights``: candidate -> how its weights relate to the baseline's ("same file", "same quantization",
     "different precision", "unknown"); ``kinds``: candidate -> engine kind; ``ended``: the run was cut short
-    (interrupted or stopped), so what was not measured is what it did not reach."""
+    (interrupted or stopped), so what was not measured is what it did not reach; ``weigh``: the command that weighs
+    these results by a traffic profile (the next step when two switches are a close call and no traffic is given)."""
     if not verdicts:
         return Headline("inconclusive", "one engine measured: nothing to compare (join runs: enginemeter report "
                         "--results A B)")  # fmt: skip
@@ -137,9 +164,20 @@ def headline(
                     for w in verdicts)}  # fmt: skip
     deciding = [v for v in verdicts if v.candidate not in arms] or list(verdicts)
     switches = sorted((v for v in deciding if v.decision == "switch"), key=_score, reverse=True)
+    close = [v for v in switches[1:] if _score(switches[0]) - _score(v) < math.log(CLOSE)]
+    next_step = None
     if switches:
         best = switches[0]
         rest = f" (the best of the {len(switches)} that switch)" if len(switches) > 1 else ""
+        if close:
+            names = " and ".join(v.candidate for v in close)
+            how = "for this traffic" if best.traffic is not None else "on average"
+            gap = math.exp(_score(best) - max(_score(v) for v in close)) - 1
+            rest = (f" (the best of the {len(switches)} that switch, by a hair: {names} "
+                    f"{'within' if len(close) > 1 else ''} {gap * 100:.0f} % behind it {how}, see below)")  # fmt: skip
+            rest = rest.replace("  ", " ")
+            if best.traffic is None:
+                next_step = weigh and f"choose between them by your traffic: {weigh}"
         if best.traffic is not None:
             sentence = f"switch to {best.candidate}{rest} for this traffic: {best.traffic.text}"
         else:
@@ -156,9 +194,16 @@ def headline(
             others.append(_attribution(v, kinds.get(v.candidate)))
         else:
             r = math.exp(_score(v)) if math.isfinite(_score(v)) else None
-            mean = f" (its regimes, on average: {faster(r)})" if r is not None else ""
+            weighed = v.traffic is not None and math.isfinite(v.traffic.ratio)
+            how = "for this traffic" if weighed else "its regimes, on average"
+            mean = f" ({how}: {faster(r)})" if r is not None else ""
+            if v in close:
+                b = math.exp(_score(main))
+                others.append(f"{v.candidate}: {v.decision.upper()}{v.tag} — close to {main.candidate} ({how}: "
+                              f"×{r:.2f} against ×{b:.2f}): {_versus(v, main)}")  # fmt: skip
+                continue
             others.append(f"{v.candidate}: {v.decision.upper()}{v.tag}{mean} — {v.summary}")
     notes = (f"this answer is discounted: it {main.discounted}",) if main.discounted else ()
     return Headline(decision, sentence, main.candidate if decision == "switch" else None, _regime_lines(main, ended),
-                    _tradeoffs(main), main.caveats, tuple(others), main.next_step, traffic, notes,
+                    _tradeoffs(main), main.caveats, tuple(others), main.next_step or next_step, traffic, notes,
                     main.discounted)  # fmt: skip

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.levels import LEVELS, level_of
 from proxy.sequential import MIN_EFFECT as SEQ_MIN_EFFECT
 
 #: depends: resolved regimes disagree (the answer per workload, and --traffic to weigh it); partial: a regime the
@@ -134,6 +136,10 @@ class LiveFinding:
     metric: str = ""
 
 
+#: a profile with more concurrency levels than this is written by the proxy's levels (1, 2, 3-4, 5-8, ...)
+GROUP_ABOVE = 8
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Where traffic spends its time: concurrency -> share of busy time (sums to 1); prompt class -> share of
@@ -154,7 +160,15 @@ class Traffic:
         def c(x: float) -> str:
             return f"{x:g}" if x < 10 else f"{x:.0f}"
 
-        conc = ", ".join(f"c={c(k)} {v:.0%}" for k, v in sorted(self.concurrency.items()) if v > 0)
+        if len(self.concurrency) > GROUP_ABOVE:  # a recorded profile (every count in flight): the proxy's levels
+            by: dict[str, float] = {}
+            for k, v in self.concurrency.items():
+                name = LEVELS[level_of(math.ceil(k))][0]
+                by[name] = by.get(name, 0.0) + v
+            shares = [(name, by[name]) for name, _, _ in LEVELS if name in by]
+        else:
+            shares = [(c(k), v) for k, v in sorted(self.concurrency.items())]
+        conc = ", ".join(f"c={k} {v:.0%}" for k, v in shares if round(v * 100) > 0)
         out = f"{conc} of the busy time"
         if self.prompts:
             out += "; prompts " + ", ".join(f"{p} {v:.0%}" for p, v in self.prompts.items() if v > 0)
