@@ -279,7 +279,7 @@ step_vllm() {
   if ! wait_for model.extracted em.ready; then skip "$step" "$NOTE"; return; fi
   has_cli bench --launch || { skip "$step" "this tree's enginemeter has no bench --launch (issue 22): merge it"; return; }
   fits "$EST_VL_FP8" "$LATER" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $EST_VL_FP8 + $LATER after it + margin $MARGIN_S > $DEADLINE_S s)"; return; }
-  target="vllm-fp8=$(vllm_fp8_cmd)"
+  target="vllm-fp8=$(vllm_fp8_cmd "$VL_CTX" ${VL_SHARE:+--gpu-memory-utilization "$VL_SHARE"})"
   while :; do
     rm -rf "$out"
     # shellcheck disable=SC2086
@@ -377,10 +377,12 @@ step_join() {
   run join cpu "$CAP_JOIN" "${EM[@]}" report --results "${files[@]}" --baseline llama --accept-quantization-difference \
     --out "$R/joined"
   cp "$L/join.log" "$R/joined/output.txt" 2>/dev/null
-  # the same answer weighed by the traffic the proxy recorded in front of llama.cpp (live): one report per profile
+  # the same answer weighed by the traffic live sent through the proxy in front of llama.cpp: its request log's
+  # exact profile (every request's start and end), else the profile serve recorded
   for f in "$R"/live/live/traffic.txt; do
     [ -s "$f" ] || continue
     spec=$(head -n 1 "$f")
+    [ -s "$R/live/live/requests.jsonl" ] && spec=$R/live/live/requests.jsonl
     rm -rf "$R/joined-traffic"
     run join_traffic cpu "$CAP_JOIN" "${EM[@]}" report --results "${files[@]}" --baseline llama \
       --accept-quantization-difference --traffic "$spec" --out "$R/joined-traffic"

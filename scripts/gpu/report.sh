@@ -6,8 +6,9 @@
 # DIR/report/       the runs joined: enginemeter report --results raw/llama raw/sglang-fp8 raw/vllm-fp8 raw/sglang
 #                   raw/sglang-gguf (those there) --baseline llama --accept-quantization-difference (the runs made
 #                   one engine at a time, joined as separate runs)
-# DIR/traffic-report/  the same weighed by the traffic live.py recorded through the proxy (raw/live/live/traffic.txt):
-#                   enginemeter report ... --traffic <that profile>
+# DIR/traffic-report/  the same weighed by the traffic live.py sent through the proxy: its request log's exact
+#                   profile (--traffic raw/live/live/requests.jsonl: every request's start and end), else the
+#                   profile serve recorded (raw/live/live/traffic.txt)
 # DIR/traffic-NAME/   the same weighed by each profile of DIR/traffic.txt (lines "NAME SPEC", SPEC as --traffic takes
 #                   it): the answer for a traffic a team names (one at a time, bursts, their own mix)
 # DIR/tune-report/  enginemeter report --results raw/tune (the tune run's table, rule and verdicts)
@@ -39,10 +40,16 @@ rc=0
   if [ -f "$dir/raw/llama/results.jsonl.gz" ] && [ ${#runs[@]} -ge 2 ]; then
     rm -rf "$dir/report"
     em report --results "${runs[@]}" --baseline llama --accept-quantization-difference --out report || rc=$?
-    if [ -s "$dir/raw/live/live/traffic.txt" ]; then
+    recorded=
+    if [ -s "$dir/raw/live/live/requests.jsonl" ] && [ -s "$dir/raw/live/live/traffic.txt" ]; then
+      recorded=raw/live/live/requests.jsonl
+    elif [ -s "$dir/raw/live/live/traffic.txt" ]; then
+      recorded=$(head -n 1 "$dir/raw/live/live/traffic.txt")
+    fi
+    if [ -n "$recorded" ]; then
       rm -rf "$dir/traffic-report"
       em report --results "${runs[@]}" --baseline llama --accept-quantization-difference \
-        --traffic "$(head -n 1 "$dir/raw/live/live/traffic.txt")" --out traffic-report || rc=$?
+        --traffic "$recorded" --out traffic-report || rc=$?
     fi
     if [ -s "$dir/traffic.txt" ]; then
       while read -r name spec; do
