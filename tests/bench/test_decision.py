@@ -27,6 +27,7 @@ from proxy.bench.verdict.regimes import RegimeAnswer, answer, even_split, weigh_
 from proxy.bench.verdict.stats import Paired
 from proxy.bench.verdict.traffic import crossing, parse_spec, prompt_class, weigh
 from proxy.cli import main
+from proxy.cli.common import with_traffic
 from proxy.notation import band, faster, faster_interval
 from tests.bench.test_verdict import C1, C8, LONG, loaded, results, run, trio
 
@@ -386,3 +387,32 @@ def test_the_forest_chart_keeps_its_row_labels(run27: tuple[Path, Path]) -> None
         plt.close(fig)
     assert "sglang: whole request, 64-token answer" in labels and "0" not in labels, labels
     assert xs and all("10^" not in x and "$" not in x for x in xs), xs  # the log axis in plain numbers
+
+
+def test_the_h100_27b_run_names_both_fp8_switches_and_weighs_the_traffic_sent_through_the_proxy() -> None:
+    """The 2026-12-06 H100 run: SGLang FP8 and vLLM FP8 both switch, within 2 % of each other on average — the
+    headline names the best by a hair, says where the other leads, and the traffic decides between them. The
+    traffic live.py sent through the proxy (bursts to 64) is weighed from the request log and written in the
+    proxy's levels; vLLM's memory caveat says its context must come down with its share."""
+    raw = ROOT / "docs/gpu-results/h100-2026-12-06-27b/raw"
+    d = load_runs([raw / n for n in ("llama", "sglang-fp8", "vllm-fp8")], baseline="llama",
+                  accept_quantization_difference=True)  # fmt: skip
+    vs = decide_all(d.results)
+    assert [(v.candidate, v.decision) for v in vs] == [("sglang-fp8", "switch"), ("vllm-fp8", "switch")]
+    h = make_headline(d, vs)
+    assert "by a hair" in h.sentence and h.next_step and "--traffic c1=25,c4=25,c16=25,c64=25" in h.next_step
+    (other,) = h.others
+    runner_up = "vllm-fp8" if h.candidate == "sglang-fp8" else "sglang-fp8"
+    assert other.startswith(f"{runner_up}: SWITCH (discounted) — close to {h.candidate}")
+    assert "under load: " in other and "long prompts: " in other and ("ahead" in other and "behind" in other)
+    (caveat,) = next(v for v in vs if v.candidate == "vllm-fp8").caveats
+    assert "with --max-model-len at most 195,712" in caveat and "vLLM refuses to start" in caveat
+    t = from_records(
+        [json.loads(x) for x in (raw / "live/live/requests.jsonl").read_text().splitlines()], "request log"
+    )
+    assert max(t.concurrency) == 64 and t.requests == 380
+    said = t.text()
+    assert said.startswith("c=1 23%, c=2 19%, ") and "c=33-64 22%" in said and "c=3 " not in said, said
+    dt = with_traffic(d, t)
+    weighed = make_headline(dt, decide_all(dt.results))
+    assert weighed.decision == "switch" and weighed.traffic and "c=33-64" in weighed.traffic
