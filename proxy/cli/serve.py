@@ -180,6 +180,8 @@ def _run_workers(
         shutdown_timeout_s=shutdown_timeout_s,
         on_shutdown=[lambda: _stop(embedded)],
         announce=lambda port: _banner(dataclasses.replace(settings, port=port), embedded, workers),
+        # the whole proxy's profile (every worker's requests in flight together), as one process says its own
+        on_traffic=_traffic_said,
     )
 
 
@@ -278,7 +280,8 @@ def _run(
 
 
 def _traffic_said(traffic: Any) -> None:
-    """serve's last words: the traffic it carried, as a profile ``--traffic`` takes (the proxy's /metrics is gone)."""
+    """serve's last words: the traffic it carried, as a profile ``--traffic`` takes (the proxy's /metrics is gone);
+    under ``--workers`` the supervisor says the whole proxy's (``proxy.server.traffic``)."""
     from proxy.levels import representative
 
     if traffic is None:

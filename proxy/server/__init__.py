@@ -68,7 +68,7 @@ from proxy.server.passthrough import Passthrough, passthrough_routes
 from proxy.server.requestlog import RequestLog
 from proxy.server.rollout import Rollouts
 from proxy.server.routing import Router
-from proxy.server.traffic import TrafficProfile
+from proxy.server.traffic import TRAFFIC_FILE, TrafficProfile
 from proxy.server.workerrole import snapshot_health
 from proxy.settings import Settings, SettingsError
 
@@ -165,7 +165,12 @@ def build_app(
         engine_state=engine_state,
         diagnosis=diagnosis,
         loop_watch=LoopWatch(metrics),
-        traffic=TrafficProfile(metrics.traffic),
+        # under --workers the whole proxy's requests in flight, shared by the workers (proxy.server.traffic)
+        traffic=(
+            TrafficProfile(metrics.traffic)
+            if worker is None
+            else TrafficProfile(metrics.traffic, shared=worker.directory / TRAFFIC_FILE, slot=worker.index)
+        ),
         on_shutdown=shutdown,
         health_sections=(
             functools.partial(snapshot_health, worker.directory) if worker is not None and worker.index else None

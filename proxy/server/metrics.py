@@ -91,6 +91,11 @@ REQ = ("engine", "model", "role", "stream")
 #: the help texts of the two counters the ``--workers`` supervisor writes (``proxy.server.workers.SupervisorCounts``)
 WORKER_LOST_HELP = "Requests in flight in a worker process that died (serve --workers N), counted by the supervisor."
 WORKER_RESTARTS_HELP = "Worker processes that died and were restarted (serve --workers N)."
+#: the traffic profile's counter: every worker's and the supervisor's ticks add up to the whole proxy's seconds
+TRAFFIC_HELP = (
+    "Seconds the proxy ran with this many generation requests in flight, over all its worker processes "
+    "(level: 0, 1, 2, 3-4, 5-8, ..., 129+); counted when the number changes."
+)
 
 
 def _h(name: str, doc: str, buckets: Iterable[float], registry: CollectorRegistry, labels=REQ) -> Histogram:  # type: ignore[no-untyped-def]
@@ -201,7 +206,7 @@ class Metrics:
             r,
         )
         # seconds at each number of generation requests in flight (proxy.server.traffic: --traffic's profile)
-        self.traffic = Counter(f"{PREFIX}_traffic_seconds", "Seconds this process ran with this many generation requests in flight (level: 0, 1, 2, 3-4, 5-8, ..., 129+); counted when the number changes.", ("level",), registry=r)  # fmt: skip
+        self.traffic = Counter(f"{PREFIX}_traffic_seconds", TRAFFIC_HELP, ("level",), registry=r)
         self.prompt_tokens_h = _h("request_prompt_tokens", "Prompt tokens per request (engine usage).", b["tokens"], r)
         self.completion_tokens_h = _h("request_completion_tokens", "Completion tokens per request (engine usage).", b["tokens"], r)  # fmt: skip
         self.prefill_tps = _h("prefill_tokens_per_second", "(prompt tokens - cached prompt tokens) / upstream TTFT: the engine's prefill rate, queueing included.", b["prefill_tps"], r)  # fmt: skip

@@ -34,7 +34,13 @@ Each worker:
 - mirrors its own requests (``mirror.max_in_flight`` and the sample rate hold per worker); a change through
   ``POST /admin/mirror`` lands on one worker, which publishes it to ``mirror.json``; the others apply it within
   ``SYNC_INTERVAL_S``. ``GET /admin/mirror`` counts (sent, in flight) are the answering worker's;
-- appends to the one comparison log: ``ComparisonLog`` holds an ``flock`` while it rotates and writes a line.
+- appends to the one comparison log: ``ComparisonLog`` holds an ``flock`` while it rotates and writes a line;
+- counts the whole proxy's generation requests in flight, not its own, for the traffic profile: the workers share
+  the number and the seconds at each level through ``traffic.shm`` in the directory (``proxy.server.traffic``).
+  The supervisor lays the file out before it starts a worker, takes a dead worker's requests off the number (the
+  worker's own count in the file, exact at its death) and, at the end, logs the whole proxy's profile as a
+  single-process ``serve`` does (``on_traffic``: ``serve``'s "traffic served: ...; ... --traffic SPEC" line)
+  before the directory is removed.
 
 No worker outlives its supervisor, and the directory is removed once nobody uses it: ``proxy.server.lifetimes``.
 What a worker shares with the others (worker 0's collectors, mirror settings): ``proxy.server.workerrole``.
@@ -63,6 +69,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from proxy.server.traffic import TrafficProfile
     from proxy.settings import Settings
 
 from proxy.server.lifetimes import (
@@ -230,13 +237,17 @@ def serve_workers(
     shutdown_timeout_s: float = 30.0,
     on_shutdown: Sequence[Callable[[], None]] = (),
     announce: Callable[[int], None] | None = None,
+    on_traffic: Callable[[TrafficProfile], None] | None = None,
 ) -> int:
     """Run ``n`` workers on ``settings.host:settings.port`` until SIGTERM/SIGINT; returns the exit status.
 
     ``app_factory`` builds each worker's app (``proxy.server.build_app``); ``announce`` gets the port once every
     worker has started (``settings.port`` 0 picks one); ``on_shutdown`` runs
-    at the end."""
+    at the end; ``on_traffic`` then gets the whole proxy's traffic profile, if every worker had started."""
     from prometheus_client.multiprocess import mark_process_dead
+
+    from proxy.server.metrics import PREFIX, TRAFFIC_HELP
+    from proxy.server.traffic import TRAFFIC_FILE, TrafficProfile
 
     made_dir = None
     remove_stale_directories()
@@ -265,7 +276,17 @@ def serve_workers(
     #: a starting worker blocked for ever, its event loop with it (a parent-death signal could not end it)
     readies: dict[int, multiprocessing.connection.Connection] = {}
     counts = SupervisorCounts(Path(directory))
+    # the whole proxy's requests in flight (proxy.server.traffic): an earlier run's file is not this run's count
+    # (claim_directory wipes *.db only); laid out afresh before any worker opens it
+    (Path(directory) / TRAFFIC_FILE).unlink(missing_ok=True)
+    traffic = TrafficProfile(
+        shared=Path(directory) / TRAFFIC_FILE,
+        # the supervisor's own ticks (at a worker's death, at the end) go to its counter file, so the merged
+        # enginemeter_traffic_seconds_total stays the sum of every tick
+        record=lambda level, dt: counts.add(f"{PREFIX}_traffic_seconds", TRAFFIC_HELP, {"level": level}, dt),
+    )
     crashes = 0
+    served = False
 
     def start(i: int) -> None:
         spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s, app_factory,
@@ -303,6 +324,7 @@ def serve_workers(
             start(i)
         up = [wait_ready(i) for i in range(n)]
         if all(up) and not stopping.is_set():
+            served = True
             log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
             if announce is not None:
                 announce(port)
@@ -316,6 +338,11 @@ def serve_workers(
                 if p.pid is not None:
                     lost = lost_in_flight(Path(directory), p.pid)
                     mark_process_dead(p.pid, directory)  # type: ignore[no-untyped-call]
+                # its requests in flight leave the whole proxy's count now (they were cut with it; 0 after a
+                # graceful exit). The count is exact; when each would have ended cannot be known: they drop out
+                # the moment the supervisor sees the death, and requests it had not yet started serving (still
+                # sending their body) were never counted
+                traffic.forget(i)
                 if stopping.is_set():
                     continue
                 counts.worker_died(lost)
@@ -342,9 +369,15 @@ def serve_workers(
         for r in readies.values():
             r.close()
         reserve.close()
-        counts.close()
         for stop in on_shutdown:
             stop()
+        for i, p in procs.items():  # stopped above, or not, when an error ended the supervision early
+            if p.exitcode is not None:
+                traffic.forget(i)
+        if served and on_traffic is not None:
+            on_traffic(traffic)  # serve's last words, from the shared file, before the directory goes
+        traffic.close()
+        counts.close()
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
         os.close(lock)

@@ -5,7 +5,7 @@ fails -- never "0 errors" beside a degraded proxy (issue 26).
 
     python3 scripts/gpu/live.py --out DIR --engine NAME=URL [--engine NAME=URL ...] [--pid NAME=PID ...]
         [--shadow NAME] [--requests 6 --concurrency 2 --max-tokens 256] [--fake-nvml]
-        [--profile 1:15,2:10,32:15,1:10,64:20,2:10,8:15]
+        [--profile 1:15,2:10,32:15,1:10,64:20,2:10,8:15] [--workers N]
 
 ``--profile``: live traffic instead of a fixed batch -- a recorded concurrency mix replayed through the proxy,
 CONCURRENCY:SECONDS segments one after another (each segment keeps that many streams in flight, back to back,
@@ -24,7 +24,10 @@ on). The checks (DIR/check.txt, one PASS/FAIL row each; DIR/summary.json):
   memory         (with --pid) GPU memory used/total and each engine's memory vs nvidia-smi within 1 %, and each
                  engine found by its port with its own pid (scripts/gpu/memcheck.py); without nvidia-smi: skipped,
                  or with --fake-nvml a recorded reading replayed through the proxy's NVML seam (the CPU smoke)
-  traffic        (with --profile) the proxy's traffic profile recorded (traffic.txt)
+  traffic        (with --profile) the proxy's traffic profile recorded (traffic.txt), and its share at each level
+                 of requests in flight (1, 2, 3-4, 5-8, ...) within 5 points of the exact profile of the proxy's
+                 own request log (every request's start and end: ``--traffic requests.jsonl``) -- under
+                 ``serve --workers`` the record must be the whole proxy's, not one worker's
 Files: enginemeter.yaml, proxy.log, health-before.json, health-after.json, metrics.txt, requests.jsonl (the
 proxy's request log), client.json (what the client saw), compare.jsonl (with --shadow).
 """
@@ -54,7 +57,8 @@ sys.path.insert(1, str(ROOT))
 
 import memcheck  # noqa: E402
 
-from proxy.levels import representative  # noqa: E402
+from proxy.bench.live.traffic import traffic_from  # noqa: E402
+from proxy.levels import LEVELS, level_of, representative  # noqa: E402
 from proxy.process import free_port  # noqa: E402
 
 TRAFFIC_LINE = re.compile(r"to weigh a bench's answer by it: --traffic (\S+)")
@@ -185,6 +189,33 @@ def traffic_spec(proxy_log: str, health: Any) -> tuple[str | None, str]:
     return None, "none: serve printed no traffic line and /health had no busy shares"
 
 
+#: the largest difference, in points of busy time at one level, between the proxy's record and its request log
+TRAFFIC_POINTS = 5.0
+
+
+def by_level(shares: dict[float, float]) -> dict[str, float]:
+    """Concurrency -> share, summed into the proxy's levels (1, 2, 3-4, 5-8, ...), in percent."""
+    out: dict[str, float] = {}
+    for k, v in shares.items():
+        name = LEVELS[level_of(max(1, int(-(-k // 1))))][0]
+        out[name] = out.get(name, 0.0) + 100 * v
+    return out
+
+
+def traffic_agreement(spec: str, request_log: Path) -> tuple[bool, str]:
+    """The proxy's recorded profile (SPEC) against the exact one of its request log, level by level."""
+    if not request_log.exists():
+        return False, f"no request log at {request_log}"
+    recorded = by_level(dict(traffic_from(spec).concurrency))
+    exact = by_level(dict(traffic_from(str(request_log)).concurrency))
+    names = [n for n, _, _ in LEVELS if n in recorded or n in exact]
+    worst = max(names, key=lambda n: abs(recorded.get(n, 0.0) - exact.get(n, 0.0)))
+    gap = abs(recorded.get(worst, 0.0) - exact.get(worst, 0.0))
+    row = ", ".join(f"{n}: {recorded.get(n, 0.0):.0f}/{exact.get(n, 0.0):.0f}" for n in names)
+    return gap <= TRAFFIC_POINTS, (f"recorded/request log, % of busy time per level in flight: {row}; worst "
+                                   f"{worst} off by {gap:.1f} points (bound {TRAFFIC_POINTS:g})")  # fmt: skip
+
+
 class Checks:
     def __init__(self) -> None:
         self.rows: list[tuple[str, str, bool | None]] = []  # (check, detail, passed; None: skipped)
@@ -242,6 +273,7 @@ def main() -> int:
     ap.add_argument("--decode-tolerance", type=float, default=0.02, help="proxy vs engine decode (default 2 %%)")
     ap.add_argument("--profile", type=parse_profile, default=None, help="CONCURRENCY:SECONDS,...: live traffic")
     ap.add_argument("--fake-nvml", action="store_true", help="no GPU here: replay a recorded reading (CPU smoke)")
+    ap.add_argument("--workers", type=int, default=None, help="serve --workers N (default: serve's own default)")
     a = ap.parse_args()
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +288,7 @@ def main() -> int:
     cfg.write_text(config(port, engines, a.shadow, out))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--log-level", "info"]
+    serve += ["--workers", str(a.workers)] if a.workers else []
     gpu = shutil.which("nvidia-smi") is not None and not a.fake_nvml
     if a.fake_nvml and pids:
         fake = str(out / "fake-nvml.json")
@@ -353,6 +386,10 @@ def main() -> int:
         if spec:
             (out / "traffic.txt").write_text(spec + "\n")
         checks.add("traffic", f"--traffic {spec} (from {source})" if spec else source, spec is not None)
+        if spec:
+            ok, detail = traffic_agreement(spec, out / "requests.jsonl")
+            summary["traffic_agreement"] = detail
+            checks.add("traffic vs log", detail, ok)
     summary["checks"] = [{"check": c, "detail": d, "passed": ok} for c, d, ok in checks.rows]
     summary["passed"] = checks.passed
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")

@@ -69,6 +69,25 @@ def test_live_checks_the_proxy_against_two_real_engines(
     assert {x["client_request_id"] for x in logged} == {"live-0", "live-1", "live-2"}
 
 
+def test_live_traffic_through_several_workers_is_recorded_as_the_whole_proxy_saw_it(
+    llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    """The 2026-12-06 GPU run: a client holding 64 requests in flight through 8 workers was recorded as at most
+    "9-16" (each worker counted its own). The proxy's record must be the whole proxy's: live.py's check compares it,
+    level by level, with the exact profile of the request log."""
+    out = tmp_path / "live"
+    r = run(GPU / "live.py", "--out", out, "--engine", f"big={llama_server.url}", "--profile", "1:2,6:4",
+            "--max-tokens", "24", "--workers", "2", timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = rows(out / "check.txt")
+    assert got["traffic"] == "PASS" and got["traffic vs log"] == "PASS", got
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["traffic_source"] == "serve's shutdown line"
+    levels = {part.split("=")[0] for part in (out / "traffic.txt").read_text().strip().split(",")}
+    assert "c6.3" in levels, levels  # six in flight: the 5-8 level, not 3 a worker
+    assert "5-8:" in summary["traffic_agreement"]
+
+
 def test_live_fails_loudly_when_an_engine_is_down(llama_server: LlamaServer, tmp_path: Path) -> None:
     out = tmp_path / "live"
     down = f"http://127.0.0.1:{closed_port()}"

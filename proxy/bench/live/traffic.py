@@ -5,7 +5,7 @@
   attempt: the primaries'); rotated files are read too. The profile is exact: a sweep over the requests' intervals
   gives the time at each number in flight; prompt classes from the engines' prompt-token counts; the median answer;
 - ``http://PROXY:8080/metrics`` (or the proxy's base URL): the proxy's ``enginemeter_traffic_seconds_total`` since it
-  started (``proxy.server.traffic``: levels 1, 2, 3-4, ..., per process under ``--workers``), the prompt lengths from
+  started (``proxy.server.traffic``: levels 1, 2, 3-4, ..., whole proxy under ``--workers``), the prompt lengths from
   ``enginemeter_request_prompt_tokens`` and the answers from ``..._completion_tokens`` (role ``primary``);
 - ``http://PROMETHEUS:9090`` (answers ``/api/v1/status/buildinfo``): the same series' increase over a window
   (``--traffic-window``, default 7d): a week of production, as docs/bench.md shows.
