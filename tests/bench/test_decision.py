@@ -391,7 +391,7 @@ def test_the_forest_chart_keeps_its_row_labels(run27: tuple[Path, Path]) -> None
 
 def test_the_h100_27b_run_names_both_fp8_switches_and_weighs_the_traffic_sent_through_the_proxy() -> None:
     """The 2026-12-06 H100 run: SGLang FP8 and vLLM FP8 both switch, within 2 % of each other on average — the
-    headline names the best by a hair, says where the other leads, and the traffic decides between them. The
+    headline names the best, says where the other leads, and the traffic decides between them. The
     traffic live.py sent through the proxy (bursts to 64) is weighed from the request log and written in the
     proxy's levels; vLLM's memory caveat says its context must come down with its share."""
     raw = ROOT / "docs/gpu-results/h100-2026-12-06-27b/raw"
@@ -400,7 +400,7 @@ def test_the_h100_27b_run_names_both_fp8_switches_and_weighs_the_traffic_sent_th
     vs = decide_all(d.results)
     assert [(v.candidate, v.decision) for v in vs] == [("sglang-fp8", "switch"), ("vllm-fp8", "switch")]
     h = make_headline(d, vs)
-    assert "by a hair" in h.sentence and h.next_step and "--traffic c1=25,c4=25,c16=25,c64=25" in h.next_step
+    assert "close behind: " in h.sentence and h.next_step and "--traffic c1=25,c4=25,c16=25,c64=25" in h.next_step
     (other,) = h.others
     runner_up = "vllm-fp8" if h.candidate == "sglang-fp8" else "sglang-fp8"
     assert other.startswith(f"{runner_up}: SWITCH (discounted) — close to {h.candidate}")

@@ -173,9 +173,9 @@ def headline(
             names = " and ".join(v.candidate for v in close)
             how = "for this traffic" if best.traffic is not None else "on average"
             gap = math.exp(_score(best) - max(_score(v) for v in close)) - 1
-            rest = (f" (the best of the {len(switches)} that switch, by a hair: {names} "
-                    f"{'within' if len(close) > 1 else ''} {gap * 100:.0f} % behind it {how}, see below)")  # fmt: skip
-            rest = rest.replace("  ", " ")
+            within = "within " if len(close) > 1 else ""
+            rest = (f" (the best of the {len(switches)} that switch; {names} close behind: {within}{gap * 100:.0f} % "
+                    f"{how}, see below)")  # fmt: skip
             if best.traffic is None:
                 next_step = weigh and f"choose between them by your traffic: {weigh}"
         if best.traffic is not None:
