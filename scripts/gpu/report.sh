@@ -12,6 +12,9 @@
 # DIR/traffic-NAME/   the same weighed by each profile of DIR/traffic.txt (lines "NAME SPEC", SPEC as --traffic takes
 #                   it): the answer for a traffic a team names (one at a time, bursts, their own mix)
 # DIR/tune-report/  enginemeter report --results raw/tune (the tune run's table, rule and verdicts)
+# DIR/tuned-report/ the candidates against llama.cpp tuned: raw/tune joined with the other engines' runs, the
+#                   baseline the tune's best setting under load (tune.json's best.under_load; the tune's cells only),
+#                   when it is not the -np llama.cpp's bench ran with
 # DIR/output.txt    every command as run in DIR with its output and exit status
 # EM_ROOT: the enginemeter tree to run (default: this repo); PYTHON (default its .venv, else this repo's).
 set -uo pipefail
@@ -65,6 +68,17 @@ rc=0
   if [ -f "$dir/raw/tune/results.jsonl.gz" ]; then
     rm -rf "$dir/tune-report"
     em report --results raw/tune --out tune-report || rc=$?
+  fi
+  cands=()
+  for r in "${runs[@]}"; do [ "$r" = raw/llama ] || cands+=("$r"); done
+  best=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['best']['under_load'])" \
+    "$dir/raw/tune/tune.json" 2>/dev/null)
+  ran=$(gzip -dc "$dir/raw/llama/results.jsonl.gz" 2>/dev/null | grep -o -m 1 -- '-np [0-9]*' | head -n 1)
+  if [ -n "$best" ] && [ "$best" != "np${ran#-np }" ] && [ -f "$dir/raw/tune/results.jsonl.gz" ] \
+    && [ ${#cands[@]} -ge 1 ]; then
+    rm -rf "$dir/tuned-report"
+    em report --results raw/tune "${cands[@]}" --baseline "$best" --accept-quantization-difference \
+      --out tuned-report || rc=$?
   fi
   exit "$rc"
 ) > "$dir/output.txt"
