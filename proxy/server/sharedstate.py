@@ -1,5 +1,6 @@
 """A rollout's state shared by every process of the proxy (``proxy.server.rollout``): a memory-mapped file that
-each process maps, written under an ``flock``, and a JSON copy written at each transition.
+each process maps, written under an ``flock``, and a JSON copy written at each transition. ``LockedMap`` is the
+mapped file and its lock alone, which the whole proxy's traffic count shares too (``proxy.server.traffic``).
 
 Layout of ``<state_file>.shm``: a 64-byte header (magic, which slot is current, an 8-byte generation), then two
 slots of (length, JSON). A write fills the slot that is not current, makes it current, then bumps the
@@ -16,7 +17,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,34 +30,52 @@ SLOT_BYTES = 64 * 1024
 MAP_BYTES = HEADER_BYTES + 2 * SLOT_BYTES
 
 
-class StateFile:
-    """``<path>.shm`` mapped (its descriptor is also the lock) and the JSON copy at ``path``."""
+class LockedMap:
+    """A file of ``size`` bytes every process of the proxy maps, its descriptor also the lock (``flock``; the
+    kernel frees it if the holder dies). The first process to open it lays it out under the lock: a file of another
+    size is emptied to ``size`` zero bytes, then ``init(mm, fresh)`` runs, still under the lock (``fresh``: this
+    open laid it out) — one layout, whichever process comes first."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(f"{path}.shm", os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, path: str | os.PathLike[str], size: int,
+                 init: Callable[[mmap.mmap, bool], None] | None = None) -> None:  # fmt: skip
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             with self.locked():
-                if os.fstat(self._fd).st_size != MAP_BYTES:
+                fresh = os.fstat(self._fd).st_size != size
+                if fresh:
                     os.ftruncate(self._fd, 0)  # not ours, or another layout: start empty
-                    os.ftruncate(self._fd, MAP_BYTES)
-            self._mm = mmap.mmap(self._fd, MAP_BYTES)
+                    os.ftruncate(self._fd, size)
+                self._mm = mmap.mmap(self._fd, size)
+                if init is not None:
+                    init(self._mm, fresh)
         except BaseException:
             os.close(self._fd)
             raise
 
-    def gen(self) -> bytes:
-        return self._mm[_GEN : _GEN + 8]
-
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        # held for one read-modify-write (tens of microseconds); the kernel frees it if the process dies
+        # held for one read-modify-write (microseconds to tens of them)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self._mm.close()
+        os.close(self._fd)
+
+
+class StateFile(LockedMap):
+    """``<path>.shm`` mapped (its descriptor is also the lock) and the JSON copy at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(f"{path}.shm", MAP_BYTES)
+
+    def gen(self) -> bytes:
+        return self._mm[_GEN : _GEN + 8]
 
     def _slot(self) -> bytes | None:
         mm = self._mm
@@ -113,7 +132,3 @@ class StateFile:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         return gen
-
-    def close(self) -> None:
-        self._mm.close()
-        os.close(self._fd)

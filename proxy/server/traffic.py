@@ -25,19 +25,17 @@ The prompt lengths and answer lengths of the same traffic are the request histog
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import mmap
-import os
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import Counter
 
 from proxy.levels import LEVELS, level_of
+from proxy.server.sharedstate import LockedMap
 
 #: the shared state's file in the multiprocess directory (``serve --workers N``)
 TRAFFIC_FILE = "traffic.shm"
@@ -51,37 +49,21 @@ _SLOT = struct.Struct("<q")
 MAP_BYTES = _SLOTS_AT + SLOTS * _SLOT.size
 
 
-class SharedTraffic:
+class SharedTraffic(LockedMap):
     """``traffic.shm``: the whole proxy's number in flight and seconds per level, under ``serve --workers N``.
 
-    Every read and change holds the file's ``flock`` (the kernel frees it if the holder dies). The first process
-    to open the file lays it out, under the lock (the supervisor removes an earlier run's file before it starts
-    any worker); the time of the last change starts at that moment."""
+    Every read and change holds the file's ``flock``. The first process to open the file lays it out
+    (``LockedMap``; the supervisor removes an earlier run's file before it starts any worker); the time of the
+    last change starts at that moment."""
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            with self.locked():
-                fresh = os.fstat(self._fd).st_size != MAP_BYTES
-                if fresh:
-                    os.ftruncate(self._fd, 0)  # not ours, or another layout: start empty
-                    os.ftruncate(self._fd, MAP_BYTES)
-                self._mm = mmap.mmap(self._fd, MAP_BYTES)
-                if fresh or self._mm[:4] != _MAGIC:
-                    _HEAD.pack_into(self._mm, 0, _MAGIC, 0, clock(), *([0.0] * len(LEVELS)))
-        except BaseException:
-            os.close(self._fd)
-            raise
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        # held for one read-modify-write of ~100 bytes (microseconds)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        def layout(mm: mmap.mmap, fresh: bool) -> None:
+            if fresh or mm[:4] != _MAGIC:
+                _HEAD.pack_into(mm, 0, _MAGIC, 0, clock(), *([0.0] * len(LEVELS)))
+
+        super().__init__(path, MAP_BYTES, layout)
 
     def read(self) -> tuple[int, float, list[float]]:
         """Under ``locked()``: (number in flight, time of its last change, seconds at each level)."""
@@ -114,10 +96,6 @@ class SharedTraffic:
     def slot(self, slot: int) -> int:
         """Under ``locked()``: worker ``slot``'s own number in flight."""
         return int(_SLOT.unpack_from(self._mm, _SLOTS_AT + slot * _SLOT.size)[0]) if 0 <= slot < SLOTS else 0
-
-    def close(self) -> None:
-        self._mm.close()
-        os.close(self._fd)
 
 
 class TrafficProfile:
