@@ -98,8 +98,12 @@ def test_quick_bench_np1_vs_np2(np1_np2: tuple[str, str], tmp_path: Path, monkey
     assert {(s["concurrency"], s["max_tokens"], s["prompt_len"]) for s in samples} == {
         (1, 16, "medium"), (2, 16, "medium"), (1, 16, "short")}  # fmt: skip
     for s in samples:
-        assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["ttft_p99_s"] and s["itl_p99_s"] > 0
+        # a sample whose 16-token streams all came in one read each (a loaded 2-core machine) has no gap to time:
+        # its ITL is unknown (None), never 0
+        assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["ttft_p99_s"]
+        assert s["itl_p99_s"] is None or s["itl_p99_s"] > 0
         assert 0 <= s["goodput_frac"] <= 1
+    assert sum(s["itl_p99_s"] is not None for s in samples) >= len(samples) // 2
     reqs = [r for r in recs(results, "request") if r["phase"] == "measure"]
     assert reqs and all(r["ok"] for r in reqs), [r["error"] for r in reqs if not r["ok"]]
     for r in reqs:
