@@ -5,6 +5,7 @@ weighs its decision by them (``proxy.bench.live.traffic``). Bounded: 0 (idle), 1
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 #: (label, lowest count, highest count) of each level
 LEVELS: tuple[tuple[str, int, float], ...] = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8),
@@ -25,3 +26,13 @@ def representative(label: str) -> float:
         if name == label:
             return float(lo) if lo == hi else round(math.sqrt(lo * (hi if math.isfinite(hi) else 2 * lo)), 1)
     raise ValueError(f"unknown traffic level {label!r}")
+
+
+def by_level(shares: Mapping[float, float]) -> dict[str, float]:
+    """Concurrency -> share, summed into the levels, in their order: a profile swept from a request log (every count
+    in flight) and one the proxy recorded (its levels' representative concurrencies) read alike."""
+    out: dict[str, float] = {}
+    for k, v in shares.items():
+        name = LEVELS[level_of(max(1, math.ceil(k)))][0]
+        out[name] = out.get(name, 0.0) + v
+    return {name: out[name] for name, _, _ in LEVELS if name in out}

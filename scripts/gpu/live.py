@@ -58,7 +58,7 @@ sys.path.insert(1, str(ROOT))
 import memcheck  # noqa: E402
 
 from proxy.bench.live.traffic import traffic_from  # noqa: E402
-from proxy.levels import LEVELS, level_of, representative  # noqa: E402
+from proxy.levels import LEVELS, by_level, representative  # noqa: E402
 from proxy.process import free_port  # noqa: E402
 
 TRAFFIC_LINE = re.compile(r"to weigh a bench's answer by it: --traffic (\S+)")
@@ -193,21 +193,12 @@ def traffic_spec(proxy_log: str, health: Any) -> tuple[str | None, str]:
 TRAFFIC_POINTS = 5.0
 
 
-def by_level(shares: dict[float, float]) -> dict[str, float]:
-    """Concurrency -> share, summed into the proxy's levels (1, 2, 3-4, 5-8, ...), in percent."""
-    out: dict[str, float] = {}
-    for k, v in shares.items():
-        name = LEVELS[level_of(max(1, int(-(-k // 1))))][0]
-        out[name] = out.get(name, 0.0) + 100 * v
-    return out
-
-
 def traffic_agreement(spec: str, request_log: Path) -> tuple[bool, str]:
     """The proxy's recorded profile (SPEC) against the exact one of its request log, level by level."""
     if not request_log.exists():
         return False, f"no request log at {request_log}"
-    recorded = by_level(dict(traffic_from(spec).concurrency))
-    exact = by_level(dict(traffic_from(str(request_log)).concurrency))
+    recorded = {n: 100 * v for n, v in by_level(traffic_from(spec).concurrency).items()}
+    exact = {n: 100 * v for n, v in by_level(traffic_from(str(request_log)).concurrency).items()}
     names = [n for n, _, _ in LEVELS if n in recorded or n in exact]
     worst = max(names, key=lambda n: abs(recorded.get(n, 0.0) - exact.get(n, 0.0)))
     gap = abs(recorded.get(worst, 0.0) - exact.get(worst, 0.0))

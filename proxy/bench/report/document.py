@@ -404,7 +404,8 @@ def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:
     weights = {v.candidate: arms_mod.weights(base, meta[v.candidate]) for v in verdicts if v.candidate in meta}
     kinds = {v.candidate: str(meta[v.candidate].get("kind")) for v in verdicts if v.candidate in meta}
     t = d.results.traffic
-    best = next((v for v in verdicts if v.decision == "switch" and v.cells), None)
-    weigh = weigh_next(d.results, best.cells) if best is not None and t is None else None
+    # the command that weighs these results by a traffic: any switching verdict's cells give the levels measured
+    switch = next((v for v in verdicts if v.decision == "switch" and v.cells), None)
+    weigh = weigh_next(d.results, switch.cells) if switch is not None and t is None else None
     return headline(verdicts, weights, kinds, f"{t.text()} ({t.source})" if t is not None else None,
                     ended=bool(d.interrupted or d.stopped), weigh=weigh)  # fmt: skip

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.levels import LEVELS, level_of
+from proxy.levels import by_level
 from proxy.sequential import MIN_EFFECT as SEQ_MIN_EFFECT
 
 #: depends: resolved regimes disagree (the answer per workload, and --traffic to weigh it); partial: a regime the
@@ -161,11 +160,7 @@ class Traffic:
             return f"{x:g}" if x < 10 else f"{x:.0f}"
 
         if len(self.concurrency) > GROUP_ABOVE:  # a recorded profile (every count in flight): the proxy's levels
-            by: dict[str, float] = {}
-            for k, v in self.concurrency.items():
-                name = LEVELS[level_of(math.ceil(k))][0]
-                by[name] = by.get(name, 0.0) + v
-            shares = [(name, by[name]) for name, _, _ in LEVELS if name in by]
+            shares = list(by_level(self.concurrency).items())
         else:
             shares = [(c(k), v) for k, v in sorted(self.concurrency.items())]
         conc = ", ".join(f"c={k} {v:.0%}" for k, v in shares if round(v * 100) > 0)
