@@ -91,17 +91,19 @@ def main() -> None:
     from prometheus_client import CollectorRegistry
 
     from proxy.normalize import normalize_request
-    from proxy.server.metrics import Metrics, observe
-    from proxy.server.output import SocketOutput
-    from proxy.server.relay import Attempt
-    from proxy.server.result import Result
-    from proxy.server.upstream import Engine
+    from proxy.server.record.metrics import Metrics, observe
+    from proxy.server.record.result import Result
+    from proxy.server.request.output import SocketOutput
+    from proxy.server.request.relay import Attempt
+    from proxy.server.request.upstream import Engine
     from proxy.settings import EngineSettings
     from proxy.sse import SSEFramer
     from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
 
     h1 = importlib.import_module(
-        "proxy.server.h1conn" if (a.tree / "proxy/server/h1conn.py").exists() else "proxy.server.h1"
+        "proxy.server.request.h1conn"
+        if (a.tree / "proxy/server/request/h1conn.py").exists()
+        else "proxy.server.request.h1"
     )
     conn_cls = getattr(h1, "Conn", None) or h1._Conn
 

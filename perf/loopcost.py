@@ -36,7 +36,7 @@ import orjson
 from prometheus_client import CollectorRegistry, generate_latest
 from series import _result
 
-from proxy.server.metrics import Metrics, observe
+from proxy.server.record.metrics import Metrics, observe
 from proxy.types import Role
 
 
@@ -118,7 +118,7 @@ def full_collection() -> None:
     """A full collection of the start-up heap of ``enginemeter serve``, as it is and frozen (``settle_process``)."""
     import gc
 
-    from proxy.server import build_app
+    from proxy.server.compose import build_app
     from proxy.settings import EngineSettings, RouteSettings, Settings
 
     settings = Settings(

@@ -47,7 +47,7 @@ from perf.loadgen import serve_rounds
 from perf.procs import ROOT, Procs, children, descendants
 from perf.rounds import MS, Driver, Target, pct, pooled, rotations, summarize
 from perf.tables import account_delta, own_account, print_table, shadow_seen
-from proxy.process import free_port
+from proxy.procs.process import free_port
 
 
 def parser() -> argparse.ArgumentParser:
@@ -135,8 +135,8 @@ def main() -> int:
 
     counts = [int(x) for x in str(args.streams).split(",") if x]
     modes = ["fast", "slow", "dead"] if args.mirror == "all" else [m for m in args.mirror.split(",") if m != "off"]
-    if modes and not (ROOT / "proxy" / "server" / "mirror.py").exists():
-        print("proxy/server/mirror.py is not there: mirror modes skipped", file=sys.stderr)
+    if modes and not (ROOT / "proxy" / "server" / "mirror" / "shadows.py").exists():
+        print("proxy/server/mirror/shadows.py is not there: mirror modes skipped", file=sys.stderr)
         modes = []
     env = dict(kv.split("=", 1) for kv in args.proxy_env)
     nginx_bin = (

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from proxy.process import free_port
+from proxy.procs.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")

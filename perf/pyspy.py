@@ -26,8 +26,8 @@ from perf.procs import descendants  # noqa: E402
 
 #: (layer, predicate on one frame "function (file:line)"), first match from the innermost frame wins
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("the upstream client (h1.py)", ("proxy/server/h1.py",)),
-    ("the write to the client (output.py: one transport write a read)", ("proxy/server/output.py",)),
+    ("the upstream client (h1.py)", ("proxy/server/request/h1.py",)),
+    ("the write to the client (output.py: one transport write a read)", ("proxy/server/request/output.py",)),
     ("uvicorn: send (the write per chunk, head, terminator)", ("send (uvicorn/",)),
     ("uvicorn: HTTP parsing and protocol", ("uvicorn/",)),
     ("anyio (task groups, cancel scopes, threads)", ("anyio/",)),
@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("prometheus_client (observe)", ("prometheus_client/",)),
     (
         "the relay's per-chunk loop (relay.py, rewrite.py, sse.py, stream.py)",
-        ("proxy/server/relay.py", "proxy/server/rewrite.py", "proxy/sse.py", "proxy/stream.py"),
+        ("proxy/server/request/relay.py", "proxy/server/request/rewrite.py", "proxy/sse.py", "proxy/stream.py"),
     ),
     ("per request: app, attempt, normalize, routing, metrics, result", ("proxy/",)),
     ("asyncio (tasks, futures, run_once)", ("asyncio/",)),

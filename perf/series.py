@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from proxy.server.metrics import Metrics, observe
-from proxy.server.result import Result
+from proxy.server.record.metrics import Metrics, observe
+from proxy.server.record.result import Result
 from proxy.timing import EngineTimings, StreamTiming, Usage
 from proxy.types import Role
 

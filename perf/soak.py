@@ -11,7 +11,7 @@ Every party is its own process, on 127.0.0.1:
   (``upstream_broken``), requests in the gap are refused (``connect_error``);
 - a **dead shadow**: every request is mirrored (sample rate 1) to a closed port (the shadow's ``connect_error``);
 - the proxy, ``perf/soak.py serve`` = ``build_app`` under uvicorn with the production connection limits
-  (``proxy.server.guard.server_options``) plus one extra gauge, ``soak_event_loop_lag_seconds{stat}``: the
+  (``proxy.server.workers.guard.server_options``) plus one extra gauge, ``soak_event_loop_lag_seconds{stat}``: the
   lateness of a 100 ms timer on the proxy's event loop over the last 10 s (median and max);
 - the load (this process): ``--streams`` concurrent clients, each sending stream requests back to back over
   keep-alive connections; a fraction ``--hangup`` of them **hang up** after a random number of chunks.
@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from proxy.process import free_port
+from proxy.procs.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ALIAS = "soak-model"
@@ -58,8 +58,8 @@ def serve(port: int, primary: str, shadow: str) -> None:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import GaugeMetricFamily
 
-    from proxy.server import build_app
-    from proxy.server.guard import server_options
+    from proxy.server.compose import build_app
+    from proxy.server.workers.guard import server_options
     from proxy.settings import CollectorSettings, EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 
     lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=1000)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from perf.procs import wait_http  # noqa: E402
-from proxy.process import free_port  # noqa: E402
+from proxy.procs.process import free_port  # noqa: E402
 
 STAGES = [
     "received",  # the server parsed the request's head (loopwatch.accepted)

@@ -8,6 +8,7 @@ Three wings over one shared base (each wing's ``__init__`` maps its own modules)
     gpu/          GPU reading behind one NVML seam: devices, attribution, memory now and over time
     engines/      the engine dialects: one module per engine kind
     embedded/     the demo's own llama-server, built from source, and generated models
+    procs/        engines as processes: started from their command lines, ready, stopped, their memory moments
 
 The base, used by every wing:
 
@@ -24,9 +25,6 @@ The base, used by every wing:
     levels        the bounded levels of requests in flight a traffic profile is counted in
     jsonlog       the size-rotated JSONL files the server writes (comparison, request log) and the bench reads
     diagnosis     what a running llama-server says about itself: flags, log, model header, KV, memory
-    kvcache       the KV-cache formula from a model's shape
-    launch        starting an engine from its command line (``{port}``), its memory moments
-    process       subprocesses: free ports, readiness against a deadline, stopping a process group
     listen        binding the proxy's socket before anything slow happens
 """
 

@@ -12,7 +12,7 @@ Sources, each optional, each saying why when it cannot be read (``notes``):
   an HF directory's ``config.json`` for the shape;
 - GPU memory (``proxy.gpu.memory``): the devices and the engine's processes.
 
-The KV-cache formula and the model's shape are ``proxy.kvcache``.
+The KV-cache formula and the model's shape are ``proxy.engines.kvcache``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy import engines
+from proxy.engines.kvcache import KvEstimate, Shape, hf_shape, kv_estimate
 from proxy.engines.llamacpp import ftype_name, launch_flags
 from proxy.engines.startup import LogFacts, flag_value, last_launch, read_log
 from proxy.gpu.attribution import is_local_host, listening_inodes, parent_pid, pids_holding
 from proxy.gpu.memory import GpuMemory, MemoryReading
-from proxy.kvcache import KvEstimate, Shape, hf_shape, kv_estimate
 from proxy.types import EngineKind
 
 PROC = Path("/proc")

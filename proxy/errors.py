@@ -11,10 +11,10 @@
         ├── UpstreamTimeout        504  connect/read/pool timeout
         └── UpstreamBroken         502  stream broke off or was malformed after it started
 
-The engines' connections fail in the relay's own HTTP/1.1 client (``proxy.server.h1``) with its own tree, as
+The engines' connections fail in the relay's own HTTP/1.1 client (``proxy.server.request.h1``) with its own tree, as
 httpx's ``_exceptions.py`` draws its:
 
-    TransportError             a connection to an engine failed (``proxy.server.h1``, ``proxy.server.h1conn``)
+    TransportError             a connection to an engine failed (``proxy.server.request.h1``, ``proxy.server.request.h1conn``)
     ├── EngineUnreachable      the connection could not be made (refused, no route); ``os_error`` says why
     ├── EngineDisconnected     the engine closed the connection before the response's head
     └── EngineProtocolError    the response broke off mid-body, or was not HTTP/1.1

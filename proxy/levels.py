@@ -1,5 +1,5 @@
-"""Levels of requests in flight: the proxy records how long it ran at each (``proxy.server.traffic``), the bench
-weighs its decision by them (``proxy.bench.live.traffic``). Bounded: 0 (idle), 1, 2, 3-4, 5-8, ..., 65-128, 129+.
+"""Levels of requests in flight: the proxy records how long it ran at each (``proxy.server.observe.inflight``), the bench
+weighs its decision by them (``proxy.bench.live.trafficsource``). Bounded: 0 (idle), 1, 2, 3-4, 5-8, ..., 65-128, 129+.
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ class SamplingDefaults:
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
 
-#: histogram families whose boundaries ``metrics.buckets`` may set (defaults in proxy/server/metrics.py)
+#: histogram families whose boundaries ``metrics.buckets`` may set (defaults in proxy/server/record/metrics.py)
 BucketKey = Literal["ttft", "e2e", "inter_chunk", "overhead", "tokens", "decode_tps", "prefill_tps"]
 BUCKET_KEYS: tuple[BucketKey, ...] = typing.get_args(BucketKey)
 

@@ -3,7 +3,7 @@
 Timestamps (all ``perf_counter_ns``, 0 = did not happen):
 
 - ``t_received_ns``   the server parsed the client request's head (``enginemeter serve``'s protocol stamps it:
-                      ``proxy.server.loopwatch``); else the proxy's handler started (before reading the body)
+                      ``proxy.server.record.loopwatch``); else the proxy's handler started (before reading the body)
 - ``t_handler_ns``    the proxy's handler started: after ``t_received_ns`` by the time the request waited for the
                       event loop (0: not stamped apart, the handler's start is ``t_received_ns``)
 - ``t_sent_ns``       the normalized request is handed to the upstream connection

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the report tests need beyond Python: headless Chromium (Debian's `chromium`, only when missing),
-# which draws report.html as a reader's browser would (tests/bench/test_headline.py: the answer on the first screen).
+# which draws report.html as a reader's browser would (tests/bench/report/test_headline.py: the answer on the first screen).
 # Idempotent, safe to run on every CI start. Usage: scripts/install-report-tools.sh
 set -euo pipefail
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then

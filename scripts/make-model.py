@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.embedded.cli import main
+from proxy.embedded.commands import main
 
 if __name__ == "__main__":
     sys.exit(main(["model", *sys.argv[1:]]))

@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry
 
 from proxy.embedded import free_port as free_port  # re-exported: tests import it from here
 from proxy.embedded import http_status
-from proxy.process import EngineProcess
-from proxy.server.result import Result
+from proxy.procs.process import EngineProcess
+from proxy.server.record.result import Result
 from proxy.settings import Settings
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class ProcessServer:
     The repo root is put on ``PYTHONPATH`` (so ``fakes...`` modules run). Ready means ``GET
     url + ready_path`` answered with a status in ``ready_status`` (any status if ``None``) before
     ``startup_timeout``; dying first raises with the log tail. Output goes to ``log_path``.
-    The process is a ``proxy.process.EngineProcess`` (own process group; :meth:`stop` sends SIGTERM, then
+    The process is a ``proxy.procs.process.EngineProcess`` (own process group; :meth:`stop` sends SIGTERM, then
     SIGKILL after ``stop_timeout``), so the fixtures run processes the way the product does. ``wrapper`` is a
     command the interpreter runs under (``("prlimit", "--nofile=1024:1024")``: a hard open-file limit).
     """
@@ -226,7 +226,7 @@ class ProcessServer:
 
 @dataclass
 class ProxyUnderTest:
-    """The real proxy (``proxy.server.build_app``) on a real uvicorn socket: its gateway, registry and Results."""
+    """The real proxy (``proxy.server.compose.build_app``) on a real uvicorn socket: its gateway, registry and Results."""
 
     url: str
     registry: CollectorRegistry
@@ -273,13 +273,13 @@ def start_proxy(
     ``nvml`` opens the GPU sampler's NVML reader (recorded readings); default: the real one. ``http``: another
     uvicorn protocol (``"h11"``) instead of the production one, where the relay cannot reach the client's socket.
     """
-    from proxy.server import build_app
-    from proxy.server.guard import server_options
+    from proxy.server.compose import build_app
+    from proxy.server.workers.guard import server_options
 
     registry = CollectorRegistry()
     app = build_app(settings, registry=registry, nvml=nvml)
     gateway: Gateway = app.state.gateway
-    # the production connection limits (proxy.server.guard), as ``enginemeter serve`` runs it, telling the app's
+    # the production connection limits (proxy.server.workers.guard), as ``enginemeter serve`` runs it, telling the app's
     # loop watch of each request head
     options = server_options(loop_watch=gateway.loop_watch) if http is None else {"http": http}
     url = stack.enter_context(run_uvicorn_app(app, **options))

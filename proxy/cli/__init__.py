@@ -1,12 +1,12 @@
 """``enginemeter`` command line: one module per command; this one only lists them and runs the one asked for.
 
-- ``serve``: the measuring proxy (``proxy.cli.serve``: the demo's embedded engines, one process or ``--workers``)
-- ``check-config``: a config file checked the way ``serve --config`` reads it (``proxy.cli.check_config``)
-- ``bench``: engines measured on the same requests, a verdict (``proxy.cli.bench``)
-- ``report``: the report again, from bench results or the proxy's comparison log (``proxy.cli.report``)
-- ``tune``: one llama-server flag swept, each value launched alone (``proxy.cli.tune``)
-- ``diagnose``: where a running engine's time goes, whether memory is its constraint (``proxy.cli.diagnose``)
-- ``common``: the parser whose mistakes are one line, the log format, and the bench/tune run skeleton
+    serve         the measuring proxy: the demo's embedded engines, one process or ``--workers``
+    check_config  ``check-config``: a config file checked the way ``serve --config`` reads it
+    bench         engines measured on the same requests, a verdict
+    report        the report again, from bench results or the proxy's comparison log
+    tune          one llama-server flag swept, each value launched alone
+    diagnose      where a running engine's time goes, whether memory is its constraint
+    common        the parser whose mistakes are one line, the log format, and the bench/tune run skeleton
 
 Every mistake on the command line or in a file ends in one line on stderr naming what is wrong and where, and
 exit status 2.
@@ -15,12 +15,12 @@ exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from proxy import __version__
-from proxy.cli import bench, check_config, diagnose, report, serve, tune
 from proxy.cli.common import LOG_FORMAT, Parser
 
 DESCRIPTION = """\
@@ -43,18 +43,38 @@ examples:
 
 Run "enginemeter COMMAND --help" for a command's options. Configuration reference: docs/config.md."""
 
-#: every command, in the order ``--help`` lists them
-COMMANDS = (serve, check_config, bench, report, tune, diagnose)
+#: every command, in the order ``--help`` lists them: the module that builds and runs it, and its one line
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("proxy.cli.serve", "run the measuring proxy"),
+    "check-config": ("proxy.cli.check_config", "validate a config file without starting anything"),
+    "bench": ("proxy.cli.bench", "offline A/B bench of engines (resident or launched one at a time), a verdict"),
+    "report": ("proxy.cli.report", "build the report from bench results or the proxy's comparison log"),
+    "tune": (
+        "proxy.cli.tune",
+        "sweep one llama-server flag, each value launched alone: keep tuning or compare engines",
+    ),
+    "diagnose": ("proxy.cli.diagnose", "where a running engine's time goes, whether memory is its constraint"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="enginemeter", description=DESCRIPTION, epilog=EPILOG,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def build_parser(chosen: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``enginemeter`` parser. Only the ``chosen`` commands' modules are imported and their options built
+    (None: every command's); the others are listed by their one line, so ``enginemeter report`` loads no server."""
+    parser = Parser(
+        prog="enginemeter", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"enginemeter {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.add_command(sub)
+    for name, (module, help_line) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line)
+        if chosen is None or name in chosen:
+            importlib.import_module(module).add_command(p)
     return parser
+
+
+def chosen_command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (its first word that is not a flag), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 #: flags whose value may start with "-" (``tune --vary -np=1,2,4``): argparse would read such a value as a flag
@@ -76,7 +96,8 @@ def _join_dash_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(_join_dash_values(raw))
+    command = chosen_command(raw)
+    args = build_parser(() if command is None else (command,)).parse_args(_join_dash_values(raw))
     args.argv = ["enginemeter", *raw]  # as typed: for the bench's rerun advice
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format=LOG_FORMAT)

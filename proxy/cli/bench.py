@@ -28,8 +28,7 @@ ACCEPT_HELP = (
 )
 
 
-def add_command(sub: Any) -> None:
-    b = sub.add_parser("bench", help="offline A/B bench of engines (resident or launched one at a time), a verdict")
+def add_command(b: argparse.ArgumentParser) -> None:
     b.add_argument("--engine", action=Targets, const="url", dest="targets", metavar="NAME=URL",
                    help="a running engine (repeat; with --through, URL may be empty: NAME=)")  # fmt: skip
     b.add_argument("--launch", action=Targets, const="launch", dest="targets", metavar="NAME='COMMAND'",
@@ -50,7 +49,7 @@ def add_command(sub: Any) -> None:
 def targets_of(args: argparse.Namespace, file: Any) -> list[Any]:
     """The engines, the file's first, then ``--engine``/``--launch`` in the order given; checked."""
     from proxy.bench.run.config import Target
-    from proxy.launch import parse_launch
+    from proxy.procs.launch import parse_launch
 
     given: list[tuple[str, str, str, str | None]] = []  # (kind, name, value, declared quantization)
     for e in file.engines if file is not None else ():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from proxy.configfile import parse_file
 from proxy.settings import SettingsError, json_schema
@@ -23,14 +22,9 @@ examples:
   enginemeter check-config --schema > enginemeter.schema.json"""
 
 
-def add_command(sub: Any) -> None:
-    check = sub.add_parser(
-        "check-config",
-        help="validate a config file without starting anything",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_command(check: argparse.ArgumentParser) -> None:
+    check.description, check.epilog = DESCRIPTION, EPILOG
+    check.formatter_class = argparse.RawDescriptionHelpFormatter
     check.add_argument("file", nargs="?", metavar="FILE", help="the YAML config file")
     check.add_argument("--schema", action="store_true", help="print the config file's JSON Schema and exit")
     check.set_defaults(func=_check_config)

@@ -17,7 +17,7 @@ from proxy.bench.run.options import EXIT_VERDICT
 if TYPE_CHECKING:
     from proxy.bench.run.config import BenchConfig
     from proxy.bench.verdict.data import Data
-    from proxy.bench.verdict.model import Traffic
+    from proxy.bench.verdict.inputs import Traffic
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -42,7 +42,7 @@ def run_to_report(
     ``failed`` says what to print and leave behind), 1 (nothing was measured)."""
     from proxy.bench.run.prepare import PreflightError
     from proxy.bench.run.runner import run_bench
-    from proxy.process import LaunchError
+    from proxy.procs.process import LaunchError
 
     t0 = time.monotonic()
     interrupted = False
@@ -117,7 +117,7 @@ def traffic_of(args: argparse.Namespace) -> Traffic | None:
     spec = getattr(args, "traffic", None)
     if not spec:
         return None
-    from proxy.bench.live.traffic import traffic_from
+    from proxy.bench.live.trafficsource import traffic_from
 
     return traffic_from(spec, window=getattr(args, "traffic_window", "7d"))
 

@@ -47,14 +47,9 @@ _WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "
           "judge", "boxing", "matches")  # fmt: skip
 
 
-def add_command(sub: Any) -> None:
-    d = sub.add_parser(
-        "diagnose",
-        help="where a running engine's time goes, whether memory is its constraint",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_command(d: argparse.ArgumentParser) -> None:
+    d.description, d.epilog = DESCRIPTION, EPILOG
+    d.formatter_class = argparse.RawDescriptionHelpFormatter
     d.add_argument("url", metavar="URL", help="the engine's base URL, http://HOST:PORT (a trailing /v1, as an "
                    "OpenAI SDK's base_url has it, is dropped)")  # fmt: skip
     d.add_argument("--memory-budget", metavar="SIZE", help="GPU memory the engine may use (e.g. 72GiB): memory is "

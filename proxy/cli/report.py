@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from proxy.bench.outdir import refusal
 from proxy.bench.run.options import (
@@ -32,8 +31,7 @@ from proxy.cli.common import (
 RESULTS = ("results.jsonl", "results.jsonl.gz")
 
 
-def add_command(sub: Any) -> None:
-    r = sub.add_parser("report", help="build the report from bench results or the proxy's comparison log")
+def add_command(r: argparse.ArgumentParser) -> None:
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--log", nargs="+", metavar="PATH", help="the proxy's comparison log(s): paths or globs (+ rotated x.jsonl.N)"
@@ -89,7 +87,7 @@ def _report(args: argparse.Namespace) -> int:
         return 2
     lead, extra = [], {}
     if len(data.runs) == 1 and (data.runs[0].get("config") or {}).get("tune"):  # a tune run: its table first
-        from proxy.bench.report.tune import summarize
+        from proxy.bench.report.tuning import summarize
 
         summary = summarize(data, Path(args.out))
         lead, extra = summary.blocks, {"tune": summary.to_json()}
@@ -101,10 +99,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _report_log(args: argparse.Namespace, quant: dict[str, str]) -> int:
-    from proxy.bench.live.data import expand, load_live, proxy_info
+    from proxy.bench.live.livedata import expand, load_live, proxy_info
     from proxy.bench.live.log import parse_time
-    from proxy.bench.report.live import write_live_report
-    from proxy.bench.verdict.model import MAX_ERROR_RATE, MIN_EFFECT
+    from proxy.bench.report.livereport import write_live_report
+    from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT
 
     try:
         info = proxy_info(args.proxy) if args.proxy else None

@@ -25,8 +25,8 @@ from proxy.cli.common import LOG_LEVELS
 from proxy.configfile import load
 from proxy.errors import redact_url
 from proxy.listen import BindError, bind_socket, engine_at_listen_address
-from proxy.server.guard import SHUTDOWN_TIMEOUT_S
-from proxy.server.workers import default_workers
+from proxy.server.workers.guard import SHUTDOWN_TIMEOUT_S
+from proxy.server.workers.supervisor import default_workers
 from proxy.settings import DEFAULT_LISTEN, Settings, SettingsError, split_listen
 from proxy.types import EngineKind
 
@@ -101,7 +101,7 @@ def _probe_kind(url: str) -> EngineKind | None:
     """Name a bare ``--primary``/``--shadow`` URL after its engine kind; None when it does not answer."""
     import httpx
 
-    from proxy.server.upstream import detect_kind
+    from proxy.server.request.upstream import detect_kind
 
     async def probe() -> EngineKind | None:
         async with httpx.AsyncClient(base_url=url, timeout=2.0) as client:
@@ -147,7 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"enginemeter: {exc}", file=sys.stderr)
         _stop(embedded)
         return 1
-    from proxy.server.compare import new_run_id
+    from proxy.server.mirror.compare import new_run_id
 
     # one id for this run, shared by every worker: its records in the comparison log, the banner's report command
     settings = dataclasses.replace(settings, run_id=new_run_id())
@@ -165,10 +165,10 @@ def _run_workers(
     workers: int,
     shutdown_timeout_s: float,
 ) -> int:
-    """``--workers N``: the supervisor of ``proxy.server.workers``, on the address ``sock`` was bound to (each
+    """``--workers N``: the supervisor of ``proxy.server.workers.supervisor``, on the address ``sock`` was bound to (each
     worker binds its own socket there with SO_REUSEPORT, which a socket bound without it would refuse)."""
-    from proxy.server import build_app
-    from proxy.server.workers import serve_workers
+    from proxy.server.compose import build_app
+    from proxy.server.workers.supervisor import serve_workers
 
     host, port = sock.getsockname()[:2]
     sock.close()
@@ -249,8 +249,8 @@ def _env_configured() -> bool:
 def _run(
     settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, shutdown_timeout_s: float
 ) -> int:
-    from proxy.server import build_app
-    from proxy.server.lifetimes import remove_stale_directories
+    from proxy.server.compose import build_app
+    from proxy.server.workers.lifetimes import remove_stale_directories
 
     remove_stale_directories()  # a killed `serve --workers` run's metrics directory, its processes all gone
     # the real port when --listen asked for port 0 (the run record says where this proxy listened)
@@ -258,7 +258,7 @@ def _run(
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
-    from proxy.server.guard import Server, server_config
+    from proxy.server.workers.guard import Server, server_config
 
     # connection limits, graceful-shutdown timeout, one log format: the same in every --workers worker
     config = server_config(app, log_level=log_level, shutdown_timeout_s=shutdown_timeout_s)
@@ -281,7 +281,7 @@ def _run(
 
 def _traffic_said(traffic: Any) -> None:
     """serve's last words: the traffic it carried, as a profile ``--traffic`` takes (the proxy's /metrics is gone);
-    under ``--workers`` the supervisor says the whole proxy's (``proxy.server.traffic``)."""
+    under ``--workers`` the supervisor says the whole proxy's (``proxy.server.observe.inflight``)."""
     from proxy.levels import representative
 
     if traffic is None:
@@ -350,11 +350,9 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     print("\n".join(lines), flush=True)
 
 
-def add_command(sub: Any) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    serve = sub.add_parser(
-        "serve", help="run the measuring proxy", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt
-    )
+def add_command(serve: argparse.ArgumentParser) -> None:
+    serve.description, serve.epilog = DESCRIPTION, EPILOG
+    serve.formatter_class = argparse.RawDescriptionHelpFormatter
     serve.add_argument(
         "--primary",
         metavar="[NAME=]URL",

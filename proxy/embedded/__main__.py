@@ -1,5 +1,5 @@
 import sys
 
-from proxy.embedded.cli import main
+from proxy.embedded.commands import main
 
 sys.exit(main())

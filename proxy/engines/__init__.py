@@ -6,6 +6,7 @@
     vllm       vLLM
     openai     anything else OpenAI-compatible: the catch-all
     quant      quant_key: quantization names made comparable
+    kvcache    the KV-cache formula from a model's shape
     startup    the helpers every dialect shares to read a command line and its start-up log (LogFacts);
                ``started`` reads a launched engine's log file by its kind's dialect
 
@@ -125,7 +126,7 @@ async def probe(
 
 
 def started(path: Path, kind: EngineKind | None) -> LogFacts:
-    """What an engine's log file (``proxy.launch`` writes ``OUT/engines/NAME.log``; ``scripts/gpu/collect.sh`` may
+    """What an engine's log file (``proxy.procs.launch`` writes ``OUT/engines/NAME.log``; ``scripts/gpu/collect.sh`` may
     keep it as ``NAME.log.gz``) says of the engine's last start, read by its kind's dialect: the KV pool in tokens
     and bytes, the weights, the memory share, ... Empty when there is no such file, or no kind to read it by."""
     if kind is None:

@@ -3,7 +3,7 @@ readers share, and ``LogFacts``, the record they answer with.
 
 A command line is read as a shell word list (``argv``), flags in any of the spellings engines accept
 (``--port 8081``, ``--port=8081``, the last one wins, as in argparse and llama.cpp's parser). A log is read from
-the engine's *last* start: a log file that several starts appended to (``proxy.process`` writes a ``+ COMMAND``
+the engine's *last* start: a log file that several starts appended to (``proxy.procs.process`` writes a ``+ COMMAND``
 line before each) is cut at the last such line.
 """
 

@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
-from proxy.server.mirror import Mirror
-from proxy.server.responses import error_response
-from proxy.server.rollout import Rollouts
+from proxy.server.mirror.shadows import Mirror
+from proxy.server.request.responses import error_response
+from proxy.server.switch.rollout import Rollouts
 
 MAX_ADMIN_BODY = 64 * 1024
 

@@ -9,10 +9,10 @@ attempt, which closes the upstream connection (``Gateway.respond``). The generat
 that reason: they own ``receive`` for the whole request. Their routes, the lifespan and the fast path past
 Starlette are ``proxy.server.asgi``'s.
 
-The request's clock starts when the server parsed its head (``proxy.server.loopwatch``), and every answer carries
-the proxy's share of the time as ``Server-Timing`` (``proxy.server.responses``).
+The request's clock starts when the server parsed its head (``proxy.server.record.loopwatch``), and every answer carries
+the proxy's share of the time as ``Server-Timing`` (``proxy.server.request.responses``).
 
-The stages are the ``Gateway``'s typed fields; ``proxy.server.build_app`` (the composition root) builds them.
+The stages are the ``Gateway``'s typed fields; ``proxy.server.compose.build_app`` (the composition root) builds them.
 None of them imports this module: each gets the narrow things it needs (engines, metrics, ``Attempts``).
 """
 
@@ -42,19 +42,19 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.gpu.monitor import GpuMonitor
-from proxy.server.attempts import Attempts, Failed, Streaming, run_attempt
-from proxy.server.context import current
-from proxy.server.diagnosis import LiveDiagnosis
-from proxy.server.enginestate import EngineStatePoller
-from proxy.server.loopwatch import LoopWatch
-from proxy.server.metrics import Metrics
-from proxy.server.mirror import Mirror
-from proxy.server.responses import RelayResponse, error_response, scope_timer, server_timing
-from proxy.server.result import new_request_id
-from proxy.server.rollout import Rollouts
-from proxy.server.routing import Dispatch, Router
-from proxy.server.traffic import TrafficProfile
-from proxy.server.upstream import Engine, make_client
+from proxy.server.mirror.shadows import Mirror
+from proxy.server.observe.enginestate import EngineStatePoller
+from proxy.server.observe.inflight import TrafficProfile
+from proxy.server.observe.livediagnosis import LiveDiagnosis
+from proxy.server.record.context import current
+from proxy.server.record.loopwatch import LoopWatch
+from proxy.server.record.metrics import Metrics
+from proxy.server.record.result import new_request_id
+from proxy.server.request.attempts import Attempts, Failed, Streaming, run_attempt
+from proxy.server.request.responses import RelayResponse, error_response, scope_timer, server_timing
+from proxy.server.request.routing import Dispatch, Router
+from proxy.server.request.upstream import Engine, make_client
+from proxy.server.switch.rollout import Rollouts
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Outcome
@@ -109,15 +109,15 @@ class Gateway:
     attempts: Attempts
     #: the mirroring stage; None: no shadow copies, /admin/mirror answers 404
     mirror: Mirror | None = None
-    #: the routes' rollouts (``proxy.server.rollout``); None: no route has one, /admin/rollout answers 404
+    #: the routes' rollouts (``proxy.server.switch.rollout``); None: no route has one, /admin/rollout answers 404
     rollouts: Rollouts | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
-    #: the live diagnosis of local llama.cpp engines (``proxy.server.diagnosis``)
+    #: the live diagnosis of local llama.cpp engines (``proxy.server.observe.livediagnosis``)
     diagnosis: LiveDiagnosis | None = None
-    #: the event loop's lag, queue and GC pauses (``proxy.server.loopwatch``); None: not watched
+    #: the event loop's lag, queue and GC pauses (``proxy.server.record.loopwatch``); None: not watched
     loop_watch: LoopWatch | None = None
-    #: time at each number of requests in flight (``proxy.server.traffic``); None: not recorded
+    #: time at each number of requests in flight (``proxy.server.observe.inflight``); None: not recorded
     traffic: TrafficProfile | None = None
     #: /health sections of collectors that run in another process (``serve --workers``: worker 0's snapshot)
     health_sections: Callable[[], dict[str, Any]] | None = None

@@ -4,7 +4,7 @@ lifespan that starts and stops every stage. The request's own life is ``proxy.se
 ``ProxyApp`` is the outermost app: each HTTP request first leaves the event loop's queue there
 (``LoopWatch.started``: ``enginemeter_requests_queued``, the handler's start stamped for ``Server-Timing``), then
 the generation routes (exact path, POST) go straight to their raw ASGI handlers, so that ``send`` reaches them as
-the server's own and the relay can write chunks to the client's socket (``proxy.server.output``); everything else
+the server's own and the relay can write chunks to the client's socket (``proxy.server.request.output``); everything else
 goes through Starlette (its middleware, ``ServerTimingMiddleware``, the router).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -32,16 +32,13 @@ from proxy import __version__
 from proxy.errors import NotFound, ProxyError, redact_url
 from proxy.server.access import check_metrics, health_detail
 from proxy.server.admin import admin_routes
-from proxy.server.app import Gateway, make_engines
-from proxy.server.attempts import Attempts
-from proxy.server.guard import fd_budget, raise_fd_limit
-from proxy.server.loopwatch import LoopWatch
-from proxy.server.metrics import Metrics, configured_pairs
-from proxy.server.paths import route_path, upstream_path
-from proxy.server.responses import ServerTimingMiddleware, error_response, scope_timer
-from proxy.server.routing import Router
-from proxy.server.upstream import probe_all
-from proxy.settings import Settings
+from proxy.server.app import Gateway
+from proxy.server.record.loopwatch import LoopWatch
+from proxy.server.record.metrics import configured_pairs
+from proxy.server.request.paths import route_path, upstream_path
+from proxy.server.request.responses import ServerTimingMiddleware, error_response, scope_timer
+from proxy.server.request.upstream import probe_all
+from proxy.server.workers.guard import fd_budget, raise_fd_limit
 
 log = logging.getLogger("enginemeter")
 
@@ -73,16 +70,6 @@ class ProxyApp(Starlette):
                 await app(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
-
-
-def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
-    """The bare gateway: relay, routing, metrics; no mirror, no collectors (``proxy.server.build_app`` has all)."""
-    registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, settings.metrics)
-    engines = make_engines(settings)
-    attempts = Attempts(settings, engines, metrics)
-    gw = Gateway(settings, registry, metrics, Router(settings), engines, attempts, loop_watch=LoopWatch(metrics))
-    return asgi_app(gw)
 
 
 def asgi_app(gw: Gateway) -> ProxyApp:

@@ -12,7 +12,7 @@ receive -> authenticate -> read body (bounded in size and time) -> parse a JSON 
   ``client_disconnect``. A body is parsed when it is JSON by its content type, or by its first byte (``{`` or
   ``[``) unless the content type says multipart, audio, image or octet-stream (``curl -d`` sends JSON as a
   form, and llama.cpp reads it as JSON whatever the type); other bodies (multipart uploads) pass as bytes.
-- **Which path**: the path as ``proxy.server.paths`` normalised it for routing (dot segments resolved, no doubly
+- **Which path**: the path as ``proxy.server.request.paths`` normalised it for routing (dot segments resolved, no doubly
   encoded dots or slashes), percent-encoded again; never the client's raw string, and never outside the routes
   below (the router's 404 otherwise).
 - **Which engine**: the primary of the route the body's ``model`` picks (``Router.route_for``: alias, ``*``,
@@ -52,17 +52,17 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.errors import TRANSPORT_ERRORS, BadRequest, NotFound, ProxyError, from_transport_error
 from proxy.server.app import ClientGone, Gateway, Watch
-from proxy.server.context import current
-from proxy.server.paths import OWN_PATHS, upstream_path
-from proxy.server.responses import error_response, scope_timer, server_timing
-from proxy.server.result import Result
-from proxy.server.rewrite import replace_model
-from proxy.server.upstream import Engine
+from proxy.server.record.context import current
+from proxy.server.record.result import Result
+from proxy.server.request.paths import OWN_PATHS, upstream_path
+from proxy.server.request.responses import error_response, scope_timer, server_timing
+from proxy.server.request.rewrite import replace_model
+from proxy.server.request.upstream import Engine
 from proxy.timing import StreamTimer, StreamTiming
 from proxy.types import Outcome, PassthroughEndpoint
 
 if TYPE_CHECKING:
-    from proxy.server.tracing import Tracing
+    from proxy.server.observe.tracing import Tracing
 
 log = logging.getLogger("enginemeter.passthrough")
 
@@ -151,7 +151,7 @@ class Passthrough:
         # the proxy owns request ids (as for generation requests); the client's x-request-id is forwarded and logged
         request_id = uuid.uuid4().hex
         client_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
-        path: str = scope["path"]  # normalised by ProxyApp (proxy.server.paths)
+        path: str = scope["path"]  # normalised by ProxyApp (proxy.server.request.paths)
         method: str = scope["method"]
         if path in OWN_PATHS:
             err = ProxyError(f"Method Not Allowed: {method} {path}")

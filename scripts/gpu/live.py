@@ -57,9 +57,9 @@ sys.path.insert(1, str(ROOT))
 
 import memcheck  # noqa: E402
 
-from proxy.bench.live.traffic import traffic_from  # noqa: E402
+from proxy.bench.live.trafficsource import traffic_from  # noqa: E402
 from proxy.levels import LEVELS, by_level, representative  # noqa: E402
-from proxy.process import free_port  # noqa: E402
+from proxy.procs.process import free_port  # noqa: E402
 
 TRAFFIC_LINE = re.compile(r"to weigh a bench's answer by it: --traffic (\S+)")
 

@@ -272,9 +272,9 @@ def fake_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from proxy import server
     from proxy.configfile import load
     from proxy.gpu import nvml
+    from proxy.server import compose
 
     class FakeReader:
         def devices(self) -> list[nvml.DeviceReading]:
@@ -295,7 +295,7 @@ def fake_serve(a: argparse.Namespace) -> int:
     # the real proxy with every stage, its NVML reader replaced at the seam
     settings = load(a.config)
     logging.basicConfig(level=logging.INFO)
-    app = server.build_app(settings, nvml=FakeReader)
+    app = compose.build_app(settings, nvml=FakeReader)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     return 0
 

@@ -242,7 +242,7 @@ step_sg() {  # step_sg STEP NAME CMD_FN EST CAP OUT [BENCH FLAGS...]
   fits "$est" "$LATER" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $est + $LATER after it + margin $MARGIN_S > $DEADLINE_S s)"; return; }
   bench_step "$step" "$cap" "$est" "$out" "$name=$($fn)" --aa off "$@"
 }
-# vllm-fp8: vLLM's share is set by the bench from --memory-budget (proxy.launch.fit_memory_share). vLLM refuses
+# vllm-fp8: vLLM's share is set by the bench from --memory-budget (proxy.procs.launch.fit_memory_share). vLLM refuses
 # to start when one request of --max-model-len does not fit its KV cache: then one retry, VL_RETRY=ctx with the
 # context its error estimates (>= VL_CTX_MIN; else VL_CTX_FALLBACK), or VL_RETRY=share with the share raised by
 # the KV it lacked (capped at the budget's share of the card); the timeline says which and why

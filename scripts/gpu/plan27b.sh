@@ -69,7 +69,7 @@ sg_gguf_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $Q4 -
 # 2026-12-03 lease: SGLang fp8 ready in 125 s at 0.479, peak 71.5 GiB), each alone on the card under the budget
 sg_fp8_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $HF --load-format dummy --dtype bfloat16 --quantization fp8 $(sg_common)"; }
 # vLLM 0.26.0 (its carries: VLLM=1 fetch-wheels.sh -> $W/vl). No --gpu-memory-utilization: `bench --launch` sets
-# it from --memory-budget (proxy.launch.fit_memory_share: (budget - 1 GiB) / the card, 0.505 on the H200) and
+# it from --memory-budget (proxy.procs.launch.fit_memory_share: (budget - 1 GiB) / the card, 0.505 on the H200) and
 # records it. TRITON_ATTN (the carried kernels; fa3 is only imported), CUDA graphs on (its default) up to 64 seqs
 # like SGLang's --cuda-graph-max-bs-decode 64
 VL_ENV="PYTHONPATH=$W/vl HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 PYTHONUNBUFFERED=1"

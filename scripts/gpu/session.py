@@ -1,4 +1,4 @@
-"""Hold launched engines while commands run against them: enginemeter's own launcher (``proxy.launch``) starts
+"""Hold launched engines while commands run against them: enginemeter's own launcher (``proxy.procs.launch``) starts
 each engine in its own process group from its command line, waits until it is ready by its kind's signal, and
 reads GPU memory before, loaded and idle, and after stop -- the same launch the bench makes.
 
@@ -26,8 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from proxy.launch import Launched, Launcher, parse_launch_arg
-from proxy.process import LaunchError
+from proxy.procs.launch import Launched, Launcher, parse_launch_arg
+from proxy.procs.process import LaunchError
 
 _FIELD = re.compile(r"\{(url|pid|log):([A-Za-z0-9_.-]+)\}")
 

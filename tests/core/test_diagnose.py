@@ -24,7 +24,7 @@ from proxy.embedded import make_model
 from proxy.embedded.gguf_meta import model_shape, read_gguf
 from proxy.gpu.memory import GpuMemory
 from proxy.gpu.nvml import DeviceReading, ProcReading
-from proxy.process import free_port
+from proxy.procs.process import free_port
 from tests.helpers import REPO, LlamaServerFactory, wait_until
 
 MIB = 2**20

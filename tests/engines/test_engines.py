@@ -5,7 +5,7 @@ vLLM 0.26.0 of the H200 run (issue 11, ``tests/fixtures/engines/<kind>-<version>
 a llama-server captured by scripts/capture_engine.py (``llamacpp-11434/``), and small hand-written tables for
 what no capture holds (SGLang 0.5.23 and vLLM 0.33.0 as their sources answer, shared/reference/engines.md;
 failures). What the dialects do against real processes (llama-server, the SGLang emulator) is in
-tests/server/test_enginestate.py; the proxy in front of the captures in tests/engines/test_captured_live.py.
+tests/server/observe/test_enginestate.py; the proxy in front of the captures in tests/engines/test_captured_live.py.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import pytest
 
 from proxy import engines
 from proxy.bench.run import config as bench_config
-from proxy.bench.run import engines as bench_engines
+from proxy.bench.run import targets as bench_engines
 from proxy.engines import quant_from_name, quant_key
 from proxy.engines.sglang import HEALTH_GENERATE_TIMEOUT_S
 from proxy.errors import normalize_engine_error
-from proxy.server.upstream import Engine
+from proxy.server.request.upstream import Engine
 from proxy.settings import EngineSettings
 from proxy.stream import read_event
 from proxy.types import ENGINE_KINDS, EngineKind
@@ -750,7 +750,7 @@ def test_sglang_loading_a_gguf_names_the_files_precision_not_gguf(model_path: st
     ],
 )
 def test_each_kind_says_which_flag_sets_its_gpu_memory_share(command: str, share: tuple[str, float] | None) -> None:
-    from proxy.launch import parse_launch
+    from proxy.procs.launch import parse_launch
 
     spec = parse_launch("e", command)
     assert spec.kind is not None and engines.dialect(spec.kind).memory_share(spec.argv) == share

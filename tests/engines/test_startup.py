@@ -20,7 +20,7 @@ from proxy.engines.startup import LogFacts, flag_value, last_launch, python_modu
 from tests.helpers import REPO, LlamaServerFactory
 
 LOGS = REPO / "docs" / "gpu-results" / "three-engines" / "logs" / "engines"
-#: the 27B run's engines as ``proxy.launch`` logged them (``OUT/engines/NAME.log``)
+#: the 27B run's engines as ``proxy.procs.launch`` logged them (``OUT/engines/NAME.log``)
 RAW27 = REPO / "docs" / "gpu-results" / "h200-2026-12-03-27b" / "raw"
 GIB = 2**30
 

@@ -1,7 +1,7 @@
 """The GPU harness's checking steps (scripts/gpu/), run here as the GPU machine runs them: as programs, against
 real CPU llama-servers. ``live.py`` must fail loudly -- exit 1 and the cause printed -- when an engine is down
 (the 2026-12-03 run's live step reported "0 errors" while the proxy's /health said degraded), and pass with the
-proxy's figures checked when every engine is up; ``session.py`` holds engines launched by ``proxy.launch`` while
+proxy's figures checked when every engine is up; ``session.py`` holds engines launched by ``proxy.procs.launch`` while
 commands run against them, and reports a launch that dies with its log. GPU memory here is a recorded reading
 replayed through the proxy's NVML seam (``--fake-nvml``): it exercises the comparison, not a GPU."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.launch import fit_memory_share
+from proxy.procs.launch import fit_memory_share
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "scripts" / "gpu"

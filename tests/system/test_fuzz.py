@@ -241,7 +241,7 @@ OWN = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
 def forwardable(path: str) -> bool:
-    """What may reach the engine: a normalised path of the pass-through set (independent of proxy/server/paths.py)."""
+    """What may reach the engine: a normalised path of the pass-through set (independent of proxy/server/request/paths.py)."""
     p = path.partition("?")[0]
     segs = p.split("/")[1:]
     if re.search(r"%(2e|2f|5c)|\\", p, re.IGNORECASE) or "//" in p or any(s in (".", "..") for s in segs):

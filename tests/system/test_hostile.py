@@ -1,5 +1,5 @@
 """Hostile clients and broken engines (issue 16): every case against the real proxy on a real socket, in front of
-the fault engine (tests/server/test_cancel.py has the hang-ups, tests/system/test_fuzz.py the generated requests).
+the fault engine (tests/server/request/test_cancel.py has the hang-ups, tests/system/test_fuzz.py the generated requests).
 
 Each test is a row of the fault matrix in docs/reliability.md: what the client gets, what is counted.
 """
@@ -25,8 +25,8 @@ import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy.configfile import load, quick
-from proxy.server import build_app
-from proxy.server.guard import raise_fd_limit, server_options
+from proxy.server.compose import build_app
+from proxy.server.workers.guard import raise_fd_limit, server_options
 from proxy.settings import (
     EngineSettings,
     MirrorSettings,

@@ -87,8 +87,8 @@ def test_every_documented_metric_is_exported_and_vice_versa(proxy_factory: Proxy
         text = httpx.get(f"{url}/metrics").text
     names = exported(text)
     gpu_ok = nvml_works()
-    # the engine-diagnosis section needs a llama.cpp engine on this machine (tests/server/test_server_diagnosis.py
-    # checks it), the rollout section a route with a rollout (tests/server/test_rollout.py)
+    # the engine-diagnosis section needs a llama.cpp engine on this machine (tests/server/observe/test_livediagnosis.py
+    # checks it), the rollout section a route with a rollout (tests/server/switch/test_rollout.py)
     missing = sorted(
         n
         for n, sec in docs.items()

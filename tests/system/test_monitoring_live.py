@@ -2,7 +2,7 @@
 
 The stack: two real llama-server engines; the primary serves the qwen2-vocab tiny model, the shadow backend the
 llama-SPM-vocab one behind the SGLang emulator (so every pair disagrees on token counts and greedy text);
-``proxy.server.build_app`` under real uvicorn (``tests.helpers.start_proxy``) with a mirror route; a vLLM-shaped ``/metrics``
+``proxy.server.compose.build_app`` under real uvicorn (``tests.helpers.start_proxy``) with a mirror route; a vLLM-shaped ``/metrics``
 (``fakes/vllm_metrics.py``) for the vLLM queries; Debian's ``prometheus`` scraping the proxy and the three
 engines' own ``/metrics`` with ``deploy/prometheus/prometheus.yml`` (target files and intervals swapped) and the
 repository's rule files. Two identical waves of traffic, each waited for in Prometheus, so every counter

@@ -23,7 +23,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from proxy.configfile import load
-from proxy.server.metrics import Metrics
+from proxy.server.record.metrics import Metrics
 from tests.helpers import uncommented
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,9 +153,9 @@ def defined_metric_names() -> set[str]:
     names = {m.name for m in Metrics(CollectorRegistry()).registry.collect()}
     for mod in (
         "gpu/monitor.py",
-        "server/enginestate.py",
-        "server/diagnosis.py",
-        "server/metrics.py",
+        "server/observe/enginestate.py",
+        "server/observe/livediagnosis.py",
+        "server/record/metrics.py",
     ):  # metrics: rollout
         text = (ROOT / "proxy" / mod).read_text()
         names |= {f"enginemeter_{n}" for n in re.findall(r'f"\{PREFIX\}_(\w+)"', text)}

@@ -6,6 +6,9 @@ module over 450 lines, every module named in its package's map, and no aiohttp."
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -144,19 +147,59 @@ def test_no_module_is_over_450_lines(tree: Path) -> None:
     assert long == {}
 
 
-def test_every_package_map_names_each_of_its_modules() -> None:
-    """Each ``__init__`` docstring is its package's map: one line per module."""
-    missing = []
+#: a map line: a module's name (a sub-package's with a slash), two spaces or more, what it holds
+MAP_LINE = re.compile(r"^ *([a-z_][a-z0-9_]*/?) {2,}\S")
+
+
+def map_names(init: Path) -> list[str]:
+    """The names an ``__init__`` docstring's map lists, in its order (repeats kept, so a test can see them)."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    return [m.group(1) for line in doc.splitlines() if (m := MAP_LINE.match(line))]
+
+
+def test_the_map_reader_reads_only_map_lines(tmp_path: Path) -> None:
+    init = tmp_path / "__init__.py"
+    doc = "A package that names traffic in prose.\n\n    a      the first\n    sub/   a package\n"
+    doc += "                 a continuation naming b\n  - b: not a map line\n"
+    init.write_text(f'"""{doc}"""\n')
+    assert map_names(init) == ["a", "sub/"]
+
+
+def test_every_package_map_has_one_line_per_module() -> None:
+    """Each ``__init__`` docstring is its package's map: one line per module and sub-package, starting with its name."""
+    wrong = {}
     for init in sorted((REPO / "proxy").rglob("__init__.py")):
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        words = {w.strip("`:,.()").rpartition(".")[2] for line in doc.splitlines() for w in line.split()}
-        for p in init.parent.glob("*.py"):
-            if p.name not in ("__init__.py", "__main__.py") and p.stem not in words:
-                missing.append(str(p.relative_to(REPO)))
-        for sub in init.parent.iterdir():
-            if (sub / "__init__.py").exists() and sub.name not in {w.rstrip("/") for w in words}:
-                missing.append(str(sub.relative_to(REPO)) + "/")
-    assert missing == []
+        names = map_names(init)
+        have = sorted(
+            [p.stem for p in init.parent.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+            + [f"{d.name}/" for d in init.parent.iterdir() if (d / "__init__.py").exists()]
+        )
+        if sorted(names) != have:
+            wrong[str(init.relative_to(REPO))] = {"listed": sorted(names), "modules": have}
+    assert wrong == {}
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A module's name says one concept in the whole package: no two modules share it, nor a module and a package
+    (``proxy/cli/`` excepted: a command's module is named after the command, ``cli/bench.py`` drives ``bench/``)."""
+    seen: dict[str, list[str]] = {}
+    for p in (REPO / "proxy").rglob("*.py"):
+        if p.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(p.stem, []).append(str(p.relative_to(REPO)))
+    for d in (REPO / "proxy").rglob("__init__.py"):
+        if d.parent != REPO / "proxy":
+            seen.setdefault(d.parent.name, []).append(str(d.parent.relative_to(REPO)) + "/")
+    clash = {k: v for k, v in seen.items() if len(v) > 1 and len([x for x in v if not x.startswith("proxy/cli/")]) > 1}
+    assert clash == {}
+
+
+def test_no_package_has_more_than_15_modules_at_its_top_level() -> None:
+    crowded = {
+        str(d.relative_to(REPO)): n
+        for d in [REPO / "proxy", *(i.parent for i in (REPO / "proxy").rglob("__init__.py"))]
+        if (n := len([p for p in d.glob("*.py") if p.name not in ("__init__.py", "__main__.py")])) > 15
+    }
+    assert crowded == {}
 
 
 def test_the_package_does_not_depend_on_aiohttp() -> None:
@@ -180,3 +223,28 @@ def import_names(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module.split(".")[0])
     return names
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["report", "--help"], ["tune", "--help"], ["diagnose", "--help"], ["bench", "--help"]]
+)
+def test_a_command_loads_only_itself(argv: list[str]) -> None:
+    """Like vLLM's CLI, ``enginemeter COMMAND`` imports that command's module alone: the offline commands load no
+    web server (starlette, uvicorn) and nothing of ``proxy.server``; checked in a fresh interpreter."""
+    code = (
+        "import sys\nfrom proxy.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print(sorted({m.partition('.')[0] if not m.startswith('proxy.') else '.'.join(m.split('.')[:2])"
+        " for m in sys.modules} & {'starlette', 'uvicorn', 'proxy.server'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
+def test_importing_the_report_command_loads_no_server() -> None:
+    code = (
+        "import sys, proxy.cli.report\nprint([m for m in ('starlette', 'uvicorn', 'proxy.server') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,4 +1,4 @@
-"""``serve --workers N`` (proxy/server/workers.py): real processes on a real port, metrics merged over workers."""
+"""``serve --workers N`` (proxy/server/workers/supervisor.py): real processes on a real port, metrics merged over workers."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.server.guard import HEADER_TIMEOUT_S, MAX_HEAD_BYTES
-from proxy.server.workers import default_workers
+from proxy.server.workers.guard import HEADER_TIMEOUT_S, MAX_HEAD_BYTES
+from proxy.server.workers.supervisor import default_workers
 from tests.helpers import ProcessServer, wait_until
 
 BODY = {"model": "m", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.bench.run import engines as bench_engines
+from proxy.bench.run import targets as bench_engines
 from proxy.bench.run.config import Target, canonical_sampling
-from proxy.bench.verdict.model import Reason
+from proxy.bench.verdict.inputs import Reason
 from proxy.gpu.scraped import PER_ENGINE, MemReading, parse_metrics, read_memory
 from proxy.normalize import normalize_request
 from proxy.types import EngineKind

@@ -7,8 +7,8 @@
     charts      the charts (SVG, logarithmic latency axes)
     agreement   greedy-output agreement between two engines
     arms        one candidate on the baseline's own weights and on its best format
-    launch      the time-shared run's section: each launch, its command, load time, memory moments
-    tune        ``enginemeter tune``'s answer: the table, the best setting per regime, the rule
-    live        the live report: the anytime-valid verdict per regime, pairs by cause, sampling carried
+    timeshared  the time-shared run's section: each launch, its command, load time, memory moments
+    tuning      ``enginemeter tune``'s answer: the table, the best setting per regime, the rule
+    livereport  the live report: the anytime-valid verdict per regime, pairs by cause, sampling carried
     switchplan  ``switch-plan.md``: the checklist before a switch, checked; the rollback record; the rollout config
 """

@@ -14,8 +14,8 @@ from typing import Any
 
 from proxy.bench.report import agreement as agreement_mod
 from proxy.bench.report import arms as arms_mod
-from proxy.bench.report import launch as launchreport
 from proxy.bench.report import switchplan
+from proxy.bench.report import timeshared as launchreport
 from proxy.bench.report.blocks import Block
 from proxy.bench.report.charts import CHART_FILES, make_charts
 from proxy.bench.report.render import render_html, render_md
@@ -25,7 +25,7 @@ from proxy.bench.verdict.data import Data, load_bench, read_jsonl
 from proxy.bench.verdict.decide import Verdict, decide_all
 from proxy.bench.verdict.gates import cache_flags
 from proxy.bench.verdict.headline import Headline, headline
-from proxy.bench.verdict.model import Cell
+from proxy.bench.verdict.inputs import Cell
 from proxy.bench.verdict.regimes import GATES, weigh_next
 from proxy.bench.verdict.workload import meets_slo, percentile
 from proxy.notation import band, faster, faster_interval

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from proxy.bench.report.agreement import Agreement
-from proxy.bench.verdict.model import FAILS, Sample
+from proxy.bench.verdict.inputs import FAILS, Sample
 from proxy.engines.startup import flag_value, subcommand
 from proxy.notation import gib
 from proxy.settings import DEFAULT_LISTEN, DEFAULT_SAMPLING, RolloutSettings
@@ -36,7 +36,7 @@ KEY = "ENGINEMETER_ADMIN_KEY"
 COMPARISONS = "enginemeter-comparisons.jsonl"
 CONFIG = "enginemeter-rollout.yaml"
 
-#: what the proxy exports for the switch, as shipped (tests/bench/test_switchplan.py checks each name exists)
+#: what the proxy exports for the switch, as shipped (tests/bench/report/test_switchplan.py checks each name exists)
 LIVENESS_ALERTS = ("EnginemeterEngineDown", "EnginemeterEngineScrapeDown", "EnginemeterProxyDown")
 GUARD_ALERTS = ("EnginemeterRequestErrors", "EnginemeterGPUMemoryNearFull", "EnginemeterKVCachePressure",
                 "EnginemeterRolloutRolledBack")  # fmt: skip

@@ -29,11 +29,11 @@ import httpx
 from proxy.bench.run.busy import BusyWatch, InFlight
 from proxy.bench.run.client import RequestOutcome, Writer, send_one
 from proxy.bench.run.config import BenchConfig, CellSpec, Target, build_body
-from proxy.bench.run.engines import flush_cache
-from proxy.bench.run.memory import MemorySource
+from proxy.bench.run.memprobe import MemorySource
 from proxy.bench.run.progress import Progress
 from proxy.bench.run.records import request_record, sample_record
 from proxy.bench.run.schedule import Job, Plan, prompts_for
+from proxy.bench.run.targets import flush_cache
 from proxy.bench.suite import Prompt
 
 Fire = Callable[[Target, Prompt, str, int, bool], Any]

@@ -13,7 +13,7 @@ from typing import Any
 
 from proxy.bench.run.benchfile import BenchFile, goodput_spec
 from proxy.bench.run.config import BenchConfig, Target
-from proxy.bench.verdict.model import MAX_ERROR_RATE, MIN_EFFECT
+from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT
 
 QUICK = {
     "concurrency": "1,2",

@@ -17,9 +17,9 @@ import httpx
 from proxy.bench.run.client import send_one
 from proxy.bench.run.config import PIN_HEADER, BenchConfig, Target, build_body, canonical_sampling, effective_sampling
 from proxy.bench.run.config import sampling as sampling_of
-from proxy.bench.run.engines import count_prompt_tokens
 from proxy.bench.run.measure import real_engines
 from proxy.bench.run.schedule import Plan, prompt_digests
+from proxy.bench.run.targets import count_prompt_tokens
 from proxy.bench.suite import Prompt
 from proxy.gpu.device import gpu_facts
 

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from proxy.bench.run.client import RequestOutcome
 from proxy.bench.run.config import CellSpec, Target
-from proxy.bench.run.memory import MemorySource
+from proxy.bench.run.memprobe import MemorySource
 from proxy.bench.verdict.workload import meets_slo, percentile
 
 

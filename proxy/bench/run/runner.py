@@ -34,9 +34,8 @@ import httpx
 from proxy.bench import suite as suite_mod
 from proxy.bench.run.client import Writer
 from proxy.bench.run.config import BenchConfig
-from proxy.bench.run.engines import probe
 from proxy.bench.run.measure import Ctx, measure, real_engines
-from proxy.bench.run.memory import MemoryProbe
+from proxy.bench.run.memprobe import MemoryProbe
 from proxy.bench.run.prepare import (
     client_for,
     count_tokens,
@@ -49,10 +48,11 @@ from proxy.bench.run.prepare import (
     shared_llamacpp_servers,
 )
 from proxy.bench.run.schedule import make_plan
+from proxy.bench.run.targets import probe
 from proxy.bench.run.timeshare import run_time_shared
 
 if TYPE_CHECKING:
-    from proxy.launch import Launcher
+    from proxy.procs.launch import Launcher
 
 
 async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None, *,

@@ -2,7 +2,7 @@
 
 With any launched engine (``--launch NAME='COMMAND'``) the run is a sequence of *stints*: the baseline, each
 candidate, then the baseline again (launched anew: the A/A pass measures restart-to-restart noise, the noise a
-user's two separate runs have; ``--aa off`` leaves it out). A launched engine is started by ``proxy.launch``
+user's two separate runs have; ``--aa off`` leaves it out). A launched engine is started by ``proxy.procs.launch``
 (its own process group, its log in ``<out>/engines/NAME.log``, ready by its kind's own signal), probed and sent
 the preflight request once ready, measured, stopped, and its GPU memory must come back before the next one
 starts; an engine given by URL (resident) is measured in its stint the same way and left running.
@@ -20,7 +20,7 @@ ready, GPU memory before / loaded idle / peak while generating / after stop, whe
 Failures: a launch that exits or is not ready in time raises ``LaunchError`` with the log's last lines; memory
 that does not come back raises ``MemoryNotBack`` (the next engine would not run alone, so the bench stops); a
 failed preflight raises ``PreflightError``. Each stops the engine it started first; what finished stays in
-``results.jsonl``. Ctrl-C stops whatever was started (``proxy.process``).
+``results.jsonl``. Ctrl-C stops whatever was started (``proxy.procs.process``).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ import httpx
 from proxy.bench import suite as suite_mod
 from proxy.bench.run.client import Writer
 from proxy.bench.run.config import BenchConfig, CellSpec, Target
-from proxy.bench.run.engines import probe
 from proxy.bench.run.measure import Ctx, measure
-from proxy.bench.run.memory import MemoryProbe, MemorySource, ProcessMemory
+from proxy.bench.run.memprobe import MemoryProbe, MemorySource, ProcessMemory
 from proxy.bench.run.prepare import client_for, count_tokens, engine_record, headers_for, preflight, run_record
 from proxy.bench.run.schedule import Plan, make_plan, unfit_cells
+from proxy.bench.run.targets import probe
 from proxy.bench.suite import Prompt
-from proxy.launch import Launched, Launcher, fit_memory_share, parse_launch
-from proxy.process import LaunchError
+from proxy.procs.launch import Launched, Launcher, fit_memory_share, parse_launch
+from proxy.procs.process import LaunchError
 
 
 class MemoryNotBack(LaunchError):
@@ -93,7 +93,7 @@ class _Run:
 
 async def _fit_shares(cfg: BenchConfig, launcher: Launcher, say: Callable[[str], None]) -> list[str]:
     """With ``--memory-budget``: each launched engine whose memory is a setting gets the share that fits the budget
-    on this card, or its own share checked (``proxy.launch.fit_memory_share``), before anything is launched."""
+    on this card, or its own share checked (``proxy.procs.launch.fit_memory_share``), before anything is launched."""
     if not cfg.memory_budget_bytes or not any(t.launch for t in cfg.engines):
         return []
     reading = await asyncio.to_thread(launcher.memory.read)

@@ -1,6 +1,6 @@
 """Results in, decisions out; pure (no I/O but reading a results file, no clock). docs/bench.md.
 
-model       the records every source becomes: Cell, Sample, Req, EngineInfo, Reason, Results
+inputs      the records every source becomes: Cell, Sample, Req, EngineInfo, Reason, Results
 data        a bench results file (JSONL, any version) -> ``Data``: the ``Results`` plus what the report shows
 merge       several runs' results joined into one, when comparable (same suite, sampling, tokens, GPU)
 stats       paired comparison on the same requests: bootstrap interval, effect size, run-to-run variation
@@ -8,7 +8,7 @@ comparison  one figure compared: its interval against its band (minimum effect, 
 gates       the checks before any speed is judged: data, parity, memory
 regimes     the comparisons -> one answer per regime -> the decision, and what to run next
 decide      ``Results`` -> one ``Verdict`` per candidate: gates first, then the regimes
-traffic     a traffic profile (``--traffic``) and the decision for it: the cells weighted by its shares
+weighting   a traffic profile (``--traffic``) and the decision for it: the cells weighted by its shares
 headline    the one answer every screen prints: the verdicts read together, the best switch first
 checks      checks of the protocol itself (first repeat, order, foreign load)
 workload    arrivals, percentiles, goodput: per-cell figures

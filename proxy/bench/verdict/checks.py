@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.bench.verdict.model import Cell, Sample
+from proxy.bench.verdict.inputs import Cell, Sample
 
 #: the per-repeat figure each check looks at, per kind of cell
 _FIGURE = {"single": "tpot_s", "load": "output_tps"}

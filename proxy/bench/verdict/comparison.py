@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.bench.verdict.model import Assessment, Cell
+from proxy.bench.verdict.inputs import Assessment, Cell
 from proxy.bench.verdict.stats import Paired
 from proxy.notation import band, faster, faster_interval, figure, unit
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.suite import SHARED_PREFIX
-from proxy.bench.verdict.model import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
+from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
 from proxy.engines import started
 from proxy.types import ENGINE_KINDS
 
@@ -236,7 +236,7 @@ def load_bench(
 def _memory_share(run: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
     """Launched engines whose command line sets their share of the GPU's memory (SGLang, vLLM: the dialect's)."""
     from proxy import engines
-    from proxy.launch import parse_launch
+    from proxy.procs.launch import parse_launch
 
     out: dict[str, tuple[str, float]] = {}
     for e in run["engines"]:

@@ -40,10 +40,10 @@ from proxy.bench.suite import length_rank
 from proxy.bench.verdict.checks import first_repeat
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.gates import CAVEAT, data_gate, discount, memory_gate, parity_gate, quant_differs
-from proxy.bench.verdict.model import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
+from proxy.bench.verdict.inputs import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
 from proxy.bench.verdict.regimes import REGIMES, RegimeAnswer, conclude
 from proxy.bench.verdict.stats import paired_bootstrap, variation
-from proxy.bench.verdict.traffic import TrafficAnswer, weigh
+from proxy.bench.verdict.weighting import TrafficAnswer, weigh
 from proxy.notation import band, faster_ci, figure
 
 __all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", "Results", "Sample", "Verdict",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from proxy.bench.verdict.model import Assessment, Cell, EngineInfo, Reason, Req, Results, Sample
+from proxy.bench.verdict.inputs import Assessment, Cell, EngineInfo, Reason, Req, Results, Sample
 from proxy.engines import quant_key
 from proxy.gpu.scraped import PER_ENGINE
 from proxy.notation import gib

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.verdict.data import Data, load_bench, report_command
-from proxy.bench.verdict.model import Results
+from proxy.bench.verdict.inputs import Results
 
 
 def load_runs(paths: Sequence[Path], *, baseline: str | None = None, quantization: Mapping[str, str] | None = None,

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 
 from proxy.bench.outdir import next_name
 from proxy.bench.verdict.comparison import Comparison
-from proxy.bench.verdict.model import FAILS, STEPS, Decision, LiveFinding, Reason, Results
-from proxy.bench.verdict.traffic import TrafficAnswer, crossing
+from proxy.bench.verdict.inputs import FAILS, STEPS, Decision, LiveFinding, Reason, Results
+from proxy.bench.verdict.weighting import TrafficAnswer, crossing
 from proxy.engines.startup import without_flags
 from proxy.notation import band, faster, faster_interval, unit
 from proxy.sequential import MIN_PAIRS

