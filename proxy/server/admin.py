@@ -28,7 +28,7 @@ from starlette.routing import Route
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.server.mirror.shadows import Mirror
 from proxy.server.request.responses import error_response
-from proxy.server.switch.rollout import Rollouts
+from proxy.server.switch.rollouts import Rollouts
 
 MAX_ADMIN_BODY = 64 * 1024
 

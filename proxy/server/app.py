@@ -5,9 +5,9 @@ receive -> authenticate -> read body (bounded in size and time) -> parse (orjson
         -> relay stream / body -> one Result each
 
 From the end of the body on, a watcher waits on ``receive()``: a client that hangs up in any phase cancels the
-attempt, which closes the upstream connection (``Gateway.respond``). The generation routes are raw ASGI apps for
-that reason: they own ``receive`` for the whole request. Their routes, the lifespan and the fast path past
-Starlette are ``proxy.server.asgi``'s.
+attempt, which closes the upstream connection (``Gateway.respond``, ``proxy.server.request.hangup``). The
+generation routes are raw ASGI apps for that reason: they own ``receive`` for the whole request. Their routes,
+the lifespan and the fast path past Starlette are ``proxy.server.asgi``'s.
 
 The request's clock starts when the server parsed its head (``proxy.server.record.loopwatch``), and every answer carries
 the proxy's share of the time as ``Server-Timing`` (``proxy.server.request.responses``).
@@ -51,10 +51,11 @@ from proxy.server.record.loopwatch import LoopWatch
 from proxy.server.record.metrics import Metrics
 from proxy.server.record.result import new_request_id
 from proxy.server.request.attempts import Attempts, Failed, Streaming, run_attempt
+from proxy.server.request.hangup import ClientGone, guarded
 from proxy.server.request.responses import RelayResponse, error_response, scope_timer, server_timing
 from proxy.server.request.routing import Dispatch, Router
 from proxy.server.request.upstream import Engine, make_client
-from proxy.server.switch.rollout import Rollouts
+from proxy.server.switch.rollouts import Rollouts
 from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Outcome
@@ -67,10 +68,6 @@ BODY_TIMEOUT_S = 30.0
 MAX_DEPTH = 254
 #: the longest client x-request-id echoed and sent on
 MAX_CLIENT_ID = 200
-
-
-class ClientGone(Exception):
-    """The client hung up before its request body was whole."""
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -109,7 +106,7 @@ class Gateway:
     attempts: Attempts
     #: the mirroring stage; None: no shadow copies, /admin/mirror answers 404
     mirror: Mirror | None = None
-    #: the routes' rollouts (``proxy.server.switch.rollout``); None: no route has one, /admin/rollout answers 404
+    #: the routes' rollouts (``proxy.server.switch.rollouts``); None: no route has one, /admin/rollout answers 404
     rollouts: Rollouts | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
@@ -243,34 +240,31 @@ class Gateway:
         """Serve the primary while a watcher waits on ``receive()``: the client hanging up in any phase (queued,
         prefill, streaming, a non-stream wait) cancels the attempt at once, which closes the upstream connection
         so the engine stops working for nobody (counted ``client_disconnect``)."""
-        watch = Watch(receive)
         response: Response | RelayResponse | None = None
-        answered = False
         if self.traffic is not None:
             self.traffic.enter()
         try:
-            response = await self.serve(
-                request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
+            guard = guarded(
+                scope,
+                receive,
+                send,
+                request_id,
+                begun=lambda: response is not None,
+                log=log,
+                what="request",
+                timer=timer,
             )
-            if isinstance(response, RelayResponse):
-                response.on_end = watch.disarm
-            else:
-                watch.disarm()  # a whole body: one write, nothing left to cancel
-            await response(scope, receive, send)
-            answered = True
-        except asyncio.CancelledError:
-            if watch.fired:  # the client hung up: the attempt has ended with its Result; nothing to answer
-                watch.task.uncancel()
-                return
-            raise
-        except Exception:
-            log.exception("request %s failed inside the proxy", request_id)
-            watch.disarm()
-            if response is None:
-                err = ProxyError("internal error in the proxy (logged)")
-                await error_response(err, request_id, timer=timer)(scope, receive, send)
+            async with guard as watch:
+                response = await self.serve(
+                    request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
+                )
+                if isinstance(response, RelayResponse):
+                    response.on_end = watch.disarm
+                else:
+                    watch.disarm()  # a whole body: one write, nothing left to cancel
+                await response(scope, receive, send)
+                watch.answered = True
         finally:
-            watch.stop(answered)
             if self.traffic is not None:
                 self.traffic.leave()
 
@@ -331,41 +325,3 @@ class Gateway:
         model = body.get("model") if body is not None else None
         label = self.attempts.model_label(model if isinstance(model, str) else None)
         self.metrics.requests.labels("none", label, "primary", stream, endpoint, outcome).inc()
-
-
-class Watch:
-    """Waits on ``receive()`` in a task of its own; a disconnect while armed cancels the request's task.
-
-    uvicorn answers ``receive()`` with ``http.disconnect`` once the response is complete too, so the response
-    disarms it before its last message. One plain asyncio task a request (an anyio task group cost ~16 % of the
-    proxy's CPU at 32 streams: docs/performance.md)."""
-
-    __slots__ = ("_waiter", "armed", "fired", "task")
-
-    def __init__(self, receive: Receive) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self.armed = True
-        self.fired = False
-        self._waiter = asyncio.get_running_loop().create_task(self._wait(receive))
-
-    async def _wait(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if self.armed:
-            self.armed = False
-            self.fired = True
-            self.task.cancel()
-
-    def disarm(self) -> None:
-        self.armed = False
-
-    def stop(self, answered: bool = False) -> None:
-        """Disarm; end the waiter unless the response was ``answered`` in full: then the server's ``receive()``
-        answers ``http.disconnect`` (ASGI: once the response is sent) and the waiter ends by itself. Cancelling it
-        instead left a CancelledError, its traceback and the request's frames in a reference cycle every request
-        (~40 objects, freed only by the garbage collector: docs/performance.md)."""
-        self.armed = False
-        if not answered:
-            self._waiter.cancel()

@@ -74,14 +74,43 @@ class ProxyApp(Starlette):
 
 def asgi_app(gw: Gateway) -> ProxyApp:
     """Routes and lifespan around ``gw``."""
+    own = Endpoints(gw)
+    app = ProxyApp(
+        routes=[
+            # raw ASGI endpoints (not request/response functions): they own ``receive`` for the request's life
+            Route("/v1/chat/completions", _Asgi(own.chat), methods=["POST"]),
+            Route("/v1/completions", _Asgi(own.completions), methods=["POST"]),
+            Route("/v1/models", own.models, methods=["GET"]),
+            Route("/health", own.health, methods=["GET"]),
+            Route("/metrics", own.metrics, methods=["GET"]),
+            *admin_routes(gw.settings.admin_key, gw.mirror, gw.rollouts),
+        ],
+        lifespan=lambda app: lifespan(gw),
+        exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(ServerTimingMiddleware)],
+    )
+    app.state.gateway = gw
+    app.loop_watch = gw.loop_watch
+    # a path outside the routes is the proxy's 404, never a redirect to another spelling (/tokenize/ -> /tokenize)
+    app.router.redirect_slashes = False
+    app.fast = {"/v1/chat/completions": own.chat, "/v1/completions": own.completions}
+    return app
 
-    async def chat(scope: Scope, receive: Receive, send: Send) -> None:
-        await gw.generate(scope, receive, send, "chat")
 
-    async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-        await gw.generate(scope, receive, send, "completions")
+class Endpoints:
+    """The proxy's own routes on ``gw``: the two generation routes (raw ASGI), the model list, /health, /metrics."""
 
-    async def models(request: Request) -> Response:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gw.generate(scope, receive, send, "chat")
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gw.generate(scope, receive, send, "completions")
+
+    async def models(self, request: Request) -> Response:
+        gw = self.gw
         try:
             gw.authenticate(request)
         except ProxyError as exc:
@@ -95,7 +124,8 @@ def asgi_app(gw: Gateway) -> ProxyApp:
             }
         )
 
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
+        gw = self.gw
         checks = await asyncio.gather(*(e.check() for e in gw.engines.values()))
         status: dict[str, Any] = {
             "status": "ok" if all(c["up"] for c in checks) else "degraded",
@@ -120,79 +150,74 @@ def asgi_app(gw: Gateway) -> ProxyApp:
             status.update(gw.health_sections())
         return JSONResponse(status)
 
-    async def metrics(request: Request) -> Response:
+    async def metrics(self, request: Request) -> Response:
         try:
-            check_metrics(gw.settings, request)
+            check_metrics(self.gw.settings, request)
         except ProxyError as exc:
             return error_response(exc, "")
         # exposition is CPU work: run it off the event loop so a scrape never stalls a stream
-        data = await anyio.to_thread.run_sync(generate_latest, gw.registry)
+        data = await anyio.to_thread.run_sync(generate_latest, self.gw.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        try:
-            soft, _ = raise_fd_limit()
-            budget, headroom = fd_budget(soft)
-            log.info("open-file limit: %d, headroom %d: idle client connections are closed, oldest first, above %d "
-                     "open files", soft, headroom, budget)  # fmt: skip
-            await probe_all(list(gw.engines.values()))
-            gw.metrics.prime(
-                gw.engines,
-                [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)],
-                configured_pairs(gw.settings.routes),
-            )
-            for e in gw.engines.values():
-                log.info(
-                    "engine %s: %s kind=%s model=%s up=%s", e.name, redact_url(e.settings.url), e.kind, e.model, e.up
-                )
-            async with AsyncExitStack() as stages:
-                # entered in this order, left in the reverse: the mirror's copies end before the collectors stop
-                if gw.loop_watch is not None:
-                    await stages.enter_async_context(gw.loop_watch.running())
-                if gw.mirror is not None:
-                    await stages.enter_async_context(gw.mirror.lifespan())
-                if gw.rollouts is not None:  # before the first request: it routes by the rollout's state
-                    await stages.enter_async_context(gw.rollouts.running())
-                if gw.gpu is not None:
-                    await stages.enter_async_context(gw.gpu.running())
-                if gw.engine_state is not None:
-                    await stages.enter_async_context(gw.engine_state.running())
-                if gw.diagnosis is not None:
-                    await stages.enter_async_context(gw.diagnosis.running())
-                yield
-            await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
-        finally:
-            for stop in gw.on_shutdown:
-                stop()
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        err = ProxyError(f"{exc.detail}: {request.method} {request.url.path}")
-        err.status = exc.status_code
-        err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(err, "")
+@asynccontextmanager
+async def lifespan(gw: Gateway) -> AsyncIterator[None]:
+    """The app's life: the engines probed and the metrics primed, then every stage running until shutdown;
+    ``gw.on_shutdown`` runs at the end whatever happened."""
+    try:
+        await start(gw)
+        async with AsyncExitStack() as stages:
+            await run_stages(gw, stages)
+            yield
+        await asyncio.gather(*(e.aclose() for e in gw.engines.values()), return_exceptions=True)
+    finally:
+        for stop in gw.on_shutdown:
+            stop()
 
-    app = ProxyApp(
-        routes=[
-            # raw ASGI endpoints (not request/response functions): they own ``receive`` for the request's life
-            Route("/v1/chat/completions", _Asgi(chat), methods=["POST"]),
-            Route("/v1/completions", _Asgi(completions), methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            *admin_routes(gw.settings.admin_key, gw.mirror, gw.rollouts),
-        ],
-        lifespan=lifespan,
-        exception_handlers={HTTPException: http_error},
-        middleware=[Middleware(ServerTimingMiddleware)],
+
+async def start(gw: Gateway) -> None:
+    """Before the stages: the open-file limit raised, every engine probed, the zero series created."""
+    soft, _ = raise_fd_limit()
+    budget, headroom = fd_budget(soft)
+    log.info(
+        "open-file limit: %d, headroom %d: idle client connections are closed, oldest first, above %d open files",
+        soft,
+        headroom,
+        budget,
     )
-    app.state.gateway = gw
-    app.loop_watch = gw.loop_watch
-    # a path outside the routes is the proxy's 404, never a redirect to another spelling (/tokenize/ -> /tokenize)
-    app.router.redirect_slashes = False
-    app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
-    return app
+    await probe_all(list(gw.engines.values()))
+    gw.metrics.prime(
+        gw.engines,
+        [*gw.attempts.aliases, *(e.model for e in gw.engines.values() if e.model)],
+        configured_pairs(gw.settings.routes),
+    )
+    for e in gw.engines.values():
+        log.info("engine %s: %s kind=%s model=%s up=%s", e.name, redact_url(e.settings.url), e.kind, e.model, e.up)
+
+
+async def run_stages(gw: Gateway, stages: AsyncExitStack) -> None:
+    """Every stage ``gw`` has, entered on ``stages`` in this order and left in the reverse: the mirror's copies
+    end before the collectors stop."""
+    if gw.loop_watch is not None:
+        await stages.enter_async_context(gw.loop_watch.running())
+    if gw.mirror is not None:
+        await stages.enter_async_context(gw.mirror.lifespan())
+    if gw.rollouts is not None:  # before the first request: it routes by the rollout's state
+        await stages.enter_async_context(gw.rollouts.running())
+    if gw.gpu is not None:
+        await stages.enter_async_context(gw.gpu.running())
+    if gw.engine_state is not None:
+        await stages.enter_async_context(gw.engine_state.running())
+    if gw.diagnosis is not None:
+        await stages.enter_async_context(gw.diagnosis.running())
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err = ProxyError(f"{exc.detail}: {request.method} {request.url.path}")
+    err.status = exc.status_code
+    err.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(err, "")
 
 
 class _Asgi:

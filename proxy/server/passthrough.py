@@ -6,10 +6,10 @@ receive -> authenticate -> read body (bounded in size and time) -> parse a JSON 
 
 - **The generation path's intake**, not a copy of it: ``Gateway.authenticate``, ``Gateway.read_body`` (413 over
   ``max_body_bytes``, 408 when the body is not whole within ``body_timeout_s``), ``Gateway.parse`` (orjson: NaN,
-  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400) and
-  its hang-up ``Watch``: from the end of the body on, a client that leaves cancels the request at once in any
-  phase (waiting for the engine's headers, its body, a stream), which closes the upstream connection; counted
-  ``client_disconnect``. A body is parsed when it is JSON by its content type, or by its first byte (``{`` or
+  lone surrogates, nesting past 254 levels and invalid UTF-8 are the proxy's 400) and its hang-up guard
+  (``proxy.server.request.hangup``): from the end of the body on, a client that leaves cancels the request at
+  once in any phase (waiting for the engine's headers, its body, a stream), which closes the upstream
+  connection; counted ``client_disconnect``. A body is parsed when it is JSON by its content type, or by its first byte (``{`` or
   ``[``) unless the content type says multipart, audio, image or octet-stream (``curl -d`` sends JSON as a
   form, and llama.cpp reads it as JSON whatever the type); other bodies (multipart uploads) pass as bytes.
 - **Which path**: the path as ``proxy.server.request.paths`` normalised it for routing (dot segments resolved, no doubly
@@ -37,7 +37,6 @@ receive -> authenticate -> read body (bounded in size and time) -> parse a JSON 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -51,9 +50,10 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import TRANSPORT_ERRORS, BadRequest, NotFound, ProxyError, from_transport_error
-from proxy.server.app import ClientGone, Gateway, Watch
+from proxy.server.app import Gateway
 from proxy.server.record.context import current
 from proxy.server.record.result import Result
+from proxy.server.request.hangup import ClientGone, guarded
 from proxy.server.request.paths import OWN_PATHS, upstream_path
 from proxy.server.request.responses import error_response, scope_timer, server_timing
 from proxy.server.request.rewrite import replace_model
@@ -179,23 +179,11 @@ class Passthrough:
             content = orjson.dumps(doc)
         call = _Call(self, engine, endpoint, request_id, client_model, served, timer, client_id)
         # as Gateway.respond: from here a hang-up in any phase cancels this task, which closes the upstream
-        watch = Watch(receive)
-        try:
+        guard = guarded(
+            scope, receive, send, request_id, begun=lambda: call.started, log=log, what="pass-through request"
+        )
+        async with guard as watch:
             await call.run(scope, receive, send, method, path, headers, content, watch.disarm)
-        except asyncio.CancelledError:
-            if watch.fired:  # the client hung up: the call has ended with its Result; nothing to answer
-                watch.task.uncancel()
-                return
-            raise
-        except Exception:
-            log.exception("pass-through request %s failed inside the proxy", request_id)
-            watch.disarm()
-            if not call.started:
-                await error_response(ProxyError("internal error in the proxy (logged)"), request_id)(
-                    scope, receive, send
-                )
-        finally:
-            watch.stop()
 
     def rejected(self, endpoint: PassthroughEndpoint, model: str | None, outcome: Outcome) -> None:
         """A request that never reached an engine still counts once (engine="none"), as a generation one does."""

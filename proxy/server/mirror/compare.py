@@ -328,19 +328,38 @@ def run_record(
 ) -> dict[str, Any]:
     """The line a proxy run writes to the comparison log when it starts: its id, where it listened, the
     primary/shadow pairs its routes mirror, and each engine's kind and served model as probed at start."""
-    return {"v": RECORD_VERSION, "type": "run", "run": run, "ts": time.time() if ts is None else ts,
-            "listen": listen, "version": version, "pairs": [list(p) for p in dict.fromkeys(pairs)],
-            "engines": {k: dict(v) for k, v in engines.items()}}  # fmt: skip
+    return {
+        "v": RECORD_VERSION,
+        "type": "run",
+        "run": run,
+        "ts": time.time() if ts is None else ts,
+        "listen": listen,
+        "version": version,
+        "pairs": [list(p) for p in dict.fromkeys(pairs)],
+        "engines": {k: dict(v) for k, v in engines.items()},
+    }
 
 
 def engine_record(run: str, engine: str, facts: Mapping[str, Any], *, ts: float | None = None) -> dict[str, Any]:
     """What the engine-state poller learned about an engine (model path, context, slots, quantization), written
     once per run and again when it changes, so the report judges parity from the log alone."""
-    return {"v": RECORD_VERSION, "type": "engine", "run": run, "ts": time.time() if ts is None else ts,
-            "engine": engine, **facts}  # fmt: skip
+    return {
+        "v": RECORD_VERSION,
+        "type": "engine",
+        "run": run,
+        "ts": time.time() if ts is None else ts,
+        "engine": engine,
+        **facts,
+    }
 
 
 def end_record(run: str, counts: Mapping[str, int], compared: int, *, ts: float | None = None) -> dict[str, Any]:
     """The line a proxy run writes when it stops: how many pairs ended for each cause, and how many were compared."""
-    return {"v": RECORD_VERSION, "type": "end", "run": run, "ts": time.time() if ts is None else ts, "counts": dict(counts),
-            "compared": compared}  # fmt: skip
+    return {
+        "v": RECORD_VERSION,
+        "type": "end",
+        "run": run,
+        "ts": time.time() if ts is None else ts,
+        "counts": dict(counts),
+        "compared": compared,
+    }

@@ -50,8 +50,14 @@ class RunRecords:
                 ]
         engines = {n: {"kind": e.kind, "model": e.model} for n, e in self.engines.items()}
         host = f"[{s.host}]" if ":" in s.host else s.host
-        return run_record(self.run_id, listen=f"http://{host}:{s.port}", pairs=pairs, engines=engines,
-                          version=__version__, ts=self.started)  # fmt: skip
+        return run_record(
+            self.run_id,
+            listen=f"http://{host}:{s.port}",
+            pairs=pairs,
+            engines=engines,
+            version=__version__,
+            ts=self.started,
+        )
 
     def new_facts(self, *names: str) -> list[dict[str, Any]]:
         """An ``engine`` record for each engine whose polled facts are new to this run's log."""

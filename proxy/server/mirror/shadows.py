@@ -376,8 +376,14 @@ class Mirror:
         for rec in self.records.new_facts(primary.engine, shadow.engine):
             self.log.write(rec)
         text = self.record_text
-        norms = {role: n for role, n in (("primary", e.norms.get(("primary", primary.engine))),
-                                         ("shadow", e.norms.get(("shadow", shadow.engine)))) if n is not None}  # fmt: skip
+        norms = {
+            role: n
+            for role, n in (
+                ("primary", e.norms.get(("primary", primary.engine))),
+                ("shadow", e.norms.get(("shadow", shadow.engine))),
+            )
+            if n is not None
+        }
         self.log.write(
             to_record(
                 c,
@@ -430,5 +436,10 @@ class Mirror:
 
 def _figures(side: Any) -> dict[str, Any]:
     """The figures a live-verdict stream reads, from a ``compare.Side``."""
-    return {"upstream_ttft_s": side.upstream_ttft_s, "ttft_s": side.ttft_s, "tpot_s": side.tpot_s,
-            "e2e_s": side.e2e_s, "completion_tokens": side.completion_tokens}  # fmt: skip
+    return {
+        "upstream_ttft_s": side.upstream_ttft_s,
+        "ttft_s": side.ttft_s,
+        "tpot_s": side.tpot_s,
+        "e2e_s": side.e2e_s,
+        "completion_tokens": side.completion_tokens,
+    }

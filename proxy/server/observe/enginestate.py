@@ -160,16 +160,30 @@ class EngineStatePoller:
         states = self.states
         if not states:
             return
-        up = GaugeMetricFamily(f"{PREFIX}_engine_up", "1 if the engine answered its last state poll, else 0.", labels=("engine",))  # fmt: skip
+        up = GaugeMetricFamily(
+            f"{PREFIX}_engine_up", "1 if the engine answered its last state poll, else 0.", labels=("engine",)
+        )
         info = GaugeMetricFamily(
             f"{PREFIX}_engine_info",
             "Always 1; labels carry what the engine reports about itself (empty: unknown).",
             labels=("engine", "kind", "model", "quantization", "build"),
         )
-        ctx = GaugeMetricFamily(f"{PREFIX}_engine_context_length", "Longest request the engine accepts, in tokens.", labels=("engine",))  # fmt: skip
-        slots = GaugeMetricFamily(f"{PREFIX}_engine_slots", "Requests the engine runs at once (llama.cpp slots, SGLang max running requests).", labels=("engine",))  # fmt: skip
-        busy = GaugeMetricFamily(f"{PREFIX}_engine_busy_slots", "Requests the engine is running now (last poll).", labels=("engine",))  # fmt: skip
-        age = GaugeMetricFamily(f"{PREFIX}_engine_state_age_seconds", "Seconds since the last successful state poll, at scrape time.", labels=("engine",))  # fmt: skip
+        ctx = GaugeMetricFamily(
+            f"{PREFIX}_engine_context_length", "Longest request the engine accepts, in tokens.", labels=("engine",)
+        )
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_engine_slots",
+            "Requests the engine runs at once (llama.cpp slots, SGLang max running requests).",
+            labels=("engine",),
+        )
+        busy = GaugeMetricFamily(
+            f"{PREFIX}_engine_busy_slots", "Requests the engine is running now (last poll).", labels=("engine",)
+        )
+        age = GaugeMetricFamily(
+            f"{PREFIX}_engine_state_age_seconds",
+            "Seconds since the last successful state poll, at scrape time.",
+            labels=("engine",),
+        )
         now = time.monotonic()
         for name, s in states.items():
             up.add_metric([name], 1.0 if s.up else 0.0)

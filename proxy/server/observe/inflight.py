@@ -181,11 +181,21 @@ class TrafficProfile:
         n, seconds = self._state()
         total = sum(seconds)
         busy = total - seconds[0]
-        shares = {name: round(s / busy, 4) for (name, _, _), s in zip(LEVELS[1:], seconds[1:], strict=True)
-                  if busy > 0 and s > 0}  # fmt: skip
-        return {"traffic": {"in_flight": n, "observed_s": round(total, 1), "busy_s": round(busy, 1),
-                            "idle": round(seconds[0] / total, 4) if total > 0 else None, "busy_shares": shares,
-                            "per": "process" if self._shared is None else "proxy"}}  # fmt: skip
+        shares = {
+            name: round(s / busy, 4)
+            for (name, _, _), s in zip(LEVELS[1:], seconds[1:], strict=True)
+            if busy > 0 and s > 0
+        }
+        return {
+            "traffic": {
+                "in_flight": n,
+                "observed_s": round(total, 1),
+                "busy_s": round(busy, 1),
+                "idle": round(seconds[0] / total, 4) if total > 0 else None,
+                "busy_shares": shares,
+                "per": "process" if self._shared is None else "proxy",
+            }
+        }
 
     def text(self) -> str:
         """The profile in one line, for ``serve``'s last words."""

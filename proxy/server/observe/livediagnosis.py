@@ -82,10 +82,15 @@ class LiveDiagnosis:
         s = d.started
         log.info(
             "engine %s diagnosed in %.2f s: layers %s/%s on the GPU, weights %s B, KV cache %s B, load %s s%s",
-            engine.name, time.monotonic() - t0, s.layers_offloaded, s.layers_total,
-            d.shape.weights_bytes if d.shape else None, kv_bytes(d), s.load_s,
+            engine.name,
+            time.monotonic() - t0,
+            s.layers_offloaded,
+            s.layers_total,
+            d.shape.weights_bytes if d.shape else None,
+            kv_bytes(d),
+            s.load_s,
             f" ({'; '.join(d.notes)})" if d.notes else "",
-        )  # fmt: skip
+        )
 
     async def run(self) -> None:
         while True:
@@ -136,8 +141,13 @@ class LiveDiagnosis:
         }  # fmt: skip
         for name, d in self.results.items():
             s = d.started
-            for key, v in (("offloaded", s.layers_offloaded), ("layers", s.layers_total), ("load", s.load_s),
-                           ("weights", d.shape.weights_bytes if d.shape else None), ("kv", kv_bytes(d))):  # fmt: skip
+            for key, v in (
+                ("offloaded", s.layers_offloaded),
+                ("layers", s.layers_total),
+                ("load", s.load_s),
+                ("weights", d.shape.weights_bytes if d.shape else None),
+                ("kv", kv_bytes(d)),
+            ):
                 if v is not None:
                     fams[key].add_metric([name], v)
         for name in self.engines:

@@ -1,4 +1,17 @@
-"""The only module that defines Prometheus metric objects. Every name is documented in docs/metrics.md.
+"""The proxy's own metric objects (``Metrics``, built from ``families``' table) and how one finished attempt is
+recorded into them (``observe``). Every name is documented in docs/metrics.md.
+
+Where each family the proxy exports is defined:
+
+- ``proxy.server.record.families``: every family of ``Metrics`` (type, name, labels, boundaries) and the help
+  text of each, with those of the rollout's families and of the supervisor's counters;
+- this module: the ``Metrics`` objects, built from that table, and the rollout's families, built at scrape time
+  from its shared state (``rollout_families``, which ``proxy.server.switch.rollouts.Rollouts`` collects);
+- ``proxy.server.workers.supervisor``: under ``serve --workers N`` it writes the worker-loss counters and its own
+  traffic seconds straight to its multiprocess file (names and help texts from ``families``);
+- three collectors build their own families at scrape time, beside the data they read: ``proxy.gpu.monitor``
+  (the GPUs, NVML), ``proxy.server.observe.enginestate`` (what each engine says of itself) and
+  ``proxy.server.observe.livediagnosis`` (the live diagnosis of local llama.cpp engines).
 
 Rules: base units (``_seconds``, ``_bytes``, ``_total``); bounded labels only — ``engine`` and ``model`` come
 from the configuration (an unconfigured client model string becomes ``other``), ``role`` is
@@ -12,7 +25,7 @@ import math
 import os
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -20,58 +33,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from proxy import __version__
 from proxy.sequential import DECISIONS, STREAMS, Interval, Stream
+from proxy.server.record.buckets import DEFAULT_BUCKETS
+from proxy.server.record.families import FAMILIES, HELP, PREFIX, Family
 from proxy.server.record.result import Result
-from proxy.settings import BUCKET_KEYS, MetricsSettings, RouteSettings
+from proxy.settings import MetricsSettings, RouteSettings
 from proxy.types import ENDPOINTS
 from proxy.types import OUTCOMES as _OUTCOMES
 
-PREFIX = "enginemeter"
-
 # `_created` series double the exposition for no use on dashboards
 disable_created_metrics()  # type: ignore[no-untyped-call]
-
-# Default boundaries, dense where typical values sit; ``metrics.buckets.<family>`` in the settings replaces one
-# family's list (docs/metrics.md#buckets). The keys are settings.BUCKET_KEYS.
-#: 1 ms .. 10 min; 50 ms steps from 0.1 to 0.3 s and 0.5 s steps from 1 to 3 s, where 7B-70B TTFTs sit
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
-    4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
-#: 50 ms .. 10 min: whole requests
-E2E_BUCKETS = (
-    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
-)  # fmt: skip
-#: 0.5 ms .. 10 s: inter-chunk gaps, TPOT; 1 ms steps from 2 to 6 ms (an H200 decodes a 7B at 4-5 ms a token)
-GAP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
-    0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0,
-)  # fmt: skip
-#: 50 µs .. 1 s: what the proxy itself adds
-OVERHEAD_BUCKETS = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-)  # fmt: skip
-#: 0.5 ms .. 10 s: how late the event loop runs (libuv timers are millisecond-grained: an idle loop shows 0-1 ms),
-#: how long a request waits for it, how long a garbage collection holds it
-LOOP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-#: OpenTelemetry gen_ai.client.token.usage boundaries
-TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
-TPS_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000)
-#: prefill tok/s: llama.cpp on a CPU does tens, a GPU engine thousands to tens of thousands on long prompts
-PREFILL_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2000, 3000, 5000, 7500, 10000, 15000, 20000, 30000, 50000, 100000)
-DEFAULT_BUCKETS: dict[str, tuple[float, ...]] = {
-    "ttft": TTFT_BUCKETS,  # also upstream TTFT, upstream headers, engine prompt time, engine queue time
-    "e2e": E2E_BUCKETS,
-    "inter_chunk": GAP_BUCKETS,  # also TPOT
-    "overhead": OVERHEAD_BUCKETS,
-    "tokens": TOKEN_BUCKETS,  # prompt and completion tokens per request
-    "decode_tps": TPS_BUCKETS,  # proxy-measured and engine-reported
-    "prefill_tps": PREFILL_BUCKETS,
-}
-assert tuple(DEFAULT_BUCKETS) == BUCKET_KEYS
-RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
-DELTA_BUCKETS = (-256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256)
 
 #: closed set of request outcomes; every request ends in exactly one (documented in proxy/types.py)
 OUTCOMES = _OUTCOMES
@@ -86,20 +56,6 @@ ROLLOUT_STATES = ("running", "paused", "rolled_back", "aborted", "complete")
 ROLLOUT_CAUSES = ("none", "pairs", "not_yet", "requests", "dwell", "slower", "errors", "admin", "config")
 ROLLBACK_CAUSES = ("slower", "errors", "admin", "config")
 ROLLOUT_REGIMES = ("decode", "load", "long")
-
-REQ = ("engine", "model", "role", "stream")
-#: the help texts of the two counters the ``--workers`` supervisor writes (``proxy.server.workers.supervisor.SupervisorCounts``)
-WORKER_LOST_HELP = "Requests in flight in a worker process that died (serve --workers N), counted by the supervisor."
-WORKER_RESTARTS_HELP = "Worker processes that died and were restarted (serve --workers N)."
-#: the traffic profile's counter: every worker's and the supervisor's ticks add up to the whole proxy's seconds
-TRAFFIC_HELP = (
-    "Seconds the proxy ran with this many generation requests in flight, over all its worker processes "
-    "(level: 0, 1, 2, 3-4, 5-8, ..., 129+); counted when the number changes."
-)
-
-
-def _h(name: str, doc: str, buckets: Iterable[float], registry: CollectorRegistry, labels=REQ) -> Histogram:  # type: ignore[no-untyped-def]
-    return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=tuple(buckets), registry=registry)
 
 
 def finish_label(reason: str | None) -> str:
@@ -141,17 +97,21 @@ class RolloutSample:
     rollbacks: Mapping[str, int]
 
 
+def _rollout_gauge(name: str, *labels: str) -> GaugeMetricFamily:
+    """One of a rollout's gauge families (``name`` in full), labelled by route, with its help text from ``HELP``."""
+    return GaugeMetricFamily(name, HELP[name.removeprefix(f"{PREFIX}_")], labels=("route", *labels))
+
+
 def rollout_families(samples: Iterable[RolloutSample]) -> list[Metric]:
     """The rollouts' metrics, built at scrape time from their state (every worker reads the same file)."""
-    r = ("route",)
-    share = GaugeMetricFamily(f"{PREFIX}_rollout_share", "Share of the route's traffic the rollout sends to its candidate (0 after a rollback or abort, 1 once complete).", labels=(*r, "baseline", "candidate"))  # fmt: skip
-    step = GaugeMetricFamily(f"{PREFIX}_rollout_step", "Index of the rollout's current step (0 = the first of rollout.steps).", labels=r)  # fmt: skip
-    state = GaugeMetricFamily(f"{PREFIX}_rollout_state", "1 for the rollout's current state (running|paused|rolled_back|aborted|complete), 0 for the others.", labels=(*r, "state"))  # fmt: skip
-    cause = GaugeMetricFamily(f"{PREFIX}_rollout_cause", "1 for the cause of the current state: what a running step waits for (pairs|not_yet|requests|dwell), why it rolled back (slower|errors), who paused or aborted it (admin|config); none once complete.", labels=(*r, "cause"))  # fmt: skip
-    seconds = GaugeMetricFamily(f"{PREFIX}_rollout_step_seconds", "Seconds since the rollout's current step (or state) began.", labels=r)  # fmt: skip
-    pairs = GaugeMetricFamily(f"{PREFIX}_rollout_step_pairs", "Comparable pairs judged at the current step, per regime (decode|load|long).", labels=(*r, "regime"))  # fmt: skip
-    attempts = GaugeMetricFamily(f"{PREFIX}_rollout_step_attempts", "The candidate's attempts (served and mirrored) at the current step, by result (ok|error).", labels=(*r, "result"))  # fmt: skip
-    rollbacks = CounterMetricFamily(f"{PREFIX}_rollout_rollbacks", "Rollbacks of the rollout, by cause: slower|errors (by itself), admin|config (aborted). Kept in the state file across restarts.", labels=(*r, "cause"))  # fmt: skip
+    share = _rollout_gauge(f"{PREFIX}_rollout_share", "baseline", "candidate")
+    step = _rollout_gauge(f"{PREFIX}_rollout_step")
+    state = _rollout_gauge(f"{PREFIX}_rollout_state", "state")
+    cause = _rollout_gauge(f"{PREFIX}_rollout_cause", "cause")
+    seconds = _rollout_gauge(f"{PREFIX}_rollout_step_seconds")
+    pairs = _rollout_gauge(f"{PREFIX}_rollout_step_pairs", "regime")
+    attempts = _rollout_gauge(f"{PREFIX}_rollout_step_attempts", "result")
+    rollbacks = CounterMetricFamily(f"{PREFIX}_rollout_rollbacks", HELP["rollout_rollbacks"], labels=("route", "cause"))
     for s in samples:
         share.add_metric((s.route, s.baseline, s.candidate), s.share)
         step.add_metric((s.route,), s.step)
@@ -169,131 +129,81 @@ def rollout_families(samples: Iterable[RolloutSample]) -> list[Metric]:
     return [share, step, state, cause, seconds, pairs, attempts, rollbacks]
 
 
-@dataclass
+def make_metric(
+    family: Family, registry: CollectorRegistry, bounds: Mapping[str, Sequence[float]]
+) -> Counter | Gauge | Histogram:
+    """The metric object of one ``FAMILIES`` row on ``registry``; a histogram's boundaries named by a settings
+    family come from ``bounds`` (the defaults, or what ``metrics.buckets`` put in their place)."""
+    name, text, labels = f"{PREFIX}_{family.name}", HELP[family.name], family.labels
+    if family.kind == "counter":
+        return Counter(name, text, labels, registry=registry)
+    if family.kind == "gauge":
+        return Gauge(name, text, labels, registry=registry, multiprocess_mode=family.mode)
+    buckets = tuple(bounds[family.buckets]) if isinstance(family.buckets, str) else family.buckets
+    return Histogram(name, text, labels, buckets=buckets, registry=registry)
+
+
 class Metrics:
-    registry: CollectorRegistry
-    settings: MetricsSettings = field(default_factory=MetricsSettings)
-    #: labelled children by (metric, labels), for ``observe`` (``child``)
-    children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, init=False, repr=False)
+    """The proxy's metric objects on ``registry``: one attribute per ``FAMILIES`` row, made in its order (the
+    order /metrics lists them); ``settings.buckets`` replaces a histogram family's default boundaries."""
 
-    def __post_init__(self) -> None:
-        r = self.registry
-        b: dict[str, tuple[float, ...]] = dict(DEFAULT_BUCKETS)
-        for family, bounds in self.settings.buckets.items():
-            b[family] = bounds
-        # ---- proxy core -------------------------------------------------------------------------
-        self.requests = Counter(
-            f"{PREFIX}_requests", "Requests by final outcome.", ("engine", "model", "role", "stream", "endpoint", "outcome"),
-            registry=r,
-        )  # fmt: skip
-        # multiprocess_mode: how `serve --workers N` merges a gauge over the workers (ignored in one process)
-        self.in_flight = Gauge(
-            f"{PREFIX}_in_flight_requests", "Requests in progress.", ("engine", "role"), registry=r,
-            multiprocess_mode="livesum",
-        )  # fmt: skip
-        self.ttft = _h("time_to_first_token_seconds", "Client-felt TTFT: proxy received -> first token event.", b["ttft"], r)  # fmt: skip
-        self.upstream_ttft = _h("upstream_time_to_first_token_seconds", "Engine TTFT seen by the proxy: sent upstream -> first token event.", b["ttft"], r)  # fmt: skip
-        self.headers = _h("upstream_headers_seconds", "Sent upstream -> upstream response headers.", b["ttft"], r)
-        self.overhead = _h("proxy_overhead_seconds", "Proxy received -> sent upstream (what the proxy adds before the engine sees the request, event-loop queueing included).", b["overhead"], r)  # fmt: skip
-        self.proxy_delay = _h("proxy_delay_seconds", "Everything the proxy added to the client's time to first byte: received -> sent upstream, plus (streams) the engine's first event -> the client's first byte.", b["overhead"], r)  # fmt: skip
-        self.gap = _h("inter_chunk_seconds", "Gap between consecutive token-carrying chunks (a chunk may carry several tokens).", b["inter_chunk"], r)  # fmt: skip
-        self.tpot = _h("time_per_output_token_seconds", "(last token - first token) / (completion_tokens - 1).", b["inter_chunk"], r)  # fmt: skip
-        self.decode_tps = _h("decode_tokens_per_second", "(completion_tokens - 1) / (last token - first token).", b["decode_tps"], r)  # fmt: skip
-        self.e2e = _h(
-            "request_duration_seconds",
-            "Proxy received -> response finished, any outcome.",
-            b["e2e"],
-            r,
-        )
-        # seconds at each number of generation requests in flight (proxy.server.observe.inflight: --traffic's profile)
-        self.traffic = Counter(f"{PREFIX}_traffic_seconds", TRAFFIC_HELP, ("level",), registry=r)
-        self.prompt_tokens_h = _h("request_prompt_tokens", "Prompt tokens per request (engine usage).", b["tokens"], r)
-        self.completion_tokens_h = _h("request_completion_tokens", "Completion tokens per request (engine usage).", b["tokens"], r)  # fmt: skip
-        self.prefill_tps = _h("prefill_tokens_per_second", "(prompt tokens - cached prompt tokens) / upstream TTFT: the engine's prefill rate, queueing included.", b["prefill_tps"], r)  # fmt: skip
-        self.finish = Counter(
-            f"{PREFIX}_finish_reasons", "Successful requests by finish reason (stop|length|tool_calls|other).",
-            ("engine", "model", "role", "reason"), registry=r,
-        )  # fmt: skip
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens (engine usage).", REQ, registry=r)
-        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Completion tokens (engine usage).", REQ, registry=r)  # fmt: skip
-        self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the engine's prompt cache.", REQ, registry=r)  # fmt: skip
-        self.params = Counter(
-            f"{PREFIX}_params", "Client params the proxy dropped, defaulted, renamed or changed for an engine.",
-            ("engine", "param", "action"), registry=r,
-        )  # fmt: skip
-        self.usage_stripped = Counter(f"{PREFIX}_usage_events_stripped", "Usage events removed from client streams that did not ask for usage.", ("engine",), registry=r)  # fmt: skip
-        self.rewrites = Counter(f"{PREFIX}_reserialized_events", "Stream events the proxy had to re-serialize (not a plain byte rewrite).", ("engine", "reason"), registry=r)  # fmt: skip
-        # ---- what the engine says about itself (llama.cpp timings) -----------------------------------
-        self.engine_prompt = _h("engine_prompt_seconds", "Engine-reported prompt processing time (llama.cpp timings.prompt_ms).", b["ttft"], r)  # fmt: skip
-        self.engine_decode_tps = _h("engine_decode_tokens_per_second", "Engine-reported decode rate (llama.cpp timings.predicted_per_second).", b["decode_tps"], r)  # fmt: skip
-        self.engine_queue = _h("engine_queue_seconds", "Upstream TTFT minus engine-reported prompt time: time queued for a slot.", b["ttft"], r)  # fmt: skip
-        # ---- pass-through routes (embeddings, responses, tokenize, ...: proxy/server/passthrough.py) -----
-        self.passthrough = Histogram(
-            f"{PREFIX}_passthrough_duration_seconds", "Pass-through requests: proxy received -> response finished, any outcome.",
-            ("engine", "model", "endpoint"), buckets=b["e2e"], registry=r,
-        )  # fmt: skip
-        # ---- mirroring and comparison (primary vs shadow) --------------------------------------------
-        self.mirror = Counter(
-            f"{PREFIX}_mirror_requests", "Shadow copies by fate: sent, or dropped with a reason.",
-            ("engine", "result"), registry=r,
-        )  # fmt: skip
-        self.pairs = Counter(f"{PREFIX}_compared_pairs", "Primary/shadow pairs compared.", ("primary", "shadow"), registry=r)  # fmt: skip
-        self.contended = Gauge(
-            f"{PREFIX}_pair_contended", "1 while the last compared pair's primary and shadow held memory on the same GPU (their speeds compete), else 0.",
-            ("primary", "shadow"), registry=r,
-        )  # fmt: skip
-        self.token_mismatch = Counter(
-            f"{PREFIX}_token_count_mismatches", "Pairs whose token counts differ (kind=prompt|completion).",
-            ("primary", "shadow", "kind"), registry=r,
-        )  # fmt: skip
-        self.output_mismatch = Counter(f"{PREFIX}_output_mismatches", "Greedy pairs whose output text differs.", ("primary", "shadow"), registry=r)  # fmt: skip
-        self.finish_mismatch = Counter(f"{PREFIX}_finish_reason_mismatches", "Pairs whose finish reasons differ.", ("primary", "shadow"), registry=r)  # fmt: skip
-        self.token_delta = Histogram(
-            f"{PREFIX}_token_count_delta", "Shadow minus primary token count per pair.", ("primary", "shadow", "kind"),
-            buckets=DELTA_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.ratio = Histogram(
-            f"{PREFIX}_shadow_ratio", "Shadow / primary ratio per pair (metric=ttft|tpot|decode_tps).",
-            ("primary", "shadow", "metric"), buckets=RATIO_BUCKETS, registry=r,
-        )  # fmt: skip
-        # ---- the live verdict (proxy.sequential.LiveVerdict per engine pair; docs/bench.md "Live traffic") -----
-        # under serve --workers each worker judges its own share of the pairs: the series are the most recently
-        # updated worker's (its /health says the same)
-        live = ("primary", "shadow", "regime", "metric")
+    requests: Counter
+    in_flight: Gauge
+    ttft: Histogram
+    upstream_ttft: Histogram
+    headers: Histogram
+    overhead: Histogram
+    proxy_delay: Histogram
+    gap: Histogram
+    tpot: Histogram
+    decode_tps: Histogram
+    e2e: Histogram
+    traffic: Counter
+    prompt_tokens_h: Histogram
+    completion_tokens_h: Histogram
+    prefill_tps: Histogram
+    finish: Counter
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    cached_tokens: Counter
+    params: Counter
+    usage_stripped: Counter
+    rewrites: Counter
+    engine_prompt: Histogram
+    engine_decode_tps: Histogram
+    engine_queue: Histogram
+    passthrough: Histogram
+    mirror: Counter
+    pairs: Counter
+    contended: Gauge
+    token_mismatch: Counter
+    output_mismatch: Counter
+    finish_mismatch: Counter
+    token_delta: Histogram
+    ratio: Histogram
+    live_pairs: Gauge
+    live_delta: Gauge
+    live_low: Gauge
+    live_high: Gauge
+    live_decision: Gauge
+    loop_lag: Histogram
+    queued: Gauge
+    handler_wait: Histogram
+    gc_pause: Histogram
+    worker_lost: Counter
+    worker_restarts: Counter
+    build: Gauge
 
-        def live_gauge(name: str, doc: str, *extra: str) -> Gauge:
-            return Gauge(f"{PREFIX}_{name}", doc, (*live, *extra), registry=r, multiprocess_mode="livemostrecent")
-
-        self.live_pairs = live_gauge("live_pairs", "Comparable mirrored pairs the live verdict has judged, per regime and metric.")  # fmt: skip
-        self.live_delta = live_gauge("live_delta_ratio", "Live verdict: shadow / primary - 1 of the metric (geometric mean over pairs; below 0 the shadow is faster).")  # fmt: skip
-        self.live_low = live_gauge("live_interval_low_ratio", "Live verdict: the anytime-valid interval's lower end of the delta (NaN until bounded).")  # fmt: skip
-        self.live_high = live_gauge("live_interval_high_ratio", "Live verdict: the anytime-valid interval's upper end of the delta (NaN until bounded).")  # fmt: skip
-        self.live_decision = live_gauge("live_decision", "Live verdict: 1 for the current decision of the stream (not_yet|faster|slower|tie: the shadow against the primary), 0 for the others.", "decision")  # fmt: skip
-        # ---- the event loop (proxy/server/record/loopwatch.py): a saturated proxy shows itself here -----------
-        self.loop_lag = Histogram(
-            f"{PREFIX}_event_loop_lag_seconds", "How late a periodic timer on the event loop fired (every 0.1 s): how long the loop was busy elsewhere.",
-            buckets=LOOP_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queued = Gauge(
-            f"{PREFIX}_requests_queued", "Requests whose head the server has parsed and whose handler has not started yet (waiting for the event loop).",
-            registry=r, multiprocess_mode="livesum",
-        )  # fmt: skip
-        self.handler_wait = Histogram(
-            f"{PREFIX}_request_queue_seconds", "Request head parsed -> the proxy's handler started: time a request waited for the event loop.",
-            buckets=LOOP_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.gc_pause = Histogram(
-            f"{PREFIX}_gc_pause_seconds", "Garbage-collector pauses of the proxy process, by generation (0|1|2).",
-            ("generation",), buckets=LOOP_BUCKETS, registry=r,
-        )  # fmt: skip
-        # ---- serve --workers N: written by the supervisor when a worker dies (0 in one process) ------------
-        self.worker_lost = Counter(f"{PREFIX}_worker_lost_requests", WORKER_LOST_HELP, ("engine", "role"), registry=r)
-        self.worker_restarts = Counter(f"{PREFIX}_worker_restarts", WORKER_RESTARTS_HELP, registry=r)
-        # ---- build -----------------------------------------------------------------------------------
-        self.build = Gauge(
-            f"{PREFIX}_build_info", "Always 1; labels carry the version.", ("version",), registry=r,
-            multiprocess_mode="max",
-        )  # fmt: skip
+    def __init__(self, registry: CollectorRegistry, settings: MetricsSettings | None = None) -> None:
+        self.registry = registry
+        self.settings = settings if settings is not None else MetricsSettings()
+        #: labelled children by (metric, labels), for ``observe`` (``child``)
+        self.children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        bounds: dict[str, Sequence[float]] = dict(DEFAULT_BUCKETS)
+        for key, replaced in self.settings.buckets.items():
+            bounds[key] = replaced
+        for attr, family in FAMILIES.items():
+            setattr(self, attr, make_metric(family, registry, bounds))
         self.build.labels(__version__).set(1)
 
     def observe_live(self, primary: str, shadow: str, stream: Stream, st: Interval | None) -> None:
@@ -340,6 +250,9 @@ class Metrics:
                 self.token_mismatch.labels(p, s, kind)
             self.output_mismatch.labels(p, s)
             self.finish_mismatch.labels(p, s)
+
+
+assert list(Metrics.__annotations__) == list(FAMILIES), "a Metrics attribute per FAMILIES row"
 
 
 def child(m: Metrics, metric: Any, *labels: str) -> Any:

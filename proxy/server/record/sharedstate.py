@@ -36,8 +36,9 @@ class LockedMap:
     size is emptied to ``size`` zero bytes, then ``init(mm, fresh)`` runs, still under the lock (``fresh``: this
     open laid it out) — one layout, whichever process comes first."""
 
-    def __init__(self, path: str | os.PathLike[str], size: int,
-                 init: Callable[[mmap.mmap, bool], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, path: str | os.PathLike[str], size: int, init: Callable[[mmap.mmap, bool], None] | None = None
+    ) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             with self.locked():

@@ -41,7 +41,7 @@ class Ticket(Protocol):
 
 
 class Tickets(Protocol):
-    """The rollouts' state per route (``proxy.server.switch.rollout.Rollouts``)."""
+    """The rollouts' state per route (``proxy.server.switch.rollouts.Rollouts``)."""
 
     def ticket(self, route: int) -> Ticket | None: ...
 
@@ -137,8 +137,15 @@ class Router:
             other = ticket.baseline if chosen == ticket.candidate else ticket.candidate
             if ticket.counting and other not in shadows:
                 shadows = (*shadows, other)
-        return Dispatch(route=i, engines=engines, shadows=shadows, sample_rate=route.sample_rate, pinned=pinned,
-                        mirror=mirror_wanted(headers), rollout=ticket)  # fmt: skip
+        return Dispatch(
+            route=i,
+            engines=engines,
+            shadows=shadows,
+            sample_rate=route.sample_rate,
+            pinned=pinned,
+            mirror=mirror_wanted(headers),
+            rollout=ticket,
+        )
 
 
 def mirror_wanted(headers: Mapping[str, str]) -> bool:

@@ -36,30 +36,21 @@ engine by the pin header keep it and are not part of the rollout's share or stat
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client.core import Metric
-
-from proxy.errors import BadRequest, NotFound
 from proxy.sequential import ALPHA, MIN_EFFECT, Interval, LiveVerdict, Regime, Stream, sentence
-from proxy.server.record.context import current
-from proxy.server.record.metrics import RolloutSample, rollout_families
+from proxy.server.record.metrics import RolloutSample
 from proxy.server.record.result import Result
 from proxy.server.record.sharedstate import StateFile
-from proxy.server.record.tasks import held
 from proxy.server.switch.rolloutstate import (
-    ACTIONS,
     COUNTING,
     DOC_VERSION,
     FAILED,
-    TICK_S,
     Action,
     Conflict,
     StateUnavailable,
@@ -67,7 +58,6 @@ from proxy.server.switch.rolloutstate import (
     command_,
     cs_dump,
     cs_load,
-    default_state_file,
     evaluate,
     event_,
     figures_,
@@ -75,11 +65,10 @@ from proxy.server.switch.rolloutstate import (
     new_epoch,
     plan_,
 )
-from proxy.settings import RolloutSettings, Settings
+from proxy.settings import RolloutSettings
 
 if TYPE_CHECKING:
     from proxy.server.mirror.compare import PairComparison
-    from proxy.server.mirror.pairing import Pending
 
 log = logging.getLogger("enginemeter.rollout")
 
@@ -87,8 +76,16 @@ log = logging.getLogger("enginemeter.rollout")
 class Rollout:
     """One route's rollout in this process: a view of its state file, and the updates this process makes."""
 
-    def __init__(self, route: int, baseline: str, settings: RolloutSettings, path: Path, *, run: str,
-                 min_effect: float = MIN_EFFECT) -> None:  # fmt: skip
+    def __init__(
+        self,
+        route: int,
+        baseline: str,
+        settings: RolloutSettings,
+        path: Path,
+        *,
+        run: str,
+        min_effect: float = MIN_EFFECT,
+    ) -> None:
         self.route = route
         self.baseline = baseline
         self.settings = settings
@@ -130,8 +127,15 @@ class Rollout:
 
     def _seen(self, doc: dict[str, Any]) -> None:
         self._doc = doc
-        self._ticket = Ticket(self.route, int(doc["epoch"]), int(doc["step"]), float(doc["share"]), str(doc["state"]),
-                              self.baseline, self.settings.candidate)  # fmt: skip
+        self._ticket = Ticket(
+            self.route,
+            int(doc["epoch"]),
+            int(doc["step"]),
+            float(doc["share"]),
+            str(doc["state"]),
+            self.baseline,
+            self.settings.candidate,
+        )
 
     # ------------------------------------------------------------------------------- updates
 
@@ -259,8 +263,16 @@ class Rollout:
                 old = doc.get("plan") if isinstance(doc, dict) else None
                 doc = fresh(self.plan, self.run, config_state, now)
                 why = "a new rollout" if old is None else f"the plan changed (was {old})"
-                log.info("rollout of route %d: %s → %s, steps %s (%s): state %s, from %s", self.route, self.baseline,
-                         self.settings.candidate, list(self.settings.steps), why, doc["state"], self.path)  # fmt: skip
+                log.info(
+                    "rollout of route %d: %s → %s, steps %s (%s): state %s, from %s",
+                    self.route,
+                    self.baseline,
+                    self.settings.candidate,
+                    list(self.settings.steps),
+                    why,
+                    doc["state"],
+                    self.path,
+                )
             else:
                 if doc["run"] != self.run:
                     doc["run"] = self.run
@@ -269,8 +281,14 @@ class Rollout:
                     event_(
                         doc, "restored", "config", f"proxy restarted; the step's test starts again ({self.path})", now
                     )
-                    log.warning("rollout of route %d restored from %s: step %d (share %g), state %s", self.route,
-                                self.path, doc["step"], doc["share"], doc["state"])  # fmt: skip
+                    log.warning(
+                        "rollout of route %d restored from %s: step %d (share %g), state %s",
+                        self.route,
+                        self.path,
+                        doc["step"],
+                        doc["share"],
+                        doc["state"],
+                    )
                 if doc["config_state"] != config_state:
                     action: Action = {"running": "resume", "paused": "pause", "aborted": "abort"}[config_state]  # type: ignore[assignment]
                     if action == "resume" and doc["state"] not in COUNTING:
@@ -340,104 +358,16 @@ class Rollout:
         if doc is None or doc.get("plan") != self.plan:
             return None
         return RolloutSample(
-            route=str(self.route), baseline=self.baseline, candidate=self.settings.candidate, step=int(doc["step"]),
-            share=float(doc["share"]), state=str(doc["state"]), cause=str(doc["cause"]),
-            step_seconds=max(0.0, time.time() - float(doc["since"])), pairs=dict(doc["pairs"]),
-            attempts=int(doc["attempts"]), errors=int(doc["errors"]), rollbacks=dict(doc["rollbacks"]),
-        )  # fmt: skip
-
-
-# ============================================================================================== every route
-
-
-@dataclass(eq=False)
-class Rollouts:
-    """Every route's rollout: the router's ``ticket``, the mirror's pair observer, the Attempts observer, the
-    lifespan (open, tick, close), the admin commands, /health and the metrics collector."""
-
-    settings: Settings
-    run: str
-    by_route: dict[int, Rollout]
-
-    @classmethod
-    def of(cls, settings: Settings, run: str, env: Mapping[str, str] | None = None) -> Rollouts | None:
-        by_route = {}
-        for i, r in enumerate(settings.routes):
-            if r.rollout is None:
-                continue
-            path = Path(r.rollout.state_file).expanduser() if r.rollout.state_file else default_state_file(i, env)
-            by_route[i] = Rollout(i, r.primary, r.rollout, path, run=run, min_effect=settings.mirror.min_effect)
-        return cls(settings, run, by_route) if by_route else None
-
-    def ticket(self, route: int) -> Ticket | None:
-        ro = self.by_route.get(route)
-        return ro.ticket() if ro is not None else None
-
-    def on_pair(self, e: Pending, c: PairComparison, regime: Regime | None) -> None:
-        """A ``Mirror.pair_observers`` hook: comparable pairs of requests a rollout routed."""
-        t = e.rollout
-        if isinstance(t, Ticket) and t.counting:
-            self.by_route[t.route].on_pair(t, c, regime)
-
-    def on_result(self, r: Result) -> None:
-        """An ``Attempts`` observer: the candidate's attempts of requests a rollout routed (in their context)."""
-        ctx = current()
-        t = ctx.rollout if ctx is not None else None
-        if isinstance(t, Ticket) and t.counting and r.engine == t.candidate:
-            self.by_route[t.route].on_result(r, t)
-
-    def command(self, route: int | None, action: str) -> dict[str, Any]:
-        if action not in ACTIONS:
-            raise BadRequest(f"`action` must be one of {list(ACTIONS)}, got {str(action)[:40]!r}", param="action")
-        if route is None:
-            if len(self.by_route) != 1:
-                raise BadRequest(f"`route` is required: rollouts on routes {sorted(self.by_route)}", param="route")
-            route = next(iter(self.by_route))
-        ro = self.by_route.get(route)
-        if ro is None:
-            raise BadRequest(
-                f"route {route} has no rollout (rollouts on routes {sorted(self.by_route)})", param="route"
-            )
-        if ro.file is None:
-            raise NotFound("the rollout is not open yet (the proxy is starting)")
-        try:
-            ro.command(action, "admin")
-        except (OSError, ValueError) as exc:
-            raise StateUnavailable(f"cannot update the rollout's state in {ro.path}: {exc}") from None
-        return ro.state()
-
-    def state(self) -> list[dict[str, Any]]:
-        return [ro.state() for ro in self.by_route.values()]
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        for i, ro in self.by_route.items():
-            r = self.settings.routes[i].rollout
-            assert r is not None
-            try:
-                ro.open(r.state)
-            except OSError as exc:  # the proxy does not start: a rollout it cannot keep must not run unguarded
-                log.error("rollout of route %d: cannot open its state at %s: %s", i, ro.path, exc)
-                raise
-        try:
-            async with held(self._tick_forever):
-                yield
-        finally:
-            for ro in self.by_route.values():
-                ro.close()
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)  # a periodic timer, not a synchronisation
-            for ro in self.by_route.values():
-                try:
-                    ro.tick()
-                except Exception:
-                    log.exception("rollout of route %d: tick failed", ro.route)
-
-    # a prometheus_client collector: every scrape reads the shared file (any worker answers the same)
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> list[Metric]:
-        return rollout_families([s for ro in self.by_route.values() if (s := ro.sample()) is not None])
+            route=str(self.route),
+            baseline=self.baseline,
+            candidate=self.settings.candidate,
+            step=int(doc["step"]),
+            share=float(doc["share"]),
+            state=str(doc["state"]),
+            cause=str(doc["cause"]),
+            step_seconds=max(0.0, time.time() - float(doc["since"])),
+            pairs=dict(doc["pairs"]),
+            attempts=int(doc["attempts"]),
+            errors=int(doc["errors"]),
+            rollbacks=dict(doc["rollbacks"]),
+        )

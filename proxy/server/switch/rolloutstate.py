@@ -88,10 +88,15 @@ def cs_dump(verdict: LiveVerdict) -> dict[str, Any]:
     out = {}
     for st, cs in verdict.streams.items():
         out[f"{st.regime}/{st.metric}"] = {
-            "n": cs.n, "mean": cs.mean, "m2": cs._m2,
-            "lo": cs.lo if math.isfinite(cs.lo) else None, "hi": cs.hi if math.isfinite(cs.hi) else None,
-            "decision": cs.decision, "decided_after": cs.decided_after, "drift": cs.drift,
-        }  # fmt: skip
+            "n": cs.n,
+            "mean": cs.mean,
+            "m2": cs._m2,
+            "lo": cs.lo if math.isfinite(cs.lo) else None,
+            "hi": cs.hi if math.isfinite(cs.hi) else None,
+            "decision": cs.decision,
+            "decided_after": cs.decided_after,
+            "drift": cs.drift,
+        }
     return out
 
 
@@ -108,17 +113,37 @@ def cs_load(verdict: LiveVerdict, data: Mapping[str, Any]) -> LiveVerdict:
 
 
 def figures_(side: Side) -> dict[str, Any]:
-    return {"upstream_ttft_s": side.upstream_ttft_s, "ttft_s": side.ttft_s, "tpot_s": side.tpot_s,
-            "e2e_s": side.e2e_s, "completion_tokens": side.completion_tokens}  # fmt: skip
+    return {
+        "upstream_ttft_s": side.upstream_ttft_s,
+        "ttft_s": side.ttft_s,
+        "tpot_s": side.tpot_s,
+        "e2e_s": side.e2e_s,
+        "completion_tokens": side.completion_tokens,
+    }
 
 
 def fresh(plan: dict[str, Any], run: str, config_state: str, now: float) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        "v": DOC_VERSION, "plan": plan, "run": run, "config_state": config_state, "state": "running",
-        "step": 0, "share": plan["steps"][0], "epoch": 0, "since": now, "cause": "pairs", "detail": "",
-        "pairs": {}, "verdict": {}, "attempts": 0, "served": 0, "errors": 0, "last_error": None,
-        "rollbacks": dict.fromkeys(ROLLBACK_CAUSES, 0), "events": [],
-    }  # fmt: skip
+        "v": DOC_VERSION,
+        "plan": plan,
+        "run": run,
+        "config_state": config_state,
+        "state": "running",
+        "step": 0,
+        "share": plan["steps"][0],
+        "epoch": 0,
+        "since": now,
+        "cause": "pairs",
+        "detail": "",
+        "pairs": {},
+        "verdict": {},
+        "attempts": 0,
+        "served": 0,
+        "errors": 0,
+        "last_error": None,
+        "rollbacks": dict.fromkeys(ROLLBACK_CAUSES, 0),
+        "events": [],
+    }
     event_(doc, "started", "config", f"steps {plan['steps']}", now)
     if config_state == "paused":
         command_(doc, "pause", "config", now)
@@ -128,14 +153,22 @@ def fresh(plan: dict[str, Any], run: str, config_state: str, now: float) -> dict
 
 
 def event_(doc: dict[str, Any], event: str, cause: str, detail: str, now: float) -> None:
-    doc["events"] = [*doc["events"], {"ts": round(now, 3), "event": event, "step": doc["step"],
-                                      "share": doc["share"], "cause": cause, "detail": detail}][-MAX_EVENTS:]  # fmt: skip
+    doc["events"] = [
+        *doc["events"],
+        {
+            "ts": round(now, 3),
+            "event": event,
+            "step": doc["step"],
+            "share": doc["share"],
+            "cause": cause,
+            "detail": detail,
+        },
+    ][-MAX_EVENTS:]
 
 
 def new_epoch(doc: dict[str, Any], now: float) -> None:
     """A step's test starts: its pairs, counts and dwell from zero (pairs routed before are not counted)."""
-    doc.update(epoch=doc["epoch"] + 1, since=now, pairs={}, verdict={}, attempts=0, served=0, errors=0,
-               last_error=None)  # fmt: skip
+    doc.update(epoch=doc["epoch"] + 1, since=now, pairs={}, verdict={}, attempts=0, served=0, errors=0, last_error=None)
 
 
 def rollback(doc: dict[str, Any], cause: str, detail: str, now: float) -> None:
@@ -143,8 +176,14 @@ def rollback(doc: dict[str, Any], cause: str, detail: str, now: float) -> None:
     doc.update(state="rolled_back", share=0.0, cause=cause, detail=detail)
     doc["rollbacks"][cause] = doc["rollbacks"].get(cause, 0) + 1
     event_(doc, "rolled_back", cause, detail, now)
-    log.warning("rollout of route %s ROLLED BACK at step %d (share %g → 0): %s: %s",
-                doc["plan"]["route"], step, share, cause, detail)  # fmt: skip
+    log.warning(
+        "rollout of route %s ROLLED BACK at step %d (share %g → 0): %s: %s",
+        doc["plan"]["route"],
+        step,
+        share,
+        cause,
+        detail,
+    )
 
 
 def advance(doc: dict[str, Any], now: float) -> None:
@@ -198,8 +237,10 @@ def evaluate(
     a stream's interval in words."""
     e = math.log1p(empty.min_effect)
     if doc["errors"] >= s.min_errors and doc["errors"] > s.error_budget * doc["attempts"]:
-        detail = (f"{s.candidate} failed {doc['errors']} of its {doc['attempts']} attempts at step {doc['step']} "
-                  f"(budget {s.error_budget:.1%}, at least {s.min_errors}); last: {doc.get('last_error')}")  # fmt: skip
+        detail = (
+            f"{s.candidate} failed {doc['errors']} of its {doc['attempts']} attempts at step {doc['step']} "
+            f"(budget {s.error_budget:.1%}, at least {s.min_errors}); last: {doc.get('last_error')}"
+        )
         rollback(doc, "errors", detail, now)
         return
     v = cs_load(empty, doc["verdict"])
@@ -217,9 +258,13 @@ def evaluate(
 
 
 def hold(
-    doc: dict[str, Any], s: RolloutSettings, v: LiveVerdict, say: Callable[[Stream, Interval], str], now: float,
+    doc: dict[str, Any],
+    s: RolloutSettings,
+    v: LiveVerdict,
+    say: Callable[[Stream, Interval], str],
+    now: float,
     e: float,
-) -> tuple[str | None, str]:  # fmt: skip
+) -> tuple[str | None, str]:
     """Why the step cannot advance yet (None: it can)."""
     pairs: dict[str, int] = doc["pairs"]
     total = sum(pairs.values())

@@ -172,11 +172,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if now - _warned_at > 10 or len(shed) < excess:
             _warned_at = now
             log.warning(
-                "%d open files, limit %d (headroom %d kept free): closed %d idle client connection(s), oldest "
-                "first%s",
-                budget + excess + closing, budget + headroom, headroom, len(shed),
+                "%d open files, limit %d (headroom %d kept free): closed %d idle client connection(s), oldest first%s",
+                budget + excess + closing,
+                budget + headroom,
+                headroom,
+                len(shed),
                 "" if len(shed) >= excess else f"; {excess - len(shed)} over with no idle connection left to close",
-            )  # fmt: skip
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()

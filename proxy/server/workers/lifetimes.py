@@ -150,8 +150,12 @@ def claim_directory(directory: str, wait_s: float) -> int:
                 f"{LOCK_FILE}): two runs in one directory add up each other's figures; give each its own"
             )
         if not said:
-            log.warning("PROMETHEUS_MULTIPROC_DIR %s is in use by another run's processes: waiting up to %.0f s "
-                        "for them to exit", directory, wait_s)  # fmt: skip
+            log.warning(
+                "PROMETHEUS_MULTIPROC_DIR %s is in use by another run's processes: waiting up to %.0f s "
+                "for them to exit",
+                directory,
+                wait_s,
+            )
             said = True
         time.sleep(0.1)  # the polling period of a lock wait, not a synchronisation
     for f in path.glob("*.db"):  # the figures of an earlier run would add up with ours

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from proxy.server.mirror.shadows import Mirror
@@ -48,9 +51,6 @@ class WorkerRole:
     def registry(self) -> CollectorRegistry:
         """The registry a scrape reads: every worker's files merged, plus the collectors (worker 0 adds its own
         live ones; the others read worker 0's snapshot)."""
-        from prometheus_client import CollectorRegistry
-        from prometheus_client.multiprocess import MultiProcessCollector
-
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=str(self.directory))  # type: ignore[no-untyped-call]
         if self.index != 0:
@@ -92,8 +92,6 @@ class WorkerRole:
         return wrapped
 
     def _write_snapshots(self, stop: threading.Event) -> None:
-        from prometheus_client import CollectorRegistry, generate_latest
-
         registry = CollectorRegistry()
         for c in self.collectors:
             registry.register(c)
@@ -130,8 +128,6 @@ class SnapshotCollector:
         self.path = path
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.parser import text_string_to_metric_families
-
         try:
             st = self.path.stat()
             if time.time() - st.st_mtime > SNAPSHOT_STALE_S:

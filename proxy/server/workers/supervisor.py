@@ -51,6 +51,7 @@ With ``--workers 1`` none of this runs: the proxy is one process as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -58,37 +59,26 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from starlette.applications import Starlette
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import mark_process_dead
 
-    from proxy.server.observe.inflight import TrafficProfile
-    from proxy.settings import Settings
-
-from proxy.server.workers.lifetimes import (
-    claim_directory,
-    die_with_parent,
-    hold_directory,
-    make_directory,
-    remove_stale_directories,
-    watch_parent,
-)
-from proxy.server.workers.role import WorkerRole
+from proxy.server.observe.inflight import TRAFFIC_FILE, TrafficProfile
+from proxy.server.record.families import HELP, PREFIX
+from proxy.server.workers.lifetimes import claim_directory, make_directory, remove_stale_directories
+from proxy.server.workers.worker import READY, AppFactory, WorkerSpec, reuseport_socket, worker_main
+from proxy.settings import Settings
 
 log = logging.getLogger("enginemeter.workers")
 
 #: a worker that dies this soon after its start, this many times in a row, stops the whole server
 CRASH_WINDOW_S = 5.0
 MAX_QUICK_CRASHES = 3
-#: what a worker writes to its start-up pipe once it serves
-READY = b"ready"
 
 
 def default_workers() -> int:
@@ -102,87 +92,9 @@ def default_workers() -> int:
     return max(1, min(8, cpus // 2))
 
 
-def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    if listen:
-        sock.listen(2048)
-        sock.setblocking(False)
-    return sock
-
-
-#: builds a worker's app (``proxy.server.compose.build_app``): given, not imported, so this module stays below the
-#: composition root that imports it; a module-level function, so it reaches a spawned worker by reference
-AppFactory = Callable[..., "Starlette"]
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    settings: Settings
-    index: int
-    host: str
-    port: int
-    directory: str
-    log_level: str
-    shutdown_timeout_s: float = 30.0
-    app_factory: AppFactory | None = None
-    #: the supervisor's pid: a worker whose parent is no longer this one stops (module docstring)
-    supervisor_pid: int = 0
-
-
-def worker_main(spec: WorkerSpec, ready: multiprocessing.connection.Connection) -> None:
-    """A worker's process (spawned): its socket, its app, uvicorn on it until SIGTERM/SIGINT or its supervisor's
-    death."""
-    # first of all: from here on the supervisor's death reaches this process; if it died before, stop now
-    die_with_parent(signal.SIGTERM)
-    if spec.supervisor_pid and os.getppid() != spec.supervisor_pid:
-        return
-    if spec.app_factory is None:
-        raise RuntimeError("a worker needs the app factory (serve_workers' app_factory)")
-    from proxy.server.workers.guard import Server, server_config
-
-    logging.basicConfig(
-        level=getattr(logging, spec.log_level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    hold_directory(spec.directory)  # for this process's life: the directory is in use
-    sock = reuseport_socket(spec.host, spec.port)
-    role = WorkerRole(spec.index, Path(spec.directory))
-    app = spec.app_factory(spec.settings, worker=role)
-
-    def started() -> None:
-        with contextlib.suppress(OSError):  # the supervisor is gone: its watch stops this worker
-            ready.send_bytes(READY)
-        ready.close()
-
-    wrapped = role.wrap(app, app.state.gateway.mirror, on_started=started)
-    # the single-process serve's configuration: connection limits, shutdown timeout (proxy/server/workers/guard.py)
-    config = server_config(
-        wrapped,
-        log_level=spec.log_level,
-        shutdown_timeout_s=spec.shutdown_timeout_s,
-        loop_watch=app.state.gateway.loop_watch,
-    )
-    server = Server(config)
-    if spec.supervisor_pid:
-        # uvicorn's own shutdown, as on SIGTERM: stop listening, finish what is in progress, exit
-        watch_parent(spec.supervisor_pid, lambda: setattr(server, "should_exit", True))
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=[sock])
-
-
-# ================================================================================================ supervisor
-
-
 def lost_in_flight(directory: Path, pid: int) -> dict[tuple[str, str], int]:
     """What a dead worker's ``enginemeter_in_flight_requests`` said at its death, by (engine, role): read from its
     multiprocess file before ``mark_process_dead`` removes it."""
-    from prometheus_client.mmap_dict import MmapedDict
-
     path = directory / f"gauge_livesum_{pid}.db"
     lost: dict[tuple[str, str], int] = {}
     try:
@@ -205,24 +117,20 @@ class SupervisorCounts:
     objects cannot write there: the file is written directly, with the keys prometheus-client uses)."""
 
     def __init__(self, directory: Path) -> None:
-        from prometheus_client.mmap_dict import MmapedDict
-
         self._file = MmapedDict(str(directory / f"counter_{os.getpid()}.db"))  # type: ignore[no-untyped-call]
         self._totals: dict[str, float] = {}
 
     def add(self, metric: str, help_text: str, labels: dict[str, str], n: float) -> None:
-        from prometheus_client.mmap_dict import mmap_key
-
         key = mmap_key(metric, f"{metric}_total", list(labels), list(labels.values()), help_text)
         self._totals[key] = self._totals.get(key, 0.0) + n
         self._file.write_value(key, self._totals[key], time.time())  # type: ignore[no-untyped-call]
 
     def worker_died(self, lost: dict[tuple[str, str], int]) -> None:
-        from proxy.server.record.metrics import PREFIX, WORKER_LOST_HELP, WORKER_RESTARTS_HELP
-
         for (engine, role), n in lost.items():
-            self.add(f"{PREFIX}_worker_lost_requests", WORKER_LOST_HELP, {"engine": engine, "role": role}, n)
-        self.add(f"{PREFIX}_worker_restarts", WORKER_RESTARTS_HELP, {}, 1)
+            self.add(
+                f"{PREFIX}_worker_lost_requests", HELP["worker_lost_requests"], {"engine": engine, "role": role}, n
+            )
+        self.add(f"{PREFIX}_worker_restarts", HELP["worker_restarts"], {}, 1)
 
     def close(self) -> None:
         self._file.close()  # type: ignore[no-untyped-call]
@@ -241,144 +149,181 @@ def serve_workers(
 ) -> int:
     """Run ``n`` workers on ``settings.host:settings.port`` until SIGTERM/SIGINT; returns the exit status.
 
-    ``app_factory`` builds each worker's app (``proxy.server.compose.build_app``); ``announce`` gets the port once every
-    worker has started (``settings.port`` 0 picks one); ``on_shutdown`` runs
-    at the end; ``on_traffic`` then gets the whole proxy's traffic profile, if every worker had started."""
-    from prometheus_client.multiprocess import mark_process_dead
-
-    from proxy.server.observe.inflight import TRAFFIC_FILE, TrafficProfile
-    from proxy.server.record.metrics import PREFIX, TRAFFIC_HELP
-
-    made_dir = None
+    ``app_factory`` builds each worker's app (``proxy.server.compose.build_app``); ``announce`` gets the port once
+    every worker has started (``settings.port`` 0 picks one); ``on_shutdown`` runs at the end; ``on_traffic``
+    then gets the whole proxy's traffic profile, if every worker had started."""
     remove_stale_directories()
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if directory:
-        try:
-            lock = claim_directory(directory, shutdown_timeout_s + 5)
-        except RuntimeError as exc:
-            log.error("%s", exc)
-            for stop in on_shutdown:
-                stop()
-            return 1
-    else:
-        directory, lock = make_directory()
-        made_dir = directory
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    claimed = metrics_directory(shutdown_timeout_s)
+    if claimed is None:
+        for stop in on_shutdown:
+            stop()
+        return 1
+    directory, lock, made_dir = claimed
     # bound, never listening: holds the port (port 0 picks one) without taking connections
     reserve = reuseport_socket(settings.host, settings.port, listen=False)
     port = int(reserve.getsockname()[1])
-    ctx = multiprocessing.get_context("spawn")
-    stopping = threading.Event()
-    procs: dict[int, multiprocessing.process.BaseProcess] = {}
-    started: dict[int, float] = {}
-    #: each worker's start-up pipe (the reading end): the worker writes READY once it serves. Not a
-    #: multiprocessing Event: its set() waits for every waiter to wake, so a supervisor killed while waiting left
-    #: a starting worker blocked for ever, its event loop with it (a parent-death signal could not end it)
-    readies: dict[int, multiprocessing.connection.Connection] = {}
-    counts = SupervisorCounts(Path(directory))
-    # the whole proxy's requests in flight (proxy.server.observe.inflight): an earlier run's file is not this run's count
-    # (claim_directory wipes *.db only); laid out afresh before any worker opens it
-    (Path(directory) / TRAFFIC_FILE).unlink(missing_ok=True)
-    traffic = TrafficProfile(
-        shared=Path(directory) / TRAFFIC_FILE,
-        # the supervisor's own ticks (at a worker's death, at the end) go to its counter file, so the merged
-        # enginemeter_traffic_seconds_total stays the sum of every tick
-        record=lambda level, dt: counts.add(f"{PREFIX}_traffic_seconds", TRAFFIC_HELP, {"level": level}, dt),
+    sup = Supervisor(
+        WorkerSpec(settings, 0, settings.host, port, directory, log_level, shutdown_timeout_s, app_factory, os.getpid())
     )
-    crashes = 0
     served = False
-
-    def start(i: int) -> None:
-        spec = WorkerSpec(settings, i, settings.host, port, directory, log_level, shutdown_timeout_s, app_factory,
-                          os.getpid())  # fmt: skip
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=worker_main, args=(spec, writer), name=f"enginemeter-worker-{i}", daemon=False)
-        p.start()
-        writer.close()  # the child has its own copy: the pipe ends (EOF) when the child does
-        if i in readies:
-            readies[i].close()
-        readies[i] = reader
-        procs[i], started[i] = p, time.monotonic()
-
-    def wait_ready(i: int) -> bool:
-        """Until worker ``i`` serves (True), exits or the supervisor is told to stop (False)."""
-        while procs[i].exitcode is None and not stopping.is_set():
-            if readies[i].poll(0.1):
-                try:
-                    return readies[i].recv_bytes() == READY
-                except (EOFError, OSError):
-                    return False
-        return False
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping.set()
-        for p in procs.values():
-            if p.pid is not None and p.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    status = 0
+    previous = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for i in range(n):
-            start(i)
-        up = [wait_ready(i) for i in range(n)]
-        if all(up) and not stopping.is_set():
+            sup.start(i)
+        up = [sup.wait_ready(i) for i in range(n)]
+        if all(up) and not sup.stopping.is_set():
             served = True
             log.info("%d workers on %s:%d (metrics merged in %s)", n, settings.host, port, directory)
             if announce is not None:
                 announce(port)
-        while procs:
-            multiprocessing.connection.wait([p.sentinel for p in procs.values()])
-            for i, p in list(procs.items()):
-                if p.exitcode is None:
-                    continue
-                del procs[i]
-                lost: dict[tuple[str, str], int] = {}
-                if p.pid is not None:
-                    lost = lost_in_flight(Path(directory), p.pid)
-                    mark_process_dead(p.pid, directory)  # type: ignore[no-untyped-call]
-                # its requests in flight leave the whole proxy's count now (they were cut with it; 0 after a
-                # graceful exit). The count is exact; when each would have ended cannot be known: they drop out
-                # the moment the supervisor sees the death, and requests it had not yet started serving (still
-                # sending their body) were never counted
-                traffic.forget(i)
-                if stopping.is_set():
-                    continue
-                counts.worker_died(lost)
-                quick = time.monotonic() - started[i] < CRASH_WINDOW_S
-                crashes = crashes + 1 if quick else 0
-                what = ", ".join(f"{e}/{r}: {k}" for (e, r), k in sorted(lost.items())) or "none"
-                if crashes >= MAX_QUICK_CRASHES:
-                    log.error("worker %d exited with %s %d times at start: stopping", i, p.exitcode, crashes)
-                    status = 1
-                    on_signal(signal.SIGTERM, None)
-                    continue
-                log.error(
-                    "worker %d (pid %s) exited with %s; requests in flight lost (engine/role): %s; restarting it",
-                    i, p.pid, p.exitcode, what,
-                )  # fmt: skip
-                start(i)
+        sup.supervise()
     finally:
-        stopping.set()
-        for p in procs.values():
-            p.terminate()
-            p.join(10)
+        sup.stop_workers()
         for s, h in previous.items():
             signal.signal(s, h)
-        for r in readies.values():
-            r.close()
+        sup.close_pipes()
         reserve.close()
         for stop in on_shutdown:
             stop()
-        for i, p in procs.items():  # stopped above, or not, when an error ended the supervision early
-            if p.exitcode is not None:
-                traffic.forget(i)
+        sup.forget_stopped()
         if served and on_traffic is not None:
-            on_traffic(traffic)  # serve's last words, from the shared file, before the directory goes
-        traffic.close()
-        counts.close()
+            on_traffic(sup.traffic)  # serve's last words, from the shared file, before the directory goes
+        sup.traffic.close()
+        sup.counts.close()
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
         os.close(lock)
-    return status
+    return sup.status
+
+
+def metrics_directory(wait_s: float) -> tuple[str, int, str | None] | None:
+    """The multiprocess directory, its owner lock and the directory to remove at the end (None: the environment
+    named it): ``PROMETHEUS_MULTIPROC_DIR`` claimed (waiting up to ``wait_s`` + 5 s for an earlier run's
+    processes; None when they stay), else a fresh one, set in the environment for the workers."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        try:
+            return directory, claim_directory(directory, wait_s + 5), None
+        except RuntimeError as exc:
+            log.error("%s", exc)
+            return None
+    directory, lock = make_directory()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    return directory, lock, directory
+
+
+class Supervisor:
+    """The workers of one ``serve_workers`` run: each started from ``spec`` (its index set), waited for, watched,
+    restarted when it dies, and stopped."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.ctx = multiprocessing.get_context("spawn")
+        self.stopping = threading.Event()
+        self.procs: dict[int, BaseProcess] = {}
+        self.started: dict[int, float] = {}
+        #: each worker's start-up pipe (the reading end): the worker writes READY once it serves. Not a
+        #: multiprocessing Event: its set() waits for every waiter to wake, so a supervisor killed while waiting
+        #: left a starting worker blocked for ever, its event loop with it (a parent-death signal could not end it)
+        self.readies: dict[int, multiprocessing.connection.Connection] = {}
+        directory = Path(spec.directory)
+        self.counts = SupervisorCounts(directory)
+        # the whole proxy's requests in flight (proxy.server.observe.inflight): an earlier run's file is not this
+        # run's count (claim_directory wipes *.db only); laid out afresh before any worker opens it
+        (directory / TRAFFIC_FILE).unlink(missing_ok=True)
+        self.traffic = TrafficProfile(
+            shared=directory / TRAFFIC_FILE,
+            # the supervisor's own ticks (at a worker's death, at the end) go to its counter file, so the merged
+            # enginemeter_traffic_seconds_total stays the sum of every tick
+            record=lambda level, dt: self.counts.add(
+                f"{PREFIX}_traffic_seconds", HELP["traffic_seconds"], {"level": level}, dt
+            ),
+        )
+        #: quick deaths in a row (``CRASH_WINDOW_S``)
+        self.crashes = 0
+        self.status = 0
+
+    def start(self, i: int) -> None:
+        spec = dataclasses.replace(self.spec, index=i)
+        reader, writer = self.ctx.Pipe(duplex=False)
+        p = self.ctx.Process(target=worker_main, args=(spec, writer), name=f"enginemeter-worker-{i}", daemon=False)
+        p.start()
+        writer.close()  # the child has its own copy: the pipe ends (EOF) when the child does
+        if i in self.readies:
+            self.readies[i].close()
+        self.readies[i] = reader
+        self.procs[i], self.started[i] = p, time.monotonic()
+
+    def wait_ready(self, i: int) -> bool:
+        """Until worker ``i`` serves (True), exits or the supervisor is told to stop (False)."""
+        while self.procs[i].exitcode is None and not self.stopping.is_set():
+            if self.readies[i].poll(0.1):
+                try:
+                    return self.readies[i].recv_bytes() == READY
+                except (EOFError, OSError):
+                    return False
+        return False
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.stopping.set()
+        for p in self.procs.values():
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+    def supervise(self) -> None:
+        """Until every worker has exited: each one that dies is counted and restarted (module docstring)."""
+        while self.procs:
+            multiprocessing.connection.wait([p.sentinel for p in self.procs.values()])
+            for i, p in list(self.procs.items()):
+                if p.exitcode is not None:
+                    del self.procs[i]
+                    self.exited(i, p)
+
+    def exited(self, i: int, p: BaseProcess) -> None:
+        directory = self.spec.directory
+        lost: dict[tuple[str, str], int] = {}
+        if p.pid is not None:
+            lost = lost_in_flight(Path(directory), p.pid)
+            mark_process_dead(p.pid, directory)  # type: ignore[no-untyped-call]
+        # its requests in flight leave the whole proxy's count now (they were cut with it; 0 after a graceful
+        # exit). The count is exact; when each would have ended cannot be known: they drop out the moment the
+        # supervisor sees the death, and requests it had not yet started serving (still sending their body) were
+        # never counted
+        self.traffic.forget(i)
+        if self.stopping.is_set():
+            return
+        self.counts.worker_died(lost)
+        quick = time.monotonic() - self.started[i] < CRASH_WINDOW_S
+        self.crashes = self.crashes + 1 if quick else 0
+        what = ", ".join(f"{e}/{r}: {k}" for (e, r), k in sorted(lost.items())) or "none"
+        if self.crashes >= MAX_QUICK_CRASHES:
+            log.error("worker %d exited with %s %d times at start: stopping", i, p.exitcode, self.crashes)
+            self.status = 1
+            self.on_signal(signal.SIGTERM, None)
+            return
+        log.error(
+            "worker %d (pid %s) exited with %s; requests in flight lost (engine/role): %s; restarting it",
+            i,
+            p.pid,
+            p.exitcode,
+            what,
+        )
+        self.start(i)
+
+    def stop_workers(self) -> None:
+        self.stopping.set()
+        for p in self.procs.values():
+            p.terminate()
+            p.join(10)
+
+    def close_pipes(self) -> None:
+        for r in self.readies.values():
+            r.close()
+
+    def forget_stopped(self) -> None:
+        """Take the workers stopped at the end off the traffic count (all of them, unless an error ended the
+        supervision early and one did not stop)."""
+        for i, p in self.procs.items():
+            if p.exitcode is not None:
+                self.traffic.forget(i)

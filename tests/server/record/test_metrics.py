@@ -9,7 +9,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from proxy.configfile import load
-from proxy.server.record.metrics import DEFAULT_BUCKETS, Metrics, configured_pairs, finish_label, observe, observe_many
+from proxy.server.record.buckets import DEFAULT_BUCKETS
+from proxy.server.record.metrics import Metrics, configured_pairs, finish_label, observe, observe_many
 from proxy.server.record.result import Result
 from proxy.settings import BUCKET_KEYS, SettingsError
 from proxy.timing import EngineTimings, StreamTiming, Usage
@@ -157,8 +158,8 @@ def test_configured_pairs_start_at_zero(tmp_path: Path) -> None:
 
 
 def test_series_per_engine_and_alias_are_as_documented() -> None:
-    """docs/metrics.md#series: 88 + 4E + 18E(E+M) at start; up to 1,481 per (engine, model label) pair with
-    traffic. Counted by perf/series.py on the proxy's own Metrics."""
+    """docs/metrics.md#series-how-many-per-engine-and-alias: 88 + 4E + 18E(E+M) at start; up to 1,481 per
+    (engine, model label) pair with traffic. Counted by perf/series.py on the proxy's own Metrics."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[3] / "perf" / "series.py"
