@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.bench.run import targets as bench_engines
+import httpx
+
+from proxy.bench.run import targets
 from proxy.bench.run.config import Target, canonical_sampling
 from proxy.bench.verdict.inputs import Reason
 from proxy.gpu.scraped import PER_ENGINE, MemReading, parse_metrics, read_memory
@@ -58,8 +60,6 @@ class ProxyInfo:
 def proxy_info(url: str, timeout: float = 5.0) -> ProxyInfo:
     """Engine facts, GPU memory peaks since the proxy started and its mirror state, from a running proxy; a
     proxy that does not answer gives an ``error``, not an exception (the log alone still makes the report)."""
-    import httpx
-
     base = url.rstrip("/")
     # a proxy with api_keys shows /health's detail (and /metrics, with metrics.access: key) only to a key
     key = os.environ.get(PROXY_KEY_ENV)
@@ -74,8 +74,9 @@ def proxy_info(url: str, timeout: float = 5.0) -> ProxyInfo:
         return ProxyInfo(base, error=f"{type(exc).__name__}: {exc}{hint}")
     health = health if isinstance(health, dict) else {}
     if "engines" not in health:
-        return ProxyInfo(base, error=f"its /health answers only liveness without a key: set {PROXY_KEY_ENV} to one "
-                         "of its api_keys")  # fmt: skip
+        return ProxyInfo(
+            base, error=f"its /health answers only liveness without a key: set {PROXY_KEY_ENV} to one of its api_keys"
+        )
     states = (health.get("engine_state") or {}).get("engines") or {}
     mirror = health.get("mirror") or {}
     peaks: dict[str, float] = {}
@@ -137,9 +138,17 @@ def sampling_groups(recs: Sequence[Mapping[str, Any]], role: str) -> list[Sampli
         mt = sorted(
             {int(s["params"]["max_tokens"]) for s in ss if s and isinstance(s["params"].get("max_tokens"), int)}
         )
-        out.append(SamplingGroup(engine, g, len(ss), tuple(params.most_common()), tuple(mt),
-                                 Counter(p for s in ss if s for p in s.get("dropped") or ()),
-                                 Counter(p for s in ss if s for p in s.get("defaulted") or ())))  # fmt: skip
+        out.append(
+            SamplingGroup(
+                engine,
+                g,
+                len(ss),
+                tuple(params.most_common()),
+                tuple(mt),
+                Counter(p for s in ss if s for p in s.get("dropped") or ()),
+                Counter(p for s in ss if s for p in s.get("defaulted") or ()),
+            )
+        )
     return sorted(out, key=lambda x: x.group)
 
 
@@ -180,9 +189,12 @@ def greedy_agreement(recs: Sequence[Mapping[str, Any]]) -> Greedy:
 def greedy_text(base: str, cand: str, g: Greedy, random: Mapping[str, str] | None = None) -> str:
     mine = {e: why for e, why in (random or {}).items() if e in (base, cand)}
     if mine:
-        return (f"greedy outputs cannot be judged: {' and '.join(mine)} {'run' if len(mine) > 1 else 'runs'} random weights ("
-                + "; ".join(f"{e}: {w}" for e, w in mine.items()) + ") — outputs of random weights say nothing about "
-                "correctness, and two engines' greedy outputs part wherever their kernels round differently")  # fmt: skip
+        return (
+            f"greedy outputs cannot be judged: {' and '.join(mine)} {'run' if len(mine) > 1 else 'runs'} random weights ("
+            + "; ".join(f"{e}: {w}" for e, w in mine.items())
+            + ") — outputs of random weights say nothing about "
+            "correctness, and two engines' greedy outputs part wherever their kernels round differently"
+        )
     if not g.pairs:
         return "greedy outputs: no greedy pair (temperature 0 on both sides) was compared"
     if not g.differ:
@@ -190,46 +202,69 @@ def greedy_text(base: str, cand: str, g: Greedy, random: Mapping[str, str] | Non
     at = ""
     if g.first_tokens:
         t = g.first_tokens
-        at = (f"; first differing token: median {statistics.median(t):g}, range {t[0]}–{t[-1]} "
-              f"({sum(1 for x in t if x == 0)} at token 0)")  # fmt: skip
-    why = ("at token 0 the engines did not see the same input (chat template, BOS, tokenizer) or sample "
-           "differently" if g.first_tokens and statistics.median(g.first_tokens) == 0 else
-           "later tokens usually mean floating-point differences (batched vs single-request kernels, another "
-           "build or number format) that flip a near-tie argmax, after which the texts part; speed is still "
-           "comparable when the output lengths agree")  # fmt: skip
-    return (f"greedy outputs differ in {g.differ} of {g.pairs} greedy pairs ({g.differ / g.pairs:.0%}) between "
-            f"{base} and {cand}{at} — {why}")  # fmt: skip
+        at = (
+            f"; first differing token: median {statistics.median(t):g}, range {t[0]}–{t[-1]} "
+            f"({sum(1 for x in t if x == 0)} at token 0)"
+        )
+    why = (
+        "at token 0 the engines did not see the same input (chat template, BOS, tokenizer) or sample differently"
+        if g.first_tokens and statistics.median(g.first_tokens) == 0
+        else "later tokens usually mean floating-point differences (batched vs single-request kernels, another "
+        "build or number format) that flip a near-tie argmax, after which the texts part; speed is still "
+        "comparable when the output lengths agree"
+    )
+    return (
+        f"greedy outputs differ in {g.differ} of {g.pairs} greedy pairs ({g.differ / g.pairs:.0%}) between "
+        f"{base} and {cand}{at} — {why}"
+    )
 
 
 # ---- engine facts -----------------------------------------------------------------------------------
 
 
-def engine_facts(name: str, kind: str | None, facts: Mapping[str, Any], declared: str | None,
-                  state: Mapping[str, Any]) -> Target:  # fmt: skip
+def engine_facts(
+    name: str, kind: str | None, facts: Mapping[str, Any], declared: str | None, state: Mapping[str, Any]
+) -> Target:
     """A bench ``Target`` filled the bench's way: declared, the engine's own words, the GGUF header, the name."""
     src = facts or state
-    t = Target(name=name, url=None, kind=kind if kind in ("llamacpp", "sglang", "vllm", "openai") else None,  # type: ignore[arg-type]
-               model=src.get("model"), quantization=declared, quantization_source="declared" if declared else None)  # fmt: skip
+    t = Target(
+        name=name,
+        url=None,
+        kind=kind if kind in ("llamacpp", "sglang", "vllm", "openai") else None,  # type: ignore[arg-type]
+        model=src.get("model"),
+        quantization=declared,
+        quantization_source="declared" if declared else None,
+    )
     if src.get("model_path"):
         t.info["model_path"] = src["model_path"]
     t.slots = src.get("slots")
     t.context_per_slot = src.get("context_length")
     if src.get("kv_pool_tokens"):
         t.info["kv_pool_tokens"] = src["kv_pool_tokens"]
-    bench_engines.quantization(
-        t, {"quantization": src.get("quantization"), "weights_format": src.get("weights_format")}
-    )
+    targets.quantization(t, {"quantization": src.get("quantization"), "weights_format": src.get("weights_format")})
     if not declared and not facts and state and t.quantization_source:
         t.quantization_source = f"{t.quantization_source}, via the running proxy"
     return t
 
 
-def sampling_reasons(bl: str, other: str, recs: Sequence[Mapping[str, Any]], canon_of: dict[str, Mapping[str, Any]],
-                      dropped_of: dict[str, set[str]]) -> list[Reason]:  # fmt: skip
+def sampling_reasons(
+    bl: str,
+    other: str,
+    recs: Sequence[Mapping[str, Any]],
+    canon_of: dict[str, Mapping[str, Any]],
+    dropped_of: dict[str, set[str]],
+) -> list[Reason]:
     both, differ, first = sampling_parity(recs)
     if not both:
-        return [Reason("parity", "note", f"{bl} / {other}: the records do not say what sampling each engine got (a "
-                       "proxy before per-side sampling): effective sampling derived from the engine kinds", "sampling")]  # fmt: skip
+        return [
+            Reason(
+                "parity",
+                "note",
+                f"{bl} / {other}: the records do not say what sampling each engine got (a "
+                "proxy before per-side sampling): effective sampling derived from the engine kinds",
+                "sampling",
+            )
+        ]
     for role, name in (("primary", bl), ("shadow", other)):
         ss = [s for r in recs if (s := side_sampling(r[role])) is not None]
         dropped_of.setdefault(name, set()).update(p for s in ss for p in s.get("dropped") or ())
@@ -240,8 +275,22 @@ def sampling_reasons(bl: str, other: str, recs: Sequence[Mapping[str, Any]], can
             canon_of[name] = canonical_sampling(next(s["params"] for s in ss if _canon_text(s["params"]) == common))
     if differ and first is not None:
         a, b = (_canon_text(first[x]["sampling"]["params"]) for x in ("primary", "shadow"))
-        return [Reason("parity", "inconclusive", f"sampling differed in {differ} of {both} pairs: {bl} got {a} vs "
-                       f"{other} {b} (e.g. request {first.get('request_id')})", "sampling as carried")]  # fmt: skip
+        return [
+            Reason(
+                "parity",
+                "inconclusive",
+                f"sampling differed in {differ} of {both} pairs: {bl} got {a} vs "
+                f"{other} {b} (e.g. request {first.get('request_id')})",
+                "sampling as carried",
+            )
+        ]
     greedy = sum(1 for r in recs if (side_sampling(r["primary"]) or {}).get("params", {}).get("temperature") == 0)
-    return [Reason("parity", "ok", f"every one of {both} pairs gave {bl} and {other} the same sampling "
-                   f"({greedy} at temperature 0, {both - greedy} above; see Sampling as carried)", "sampling as carried")]  # fmt: skip
+    return [
+        Reason(
+            "parity",
+            "ok",
+            f"every one of {both} pairs gave {bl} and {other} the same sampling "
+            f"({greedy} at temperature 0, {both - greedy} above; see Sampling as carried)",
+            "sampling as carried",
+        )
+    ]

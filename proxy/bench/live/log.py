@@ -137,11 +137,16 @@ def _family_gaps(files: Sequence[Path]) -> list[str]:
             base = f.with_name(stem)
             left = [x for x in map(Path, rotated_family(str(base))) if x not in files]
             if left and base not in files:
-                out.append(f"{f} is one rotated file of {base}: {', '.join(map(str, left))} not read (give --log "
-                           f"{base} for all of them)")  # fmt: skip
+                out.append(
+                    f"{f} is one rotated file of {base}: {', '.join(map(str, left))} not read (give --log "
+                    f"{base} for all of them)"
+                )
     for f in files:
-        numbers = sorted(int(x.name.rpartition(".")[2]) for x in files
-                         if x.parent == f.parent and x.name.rpartition(".")[0] == f.name and x.name.rpartition(".")[2].isdigit())  # fmt: skip
+        numbers = sorted(
+            int(x.name.rpartition(".")[2])
+            for x in files
+            if x.parent == f.parent and x.name.rpartition(".")[0] == f.name and x.name.rpartition(".")[2].isdigit()
+        )
         missing = [n for n in range(1, numbers[-1]) if n not in numbers] if numbers else []
         if missing:
             out.append(f"{f}: rotated file(s) {', '.join(f'{f}.{n}' for n in missing)} missing between those read")
@@ -204,8 +209,10 @@ def coverage(log: Log, runs: Sequence[Run]) -> tuple[str, list[str]]:
             continue
         compared = sum(int(e.get("compared") or 0) for e in run.ends)
         held = f"; its workers compared {compared} pairs, the files read hold {len(run.records)}" if compared else ""
-        warnings.append(f"run {run.id} began before the oldest file read ({run.first_file}): the files with its first "
-                        f"pairs were rotated away (mirror.log_backups, log_max_bytes) or not given{held}")  # fmt: skip
+        warnings.append(
+            f"run {run.id} began before the oldest file read ({run.first_file}): the files with its first "
+            f"pairs were rotated away (mirror.log_backups, log_max_bytes) or not given{held}"
+        )
     return read, warnings
 
 
@@ -293,8 +300,10 @@ def select(
         runs = [labelled[-1]] if labelled else with_pairs[-1:]
         others = [r for r in with_pairs if r not in runs]
         if others:
-            notes.append(f"the latest proxy run only: {runs[0].label()}; left out {len(others)} other run(s) in "
-                         f"the log: {'; '.join(r.label() for r in others)} — --run ID for one, --run all for every one")  # fmt: skip
+            notes.append(
+                f"the latest proxy run only: {runs[0].label()}; left out {len(others)} other run(s) in "
+                f"the log: {'; '.join(r.label() for r in others)} — --run ID for one, --run all for every one"
+            )
     recs = [x for r in runs for x in r.records]
     n0 = len(recs)
     if since is not None:
@@ -302,8 +311,14 @@ def select(
     if until is not None:
         recs = [x for x in recs if start_of(x) <= until]
     if n0 != len(recs):
-        bounds = ", ".join(b for b in ((f"since {_utc(since)}" if since is not None else ""),
-                                       (f"until {_utc(until)}" if until is not None else "")) if b)  # fmt: skip
+        bounds = ", ".join(
+            b
+            for b in (
+                (f"since {_utc(since)}" if since is not None else ""),
+                (f"until {_utc(until)}" if until is not None else ""),
+            )
+            if b
+        )
         notes.append(f"{n0 - len(recs)} of {n0} pairs outside the time window left out ({bounds})")
     pairs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for x in recs:
@@ -318,9 +333,14 @@ def select(
         mirrored = ", ".join(f"{a} → {b}" for a, b in everything) or "none"
         raise ValueError(f"no mirrored pairs left to compare (pairs in the selected run(s): {mirrored})")
     if len(pairs) < len(everything):
-        notes.append("pairs left out by --primary/--shadow: " + ", ".join(
-            f"{a} → {b} ({len([x for x in recs if (x['primary'].get('engine'), x['shadow'].get('engine')) == (a, b)])})"
-            for a, b in everything if (a, b) not in pairs))  # fmt: skip
+        notes.append(
+            "pairs left out by --primary/--shadow: "
+            + ", ".join(
+                f"{a} → {b} ({len([x for x in recs if (x['primary'].get('engine'), x['shadow'].get('engine')) == (a, b)])})"
+                for a, b in everything
+                if (a, b) not in pairs
+            )
+        )
     for v in pairs.values():
         v.sort(key=lambda x: float(x.get("ts") or 0))
     read, warnings = coverage(log, runs)

@@ -77,8 +77,10 @@ def from_records(recs: Iterable[Mapping[str, Any]], source: str = "records") -> 
     and the median answer."""
     spans = [x for x in (_interval(r) for r in recs) if x is not None]
     if not spans:
-        raise ValueError(f"--traffic {source}: no request in it (a comparison log's pairs or a request log's "
-                         "primaries, with their times)")  # fmt: skip
+        raise ValueError(
+            f"--traffic {source}: no request in it (a comparison log's pairs or a request log's "
+            "primaries, with their times)"
+        )
     events = sorted([(a, 1) for a, _, _ in spans] + [(b, -1) for _, b, _ in spans])
     at: dict[int, float] = {}
     n, t = 0, events[0][0]
@@ -90,8 +92,11 @@ def from_records(recs: Iterable[Mapping[str, Any]], source: str = "records") -> 
     span = events[-1][0] - events[0][0]
     if busy <= 0:
         raise ValueError(f"--traffic {source}: its requests took no time")
-    prompts = Counter(prompt_class(float(s["prompt_tokens"])) for _, _, s in spans
-                      if isinstance(s.get("prompt_tokens"), int) and s["prompt_tokens"] > 0)  # fmt: skip
+    prompts = Counter(
+        prompt_class(float(s["prompt_tokens"]))
+        for _, _, s in spans
+        if isinstance(s.get("prompt_tokens"), int) and s["prompt_tokens"] > 0
+    )
     outs = [float(s["completion_tokens"]) for _, _, s in spans if isinstance(s.get("completion_tokens"), int)]
     hours = f"{span / 3600:.1f} h" if span >= 3600 else f"{span / 60:.1f} min" if span >= 60 else f"{span:.0f} s"
     return Traffic(
@@ -102,7 +107,7 @@ def from_records(recs: Iterable[Mapping[str, Any]], source: str = "records") -> 
         output_tokens=statistics.median(outs) if outs else None,
         requests=len(spans),
         span_s=span,
-    )  # fmt: skip
+    )
 
 
 def from_levels(
@@ -112,12 +117,19 @@ def from_levels(
     cumulative count, role primary)."""
     busy = {representative(k): v for k, v in seconds.items() if k != "0" and v > 0}
     if not busy:
-        raise ValueError(f"--traffic {source}: the proxy has served no generation request yet "
-                         "(enginemeter_traffic_seconds_total is 0)")  # fmt: skip
+        raise ValueError(
+            f"--traffic {source}: the proxy has served no generation request yet "
+            "(enginemeter_traffic_seconds_total is 0)"
+        )
     total = sum(seconds.values())
-    return Traffic(normalized(busy), _classes(prompt_le), source=source,
-                   idle=seconds.get("0", 0.0) / total if total > 0 else None, output_tokens=_median(output_le),
-                   requests=int(max(prompt_le.values(), default=0)) or None)  # fmt: skip
+    return Traffic(
+        normalized(busy),
+        _classes(prompt_le),
+        source=source,
+        idle=seconds.get("0", 0.0) / total if total > 0 else None,
+        output_tokens=_median(output_le),
+        requests=int(max(prompt_le.values(), default=0)) or None,
+    )
 
 
 def _buckets(le: Mapping[float, float]) -> list[tuple[float, float, float]]:
@@ -182,8 +194,10 @@ def _from_exposition(text: str, url: str) -> Traffic:
             into = prompt if "prompt" in name else output
             into[le] = into.get(le, 0.0) + v
     if not seconds:
-        raise ValueError(f"--traffic {url}: no enginemeter_traffic_seconds_total there (an enginemeter proxy's "
-                         "/metrics, or a Prometheus server that scrapes one)")  # fmt: skip
+        raise ValueError(
+            f"--traffic {url}: no enginemeter_traffic_seconds_total there (an enginemeter proxy's "
+            "/metrics, or a Prometheus server that scrapes one)"
+        )
     return from_levels(seconds, prompt, output, f"the proxy's /metrics at {url} (since it started)")
 
 
@@ -195,8 +209,10 @@ def _from_prometheus(client: httpx.Client, base: str, window: str) -> Traffic:
             raise ValueError(f"--traffic {base}: Prometheus refused {q!r}: {doc.get('error')}")
         return list(doc["data"]["result"])
 
-    levels = {str(x["metric"].get("level")): float(x["value"][1])
-              for x in query(f"sum by (level) (increase(enginemeter_traffic_seconds_total[{window}]))")}  # fmt: skip
+    levels = {
+        str(x["metric"].get("level")): float(x["value"][1])
+        for x in query(f"sum by (level) (increase(enginemeter_traffic_seconds_total[{window}]))")
+    }
 
     def hist(name: str) -> dict[float, float]:
         rows = query(f'sum by (le) (increase({name}_bucket{{role="primary"}}[{window}]))')
@@ -204,8 +220,12 @@ def _from_prometheus(client: httpx.Client, base: str, window: str) -> Traffic:
 
     if not levels:
         raise ValueError(f"--traffic {base}: Prometheus has no enginemeter_traffic_seconds_total over {window}")
-    return from_levels(levels, hist("enginemeter_request_prompt_tokens"), hist("enginemeter_request_completion_tokens"),
-                       f"Prometheus at {base}, the last {window}")  # fmt: skip
+    return from_levels(
+        levels,
+        hist("enginemeter_request_prompt_tokens"),
+        hist("enginemeter_request_completion_tokens"),
+        f"Prometheus at {base}, the last {window}",
+    )
 
 
 __all__ = ["LEVELS", "WINDOW", "from_levels", "from_records", "traffic_from"]

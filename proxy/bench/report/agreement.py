@@ -39,35 +39,49 @@ class Agreement:
         if not self.recorded:
             return f"greedy-output agreement {base} vs {cand}: not recorded (results from before output hashes)"
         if not self.pairs:
-            return (f"greedy-output agreement {base} vs {cand}: no request was sent identically to both (joined runs "
-                    "draw their own cold prefixes; a warm phase, --cache both, sends bare prompts)")  # fmt: skip
-        out = (f"greedy-output agreement {base} vs {cand} (temperature 0, {self.pairs} identical requests): "
-               f"{self.identical} of {self.pairs} outputs identical ({self.share:.0%})")  # fmt: skip
+            return (
+                f"greedy-output agreement {base} vs {cand}: no request was sent identically to both (joined runs "
+                "draw their own cold prefixes; a warm phase, --cache both, sends bare prompts)"
+            )
+        out = (
+            f"greedy-output agreement {base} vs {cand} (temperature 0, {self.pairs} identical requests): "
+            f"{self.identical} of {self.pairs} outputs identical ({self.share:.0%})"
+        )
         diff = self.pairs - self.identical
         if diff:
             known = sorted(c for c in self.divergence_chars if c is not None)
             where = []
             if known:
-                where.append(f"first difference at character {statistics.median(known):.0f} (median"
-                             + (f"; {known[0]}–{known[-1]}" if len(known) > 1 else "") + ")")  # fmt: skip
+                where.append(
+                    f"first difference at character {statistics.median(known):.0f} (median"
+                    + (f"; {known[0]}–{known[-1]}" if len(known) > 1 else "")
+                    + ")"
+                )
             if self.divergence_tokens:
                 where.append(f"≈ token {statistics.median(self.divergence_tokens):.0f}")
             later = sum(1 for c in self.divergence_chars if c is None)
             if later:
                 where.append(f"{later} after the first {self.head_chars} characters")
             out += "; where they differ: " + ", ".join(where)
-        out += (" — the same weights should agree at temperature 0; a different precision usually parts after some "
-                "tokens")  # fmt: skip
+        out += (
+            " — the same weights should agree at temperature 0; a different precision usually parts after some tokens"
+        )
         return out
 
     def to_json(self) -> dict[str, Any]:
         known = [c for c in self.divergence_chars if c is not None]
-        return {"pairs": self.pairs, "identical": self.identical, "share_identical": self.share if self.pairs else None,
-                "first_divergence_char_median": statistics.median(known) if known else None,
-                "first_divergence_token_median": statistics.median(self.divergence_tokens)
-                if self.divergence_tokens else None,
-                "diverged_after_head": sum(1 for c in self.divergence_chars if c is None), "head_chars": self.head_chars,
-                "recorded": self.recorded}  # fmt: skip
+        return {
+            "pairs": self.pairs,
+            "identical": self.identical,
+            "share_identical": self.share if self.pairs else None,
+            "first_divergence_char_median": statistics.median(known) if known else None,
+            "first_divergence_token_median": statistics.median(self.divergence_tokens)
+            if self.divergence_tokens
+            else None,
+            "diverged_after_head": sum(1 for c in self.divergence_chars if c is None),
+            "head_chars": self.head_chars,
+            "recorded": self.recorded,
+        }
 
 
 def _index(requests: Sequence[Mapping[str, Any]], engine: str) -> dict[tuple[Any, ...], Mapping[str, Any]]:
@@ -130,9 +144,10 @@ def random_text(base: str, cand: str, random: Mapping[str, str]) -> str | None:
     if not mine:
         return None
     who = " and ".join(mine)
-    return f"greedy-output agreement {base} vs {cand}: " + RANDOM.format(who=who, run="run" if len(mine) > 1 else "runs", why="; ".join(
-        f"{e}: {w}" for e, w in mine.items()))  # fmt: skip
+    return f"greedy-output agreement {base} vs {cand}: " + RANDOM.format(
+        who=who, run="run" if len(mine) > 1 else "runs", why="; ".join(f"{e}: {w}" for e, w in mine.items())
+    )
 
 
-def blocks(a: Agreement, base: str, cand: str, random: Mapping[str, str] | None = None) -> list[Block]:
+def agreement_blocks(a: Agreement, base: str, cand: str, random: Mapping[str, str] | None = None) -> list[Block]:
     return [Block("p", random_text(base, cand, random or {}) or a.text(base, cand))]

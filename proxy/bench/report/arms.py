@@ -66,9 +66,12 @@ class Arms:
     text: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "combined": self.combined, "text": self.text,
-                "arms": [{"candidate": c, "weights": w, "decision": d, "discounted": x}
-                         for c, w, d, x in self.members]}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "combined": self.combined,
+            "text": self.text,
+            "arms": [{"candidate": c, "weights": w, "decision": d, "discounted": x} for c, w, d, x in self.members],
+        }
 
 
 def arms(engines_meta: Sequence[Mapping[str, Any]], baseline: str, verdicts: Sequence[Any]) -> list[Arms]:
@@ -82,8 +85,9 @@ def arms(engines_meta: Sequence[Mapping[str, Any]], baseline: str, verdicts: Seq
         m = meta.get(v.candidate)
         if m is None:
             continue
-        by_kind.setdefault(str(m.get("kind")), []).append((v.candidate, weights(base, m), v.decision,
-                                                           bool(v.discounted)))  # fmt: skip
+        by_kind.setdefault(str(m.get("kind")), []).append(
+            (v.candidate, weights(base, m), v.decision, bool(v.discounted))
+        )
     out = []
     for kind, members in by_kind.items():
         same = [x for x in members if x[1] in ("same file", "same quantization")]
@@ -94,12 +98,16 @@ def arms(engines_meta: Sequence[Mapping[str, Any]], baseline: str, verdicts: Seq
         arm = "; ".join(f"{c} ({w}{', discounted' if x else ''}): {d.upper()}" for c, w, d, x in members)
         if len(decisions) == 1:
             (d,) = decisions
-            text = (f"{kind}: both arms say {d.upper()} — {arm}; the same-weights arm shows it is the engine, the "
-                    "other what a switch with its own weights gives")  # fmt: skip
+            text = (
+                f"{kind}: both arms say {d.upper()} — {arm}; the same-weights arm shows it is the engine, the "
+                "other what a switch with its own weights gives"
+            )
             out.append(Arms(kind, tuple(members), d, text))
         else:
-            text = (f"{kind}: the arms disagree — {arm}: no combined answer; the precision, not only the engine, "
-                    "decides here — the same-weights arm is the clean test of the engine")  # fmt: skip
+            text = (
+                f"{kind}: the arms disagree — {arm}: no combined answer; the precision, not only the engine, "
+                "decides here — the same-weights arm is the clean test of the engine"
+            )
             out.append(Arms(kind, tuple(members), None, text))
     return out
 
@@ -110,12 +118,14 @@ def notes(engines_meta: Sequence[Mapping[str, Any]]) -> list[str]:
     for m in engines_meta:
         f = model_file(m) or ""
         if f.endswith(".gguf") and m.get("kind") == "vllm":
-            out.append(f"{m['name']}: vLLM loads a GGUF file only with its GGUF plugin (since vLLM 0.24); without it "
-                       "the launch fails")  # fmt: skip
+            out.append(
+                f"{m['name']}: vLLM loads a GGUF file only with its GGUF plugin (since vLLM 0.24); without it "
+                "the launch fails"
+            )
     return out
 
 
-def blocks(a: Sequence[Arms], engines_meta: Sequence[Mapping[str, Any]]) -> list[Block]:
+def arms_blocks(a: Sequence[Arms], engines_meta: Sequence[Mapping[str, Any]]) -> list[Block]:
     if not a and not notes(engines_meta):
         return []
     out = [Block("h2", "Arms: the same weights and the engine's own")]

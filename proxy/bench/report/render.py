@@ -50,8 +50,10 @@ h3 strong{padding:1px 6px;border-radius:3px;background:#eee}"""
 
 
 def render_html(blocks: Sequence[Block], out: Path) -> str:
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>enginemeter report</title>",
-             f"<style>{_CSS}</style></head><body>"]  # fmt: skip
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>enginemeter report</title>",
+        f"<style>{_CSS}</style></head><body>",
+    ]
     for b in blocks:
         if b.kind in ("h1", "h2", "h3"):
             slug = re.sub(r"[^a-z0-9]+", "-", b.text.lower()).strip("-")[:60]

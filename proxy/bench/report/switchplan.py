@@ -1,30 +1,23 @@
 """The switch plan (``switch-plan.md`` beside the report): the checklist people go through before a long-term switch of
-engines, each item checked from the measurements; the rollback record (both engines' launch commands verbatim, the
-model file, its quantization, the port, the sampling); the enginemeter config that runs the guarded rollout
-(docs/routing.md#rollout); and the one command that rolls back. Pure: the report's ``Data``, the verdicts and the
+engines, each item checked from the measurements; then the rollback record and the guarded rollout with the one
+command that rolls back (``proxy.bench.report.rollback``). Pure: the report's ``Data``, the verdicts and the
 greedy-output agreement in, Markdown out. docs/bench.md#the-switch-plan.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from proxy.bench.report.agreement import Agreement
+from proxy.bench.report.rollback import launch_command, rollback_record, rollout_section
+from proxy.bench.verdict.data import Data
+from proxy.bench.verdict.decide import Verdict
 from proxy.bench.verdict.inputs import FAILS, Sample
-from proxy.engines.startup import flag_value, subcommand
 from proxy.notation import gib
-from proxy.settings import DEFAULT_LISTEN, DEFAULT_SAMPLING, RolloutSettings
-
-if TYPE_CHECKING:
-    from proxy.bench.verdict.data import Data
-    from proxy.bench.verdict.decide import Verdict
+from proxy.settings import DEFAULT_LISTEN
 
 FILE = "switch-plan.md"
 OK, NO, UNKNOWN = "✓", "✗", "?"
@@ -32,9 +25,6 @@ OK, NO, UNKNOWN = "✓", "✗", "?"
 NEAR_FULL = 0.98
 #: error texts that mean the engine ran out of memory
 _OOM = re.compile(r"out of memory|\bOOM\b|cudaMalloc|CUDA error", re.IGNORECASE)
-KEY = "ENGINEMETER_ADMIN_KEY"
-COMPARISONS = "enginemeter-comparisons.jsonl"
-CONFIG = "enginemeter-rollout.yaml"
 
 #: what the proxy exports for the switch, as shipped (tests/bench/report/test_switchplan.py checks each name exists)
 LIVENESS_ALERTS = ("EnginemeterEngineDown", "EnginemeterEngineScrapeDown", "EnginemeterProxyDown")
@@ -69,28 +59,48 @@ class Item:
     evidence: str
 
 
-def markdown(d: Data, verdicts: Sequence[Verdict], outputs: Mapping[str, Outputs], *,
-             random_weights: Collection[str] = (), listen: str | None = None) -> str:  # fmt: skip
+def markdown(
+    d: Data,
+    verdicts: Sequence[Verdict],
+    outputs: Mapping[str, Outputs],
+    *,
+    random_weights: Collection[str] = (),
+    listen: str | None = None,
+) -> str:
     """The plan. ``outputs``: candidate -> its agreement with the baseline; ``random_weights``: engines whose weights
     are random (a generated GGUF, ``--load-format dummy``): their outputs cannot be judged; ``listen``: where the
     proxy listens (default: the config's default)."""
     at = listen or DEFAULT_LISTEN
-    lines = [f"# Switch plan: {', '.join(v.candidate for v in verdicts) or 'nothing to switch to'} "
-             f"(baseline {d.results.baseline})", "",
-             "The checklist before a long-term switch, each item checked from this report's measurements (✓ done, "
-             "✗ not met, ? not measured), the rollback record, and the enginemeter config that moves the traffic "
-             "step by step and rolls back by itself (docs/routing.md#rollout). The evidence is in `report.md`.", ""]  # fmt: skip
+    lines = [
+        f"# Switch plan: {', '.join(v.candidate for v in verdicts) or 'nothing to switch to'} "
+        f"(baseline {d.results.baseline})",
+        "",
+        "The checklist before a long-term switch, each item checked from this report's measurements (✓ done, "
+        "✗ not met, ? not measured), the rollback record, and the enginemeter config that moves the traffic "
+        "step by step and rolls back by itself (docs/routing.md#rollout). The evidence is in `report.md`.",
+        "",
+    ]
     if not verdicts:
-        lines += ["Only one engine was measured: nothing to compare, so no checklist. Join this run with another "
-                  "one's (`enginemeter report --results A/results.jsonl B/results.jsonl`).", ""]  # fmt: skip
+        lines += [
+            "Only one engine was measured: nothing to compare, so no checklist. Join this run with another "
+            "one's (`enginemeter report --results A/results.jsonl B/results.jsonl`).",
+            "",
+        ]
     for v in verdicts:
         items = checklist(d, v, outputs.get(v.candidate), random_weights)
         marks = {m: [i.name for i in items if i.mark == m] for m in (OK, NO, UNKNOWN)}
-        lines += [f"## Checklist: {v.candidate} replacing {v.baseline}", "",
-                  f"**{len(marks[OK])} of {len(items)} ✓**" + "".join(
-                      f"; {m} {', '.join(names)}" for m, names in marks.items() if m != OK and names) + ".", "",
-                  "| | item | evidence |", "|---|---|---|",
-                  *(f"| {i.mark} | {i.name} | {_cell(i.evidence)} |" for i in items), ""]  # fmt: skip
+        lines += [
+            f"## Checklist: {v.candidate} replacing {v.baseline}",
+            "",
+            f"**{len(marks[OK])} of {len(items)} ✓**"
+            + "".join(f"; {m} {', '.join(names)}" for m, names in marks.items() if m != OK and names)
+            + ".",
+            "",
+            "| | item | evidence |",
+            "|---|---|---|",
+            *(f"| {i.mark} | {i.name} | {_cell(i.evidence)} |" for i in items),
+            "",
+        ]
     names = [d.results.baseline, *(v.candidate for v in verdicts)]
     lines += rollback_record(d, names)
     for v in verdicts:
@@ -99,8 +109,16 @@ def markdown(d: Data, verdicts: Sequence[Verdict], outputs: Mapping[str, Outputs
 
 
 def checklist(d: Data, v: Verdict, outputs: Outputs | None, random_weights: Collection[str] = ()) -> list[Item]:
-    return [_parity(v), _speed(v), _outputs(v, outputs, random_weights), _errors(d, v), _queueing(d, v),
-            _memory(d, v), _monitoring(d, v), _rollback_item(d, v)]  # fmt: skip
+    return [
+        _parity(v),
+        _speed(v),
+        _outputs(v, outputs, random_weights),
+        _errors(d, v),
+        _queueing(d, v),
+        _memory(d, v),
+        _monitoring(d, v),
+        _rollback_item(d, v),
+    ]
 
 
 def _cell(s: str) -> str:
@@ -138,8 +156,12 @@ def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> 
     if random:
         # only that: the agreement's own text judges it ("the same weights should agree"), which random weights
         # cannot be held to
-        return Item(name, UNKNOWN, f"cannot be judged: {', '.join(random)} ran on random weights (a generated GGUF, "
-                    "--load-format dummy), whose outputs say nothing of the model's; compare on the real weights")  # fmt: skip
+        return Item(
+            name,
+            UNKNOWN,
+            f"cannot be judged: {', '.join(random)} ran on random weights (a generated GGUF, "
+            "--load-format dummy), whose outputs say nothing of the model's; compare on the real weights",
+        )
     if unlike:
         return Item(name, NO, f"not sampled alike: {unlike[0].text}. {text}")
     alike = f"sampling: {sampling[0].text}. " if sampling else ""
@@ -167,8 +189,9 @@ def _errors(d: Data, v: Verdict) -> Item:
             oom += [f"{e}: {x}" for x in s.errors if _OOM.search(x)]
         err, total = sum(x[0] for x in by.values()), sum(x[1] for x in by.values())
         failed += err if e == v.candidate else 0
-        per[e] = f"{e} {err} of {total} failed" + (" (" + ", ".join(
-            f"c={c}: {x[0]}/{x[1]}" for c, x in sorted(by.items())) + ")" if by else "")  # fmt: skip
+        per[e] = f"{e} {err} of {total} failed" + (
+            " (" + ", ".join(f"c={c}: {x[0]}/{x[1]}" for c, x in sorted(by.items())) + ")" if by else ""
+        )
     launch = [f"launch failed: {s['failed']}" for s in d.stints if s.get("failed") and s.get("engine") == v.candidate]
     gate = [x.text for x in v.reasons if x.step == "data" and x.check == "errors"]
     stopped = [f"the run stopped early: {d.stopped}"] if d.stopped and not any(d.stopped in x for x in launch) else []
@@ -204,8 +227,12 @@ def _queueing(d: Data, v: Verdict) -> Item:
         ttft[e], e2e[e] = _medians(use, "ttft_s"), _medians(use, "e2e_s")
     cand = ttft[v.candidate]
     if len(cand) < 2 or 1 not in cand:
-        return Item(name, UNKNOWN, f"{v.candidate}: TTFT measured at {len(cand)} concurrency level(s) without c=1 "
-                    "beside a higher one (--concurrency 1,N)")  # fmt: skip
+        return Item(
+            name,
+            UNKNOWN,
+            f"{v.candidate}: TTFT measured at {len(cand)} concurrency level(s) without c=1 "
+            "beside a higher one (--concurrency 1,N)",
+        )
     top = max(cand)
 
     def judged(e: str) -> tuple[bool | None, str]:
@@ -215,13 +242,18 @@ def _queueing(d: Data, v: Verdict) -> Item:
             return None, f"{e}: TTFT not measured at c=1 and c={top}"
         why = []
         if alone and f[top] > alone:
-            why.append(f"at c={top} its first token waits longer than a whole request takes alone: requests wait "
-                       "for others to finish")  # fmt: skip
+            why.append(
+                f"at c={top} its first token waits longer than a whole request takes alone: requests wait "
+                "for others to finish"
+            )
         if n is not None and n < top:
             why.append(f"{n} slot(s) for {top} concurrent requests: the rest wait inside the engine")
-        figures = (f"{e}: TTFT {f[1] * 1000:.1f} ms at c=1 → {f[top] * 1000:.1f} ms at c={top} (×{f[top] / f[1]:.2f}; "
-                   "a whole request alone: " + (f"{alone * 1000:.1f} ms" if alone else "unknown")
-                   + f"), {n or 'unknown'} slot(s)")  # fmt: skip
+        figures = (
+            f"{e}: TTFT {f[1] * 1000:.1f} ms at c=1 → {f[top] * 1000:.1f} ms at c={top} (×{f[top] / f[1]:.2f}; "
+            "a whole request alone: "
+            + (f"{alone * 1000:.1f} ms" if alone else "unknown")
+            + f"), {n or 'unknown'} slot(s)"
+        )
         return (True if why else False if alone else None), figures + (f" — {'; '.join(why)}" if why else "")
 
     cq, ctext = judged(v.candidate)
@@ -246,190 +278,59 @@ def _memory(d: Data, v: Verdict) -> Item:
     budget = d.results.memory_budget_bytes
     text = gate.text if gate is not None else "the verdict judged no memory"
     if gate is None or peak is None or gate.outcome == "note":
-        return Item(name, UNKNOWN, f"{text} (a GPU memory reading per engine: NVML, or bench --through the proxy; "
-                    "a budget: --memory-budget)")  # fmt: skip
+        return Item(
+            name,
+            UNKNOWN,
+            f"{text} (a GPU memory reading per engine: NVML, or bench --through the proxy; a budget: --memory-budget)",
+        )
     if gate.outcome in FAILS:
         return Item(name, NO, text)
     ref, what = (budget, "the budget") if budget else (total, "the card")
     room = f"; headroom {gib(ref - peak)} ({(ref - peak) / ref:.0%} of {what})" if ref else ""
     if total and peak > NEAR_FULL * total:
-        return Item(name, NO, f"{text}{room} — under the {1 - NEAR_FULL:.0%} of the card EnginemeterGPUMemoryNearFull "
-                    "leaves free")  # fmt: skip
+        return Item(
+            name,
+            NO,
+            f"{text}{room} — under the {1 - NEAR_FULL:.0%} of the card EnginemeterGPUMemoryNearFull leaves free",
+        )
     return Item(name, OK, text + room)
 
 
 def _monitoring(d: Data, v: Verdict) -> Item:
     slo = d.goodput.get("ttft")
-    alert = (f"; add one from the bench's goodput SLO: `{TTFT_P95}{{engine=\"{v.candidate}\", role=\"primary\"}} > "
-             f"{slo / 1000:g}`" if slo else "; add one on the recording rule "
-             f"`{TTFT_P95}` at your SLO")  # fmt: skip
-    return Item("Monitoring covers liveness and latency", OK,
-                "what the proxy exports once the traffic goes through it — liveness: `GET /health` (each engine's "
-                f"state), `{METRICS[0]}`, the alerts {', '.join(LIVENESS_ALERTS)}; latency: the histograms "
-                f"{', '.join(f'`{m}`' for m in METRICS[1:4])} (p95 recording rules), the dashboards "
-                f"{', '.join(f'`{x}`' for x in DASHBOARDS)}; errors, memory and the rollout: `{METRICS[4]}`, "
-                f"`{METRICS[5]}`, `enginemeter_rollout_*`, the alerts {', '.join(GUARD_ALERTS)}; load "
-                f"{' and '.join(f'`{x}`' for x in RULES)} into Prometheus. No alert on absolute latency ships "
-                f"(enginemeter knows no SLO){alert}")  # fmt: skip
+    alert = (
+        f'; add one from the bench\'s goodput SLO: `{TTFT_P95}{{engine="{v.candidate}", role="primary"}} > '
+        f"{slo / 1000:g}`"
+        if slo
+        else f"; add one on the recording rule `{TTFT_P95}` at your SLO"
+    )
+    return Item(
+        "Monitoring covers liveness and latency",
+        OK,
+        "what the proxy exports once the traffic goes through it — liveness: `GET /health` (each engine's "
+        f"state), `{METRICS[0]}`, the alerts {', '.join(LIVENESS_ALERTS)}; latency: the histograms "
+        f"{', '.join(f'`{m}`' for m in METRICS[1:4])} (p95 recording rules), the dashboards "
+        f"{', '.join(f'`{x}`' for x in DASHBOARDS)}; errors, memory and the rollout: `{METRICS[4]}`, "
+        f"`{METRICS[5]}`, `enginemeter_rollout_*`, the alerts {', '.join(GUARD_ALERTS)}; load "
+        f"{' and '.join(f'`{x}`' for x in RULES)} into Prometheus. No alert on absolute latency ships "
+        f"(enginemeter knows no SLO){alert}",
+    )
 
 
 def _rollback_item(d: Data, v: Verdict) -> Item:
     name = "The rollback record is ready"
-    missing = [e for e in (v.baseline, v.candidate) if not _command(d, e)]
+    missing = [e for e in (v.baseline, v.candidate) if not launch_command(d, e)]
     if missing:
-        return Item(name, NO, f"no launch command recorded for {', '.join(missing)} (resident: enginemeter did not "
-                    "start it): write the command that starts it into the version-controlled script; what is known "
-                    "is below (Rollback record)")  # fmt: skip
-    return Item(name, OK, "both launch commands verbatim, the model file, quantization, port and sampling below "
-                "(Rollback record): keep them in a version-controlled script, so that going back is one change")  # fmt: skip
-
-
-# ---- the rollback record ---------------------------------------------------------------------------------
-
-
-def _meta(d: Data, name: str) -> dict[str, Any]:
-    return next((e for e in d.engines_meta if e.get("name") == name), {})
-
-
-def _command(d: Data, name: str) -> str | None:
-    la = next((s.get("launch") or {} for s in d.stints if s.get("engine") == name and s.get("launch")), {})
-    cmd = la.get("command") or _meta(d, name).get("launch")
-    return str(cmd) if cmd else None
-
-
-def model_file(command: str) -> str | None:
-    """The model a launch command loads: ``-m``/``--model``/``--model-path``, or ``vllm serve MODEL``."""
-    try:
-        argv = shlex.split(command)
-    except ValueError:
-        return None
-    while argv and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
-        argv.pop(0)
-    found = flag_value(argv, "-m", "--model", "--model-path")
-    if found is None and subcommand(argv) == ("vllm", "serve") and len(argv) > 2 and not argv[2].startswith("-"):
-        found = argv[2]
-    return found
-
-
-def _port(url: str | None) -> int | None:
-    try:
-        return urlsplit(url).port if url else None
-    except ValueError:
-        return None
-
-
-def _engine_record(d: Data, n: str) -> list[str]:
-    meta, cmd = _meta(d, n), _command(d, n)
-    info = next((e for e in d.results.engines if e.name == n), None)
-    url, port, served = meta.get("url"), _port(meta.get("url")), meta.get("model")
-    model = (model_file(cmd) if cmd else None) or (meta.get("info") or {}).get("model_path")
-    q = (info.quantization if info else None) or meta.get("quantization")
-    src = (info.quantization_source if info else None) or meta.get("quantization_source")
-    sent = {k: x for k, x in (meta.get("body_example") or {}).items()
-            if k not in ("model", "stream", "stream_options", "messages")}  # fmt: skip
-    got = dict(info.sampling) if info else {}
-    la = next((s.get("launch") or {} for s in d.stints if s.get("engine") == n and s.get("launch")), {})
-    role = "baseline" if n == d.results.baseline else "candidate"
-    out = [f"### {n} ({role})", ""]
-    if cmd:
-        out += ["Launch command, verbatim:", "", "```sh", cmd, "```", ""]
-    else:
-        out += [f"Launch command: **not recorded** — {n} was resident (already running, not launched by "
-                "enginemeter). Write the command that started it into the script; what the bench learned of it "
-                "follows.", ""]  # fmt: skip
-    placeholder = bool(cmd and "{port}" in cmd)
-    out += [
-        (f"- model file: `{model}`" if model else "- model file: unknown (neither a command nor the engine says)")
-        + (f"; served as `{served}`" if served and served != model else ""),
-        f"- quantization: {q or 'unknown (declare it: --quantization NAME=Q)'}" + (f" ({src})" if q and src else ""),
-        "- port: " + (f"`{{port}}` in the command, a free one at each launch ({port} in this run)" if placeholder
-                      else str(port or "unknown")) + (f" — `{url}`" if url else ""),
-        f"- slots: {meta.get('slots') or 'unknown'}; context per slot: "
-        + (f"{meta['context_per_slot']} tokens" if meta.get("context_per_slot") else "unknown"),
-        "- sampling the bench sent: " + (", ".join(f"{k}={json.dumps(x)}" for k, x in sorted(sent.items()))
-                                         or "not recorded"),
-        "- sampling the engine got (after the per-kind mapping): "
-        + (", ".join(f"{k}={x}" for k, x in sorted(got.items())) or "not recorded")
-        + (f"; dropped: {', '.join(info.dropped)}" if info and info.dropped else ""),
-        *([f"- log of the launch: `{la['log']}`"] if la.get("log") else []), "",
-    ]  # fmt: skip
-    return out
-
-
-def rollback_record(d: Data, names: Sequence[str]) -> list[str]:
-    out = ["## Rollback record", "",
-           "What starts each engine again exactly as measured. Keep both commands in a version-controlled script "
-           "(`{port}`: the port the config's url names), so that going back is one change.", ""]  # fmt: skip
-    for n in names:
-        out += _engine_record(d, n)
-    out += ["Sampling in service: what the clients send; what they omit, the proxy fills in from `sampling_defaults` "
-            "(default llama.cpp's own: " + ", ".join(f"{k} {x}" for k, x in DEFAULT_SAMPLING.items())
-            + "), so the candidate samples as llama.cpp did for every client that relied on the defaults.", ""]  # fmt: skip
-    return out
-
-
-# ---- the rollout -----------------------------------------------------------------------------------------
-
-
-def _env_name(engine: str) -> str:
-    return "URL_" + re.sub(r"[^A-Za-z0-9]", "_", engine).upper()
-
-
-def _engine_yaml(d: Data, name: str, role: str) -> list[str]:
-    meta, cmd = _meta(d, name), _command(d, name)
-    url = meta.get("url")
-    note = ("launched with --port {port}: its port in this run; put the port of your script here"
-            if url and cmd and "{port}" in cmd else "as measured" if url else
-            f"the URL your proxy config gives it (export {_env_name(name)}=http://HOST:PORT)")  # fmt: skip
-    out = [f"  - name: {json.dumps(name)}    # {role}",
-           f"    url: {json.dumps(url or '${' + _env_name(name) + '}')}    # {note}"]  # fmt: skip
-    if meta.get("kind"):
-        out.append(f"    kind: {meta['kind']}")
-    return out
-
-
-def rollout_yaml(d: Data, v: Verdict, listen: str = DEFAULT_LISTEN) -> str:
-    """The enginemeter config that moves the route from the baseline to ``v.candidate`` step by step."""
-    ro = RolloutSettings(candidate=v.candidate, error_budget=d.results.max_error_rate)
-    lines = [f"# enginemeter config: the guarded switch {v.baseline} -> {v.candidate} (docs/routing.md#rollout)",
-             f"listen: {json.dumps(listen)}",
-             f"admin_key: ${{{KEY}}}    # GET/POST /admin/rollout need it",
-             "engines:", *_engine_yaml(d, v.baseline, "the baseline: serves what the candidate does not"),
-             *_engine_yaml(d, v.candidate, "the candidate"),
-             "routes:",
-             '  - models: ["*"]',
-             f"    primary: {json.dumps(v.baseline)}",
-             "    sample_rate: 1.0    # every request mirrored to the other engine: the pairs each step is judged on",
-             "    rollout:",
-             f"      candidate: {json.dumps(v.candidate)}",
-             f"      steps: {json.dumps(list(ro.steps))}    # the candidate's share; 0 = shadow only",
-             f"      gate: {ro.gate}",
-             f"      min_pairs: {ro.min_pairs}",
-             f"      min_requests: {ro.min_requests}",
-             f"      min_dwell_s: {ro.min_dwell_s:g}",
-             f"      error_budget: {ro.error_budget:g}    # the bench's --max-error-rate",
-             "mirror:",
-             f"  log_path: {COMPARISONS}    # the pairs, for enginemeter report --log",
-             f"  min_effect: {d.results.min_effect:g}    # the bench's --min-effect: slower beyond it rolls back"]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def rollout_section(d: Data, v: Verdict, listen: str) -> list[str]:
-    host = listen if "://" in listen else f"http://{listen.replace('0.0.0.0', '127.0.0.1')}"
-    auth = f'-H "authorization: Bearer ${KEY}"'
-    abort = f'curl -s {auth} {host}/admin/rollout -d \'{{"action": "abort"}}\''
-    return [f"## Rollout: {v.baseline} → {v.candidate}", "",
-            f"Save as `{CONFIG}`; the traffic moves to {v.candidate} step by step (shadow only first) and goes back "
-            "to the baseline by itself when a step finds it slower or failing:", "",
-            "```yaml", rollout_yaml(d, v, listen).rstrip("\n"), "```", "",
-            "Check it, start it, watch it:", "",
-            "```sh", f"export {KEY}=...    # a secret of your choosing",
-            f"enginemeter check-config {CONFIG}", f"enginemeter serve --config {CONFIG}",
-            f"curl -s {auth} {host}/admin/rollout    # step, share, pairs, the verdict per stream, events",
-            f"curl -s {host}/metrics | grep '^enginemeter_rollout_'",
-            f"enginemeter report --log {COMPARISONS} --proxy {host} --out rollout-report    # the live report", "```", "",
-            "**Roll back** — the one command, at any step and after `complete` (the share goes to 0: the baseline "
-            "serves everything):", "", "```sh", abort, "```", "",
-            "Without the admin endpoint: `state: aborted` in the rollout block and a restart. Once the rollout is "
-            f"`complete`, make {v.candidate} the route's `primary` (the rollout removed) when convenient; "
-            f"{v.baseline}'s command stays in the script.", ""]  # fmt: skip
+        return Item(
+            name,
+            NO,
+            f"no launch command recorded for {', '.join(missing)} (resident: enginemeter did not "
+            "start it): write the command that starts it into the version-controlled script; what is known "
+            "is below (Rollback record)",
+        )
+    return Item(
+        name,
+        OK,
+        "both launch commands verbatim, the model file, quantization, port and sampling below "
+        "(Rollback record): keep them in a version-controlled script, so that going back is one change",
+    )

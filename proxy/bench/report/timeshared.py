@@ -38,33 +38,64 @@ def launch_rows(stints: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         ready = (
             f"{la['ready_s']:.1f} s" if la.get("ready_s") is not None else ("**failed**" if s.get("failed") else "–")
         )
-        rows.append([
-            str(s.get("engine")), _ROLE.get(str(s.get("role")), str(s.get("role"))),
-            "launched" if la or s.get("failed") else "resident", ready,
-            gib(_device(before)) if la else "–", _mem(idle, "engine_bytes"), _mem(peak, "engine_bytes"),
-            gib(_device(after)) if la else "–", back,
-            "unknown" if s.get("gpu_processes_before") is None else str(s["gpu_processes_before"]),
-            f"`{la.get('log') or s.get('log')}`" if la.get("log") or s.get("log") else "–",
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(s.get("engine")),
+                _ROLE.get(str(s.get("role")), str(s.get("role"))),
+                "launched" if la or s.get("failed") else "resident",
+                ready,
+                gib(_device(before)) if la else "–",
+                _mem(idle, "engine_bytes"),
+                _mem(peak, "engine_bytes"),
+                gib(_device(after)) if la else "–",
+                back,
+                "unknown" if s.get("gpu_processes_before") is None else str(s["gpu_processes_before"]),
+                f"`{la.get('log') or s.get('log')}`" if la.get("log") or s.get("log") else "–",
+            ]
+        )
     return rows
 
 
-def blocks(stints: Sequence[Mapping[str, Any]], stopped: str | None) -> list[Block]:
+def timeshared_blocks(stints: Sequence[Mapping[str, Any]], stopped: str | None) -> list[Block]:
     if not stints:
         return []
     out = [Block("h2", "One engine at a time")]
     order = " → ".join(str(s.get("engine")) for s in stints)
     alone = [s for s in stints if s.get("gpu_processes_before") == 0]
-    out.append(Block("p", f"Time-shared run: {order}. Each engine ran the whole suite alone, the same requests in the "
-                     "same order; a launched engine was stopped and its GPU memory back before the next started, so "
-                     "the engines never contended for the GPU (no contention flag applies). "
-                     + (f"{len(alone)} of {len(stints)} found no other process on the GPU when they started."
-                        if any(s.get("gpu_processes_before") is not None for s in stints) else "")))  # fmt: skip
+    out.append(
+        Block(
+            "p",
+            f"Time-shared run: {order}. Each engine ran the whole suite alone, the same requests in the "
+            "same order; a launched engine was stopped and its GPU memory back before the next started, so "
+            "the engines never contended for the GPU (no contention flag applies). "
+            + (
+                f"{len(alone)} of {len(stints)} found no other process on the GPU when they started."
+                if any(s.get("gpu_processes_before") is not None for s in stints)
+                else ""
+            ),
+        )
+    )
     if stopped:
         out.append(Block("p", f"**Stopped early**: {stopped}"))
-    out.append(Block("table", header=["engine", "role", "how", "launch → ready", "GPU used before",
-                                      "engine: loaded, idle", "engine: peak generating", "GPU used after stop",
-                                      "memory back", "other GPU processes", "log"], rows=launch_rows(stints)))  # fmt: skip
+    out.append(
+        Block(
+            "table",
+            header=[
+                "engine",
+                "role",
+                "how",
+                "launch → ready",
+                "GPU used before",
+                "engine: loaded, idle",
+                "engine: peak generating",
+                "GPU used after stop",
+                "memory back",
+                "other GPU processes",
+                "log",
+            ],
+            rows=launch_rows(stints),
+        )
+    )
     notes = []
     memory_notes: dict[str, list[str]] = {}
     for s in stints:
@@ -91,10 +122,19 @@ def launches_json(stints: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for s in stints:
         la = s.get("launch") or {}
         mem = la.get("memory") or {}
-        out.append({"engine": s.get("engine"), "role": s.get("role"), "launched": bool(la),
-                    "command": la.get("command"), "log": la.get("log"), "ready_s": la.get("ready_s"),
-                    "memory_bytes": {k: (mem.get(k) or {}).get("engine_bytes") for k in ("idle", "peak")}
-                    | {"before_device": _device(mem.get("before")), "after_device": _device(mem.get("after"))},
-                    "memory_returned": la.get("memory_returned"), "gpu_processes_before": s.get("gpu_processes_before"),
-                    "failed": s.get("failed")})  # fmt: skip
+        out.append(
+            {
+                "engine": s.get("engine"),
+                "role": s.get("role"),
+                "launched": bool(la),
+                "command": la.get("command"),
+                "log": la.get("log"),
+                "ready_s": la.get("ready_s"),
+                "memory_bytes": {k: (mem.get(k) or {}).get("engine_bytes") for k in ("idle", "peak")}
+                | {"before_device": _device(mem.get("before")), "after_device": _device(mem.get("after"))},
+                "memory_returned": la.get("memory_returned"),
+                "gpu_processes_before": s.get("gpu_processes_before"),
+                "failed": s.get("failed"),
+            }
+        )
     return out

@@ -1,5 +1,5 @@
 """``report --log FILE`` reads every rotated file of the proxy's comparison log (proxy/jsonlog.py's rotation,
-proxy/bench/livelog.py's reading): a real ``serve --workers 2`` writing a log that rotates, the banner's report
+proxy/bench/live/log.py's reading): a real ``serve --workers 2`` writing a log that rotates, the banner's report
 command run as printed; the writer's own threads rotating while a reader reads."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from proxy.bench.report import switchplan
+from proxy.bench.report import rollback, switchplan
 from proxy.bench.report.agreement import agreement
 from proxy.bench.run.config import BenchConfig, Target
 from proxy.bench.run.runner import run_bench
@@ -130,7 +130,7 @@ def test_a_bench_of_two_launched_engines_plans_the_switch_with_every_item_and_bo
 
 def test_the_rollout_config_in_the_plan_passes_check_config(launched: Bench, tmp_path: Path) -> None:
     (yaml_text,) = block((launched.out / "switch-plan.md").read_text(), "yaml")
-    cfg = tmp_path / switchplan.CONFIG
+    cfg = tmp_path / rollback.CONFIG
     cfg.write_text(yaml_text)
     ok = cli(tmp_path, "check-config", str(cfg), ENGINEMETER_ADMIN_KEY="k")
     assert ok.returncode == 0, ok.stderr
