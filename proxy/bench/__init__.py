@@ -7,7 +7,7 @@ A run flows one way, each layer in its own package (imports go down the arrows, 
     verdict/  pure: results in, gates and regimes, decisions out (switch | stay | partial | inconclusive)
     report/   reads the decisions, writes what a person sees (Markdown, HTML, SVG charts, verdict.json)
 
-    run -> verdict <- report;  live -> verdict;  report -> live (the live sections)
+    run -> verdict <- report;  live -> run, verdict (engines as a run's targets);  report -> live (the live sections)
 
 And the modules every layer shares:
 

@@ -49,5 +49,7 @@ def refusal(out: Path, *, force: bool, files: tuple[str, ...] = RUN_FILES, keep:
     found = [f for f in held(out) if f in files and (out / f).resolve() not in own]
     if not found:
         return None
-    return (f"{out} already holds a run ({', '.join(found)}); nothing was written — use a fresh directory "
-            f"(--out {fresh(out)}) or --force to write over it")  # fmt: skip
+    return (
+        f"{out} already holds a run ({', '.join(found)}); nothing was written — use a fresh directory "
+        f"(--out {fresh(out)}) or --force to write over it"
+    )

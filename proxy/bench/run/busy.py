@@ -64,19 +64,34 @@ class ForeignLoad:
     when: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"before": self.before, "readings": self.readings, "max_excess": self.max_excess,
-                "flagged": self.flagged, "when": self.when}  # fmt: skip
+        return {
+            "before": self.before,
+            "readings": self.readings,
+            "max_excess": self.max_excess,
+            "flagged": self.flagged,
+            "when": self.when,
+        }
 
 
 class BusyWatch:
-    def __init__(self, servers: Mapping[str, EngineKind | None], inflight: InFlight, *, interval_s: float = 0.25,
-                 settle_s: float = 3.0, timeout_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        servers: Mapping[str, EngineKind | None],
+        inflight: InFlight,
+        *,
+        interval_s: float = 0.25,
+        settle_s: float = 3.0,
+        timeout_s: float = 2.0,
+    ) -> None:
         self._kinds = dict(servers)
         self._inflight = inflight
         self._interval, self._settle = interval_s, settle_s
         self._timeout = timeout_s
-        self._clients = {s: httpx.AsyncClient(base_url=s, timeout=timeout_s, trust_env=False)
-                         for s, k in self._kinds.items() if k is not None}  # fmt: skip
+        self._clients = {
+            s: httpx.AsyncClient(base_url=s, timeout=timeout_s, trust_env=False)
+            for s, k in self._kinds.items()
+            if k is not None
+        }
         #: servers that did not say what they run (not watched; the report says so)
         self.unwatched: set[str] = set()
 

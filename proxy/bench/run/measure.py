@@ -85,9 +85,16 @@ def real_engines(engines: Sequence[Target]) -> list[Target]:
     return [t for t in engines if not (t.aa_of and t.pin)]
 
 
-async def measure(ctx: Ctx, engines: list[Target], pl: Plan, mem: MemorySource, *,
-                  fresh_prefixes: Callable[[Target], bool] = lambda t: t.aa_of is not None,
-                  skip: Collection[CellSpec] = (), label: str = "") -> None:  # fmt: skip
+async def measure(
+    ctx: Ctx,
+    engines: list[Target],
+    pl: Plan,
+    mem: MemorySource,
+    *,
+    fresh_prefixes: Callable[[Target], bool] = lambda t: t.aa_of is not None,
+    skip: Collection[CellSpec] = (),
+    label: str = "",
+) -> None:
     """Run the plan on ``engines``. ``fresh_prefixes(t)``: whether ``t`` is a second pass on an engine that may
     still cache the first pass's prefixes (it gets ``aa_jobs``); ``skip``: cells left out for these engines."""
     cfg, w = ctx.cfg, ctx.w
@@ -97,8 +104,9 @@ async def measure(ctx: Ctx, engines: list[Target], pl: Plan, mem: MemorySource, 
     n_prime = len(prompts) if cfg.cache in ("warm", "both") else 0
     servers = {t.url: t.kind for t in real if t.url}
     n_warm = sum(min(c.requests(cfg), c.concurrency) for c in cells) * len(servers)
-    total = len(real) * (cfg.warmup + n_prime) + n_warm + len(engines) * sum(c.requests(cfg) * cfg.repeats
-                                                                            for c in cells)  # fmt: skip
+    total = (
+        len(real) * (cfg.warmup + n_prime) + n_warm + len(engines) * sum(c.requests(cfg) * cfg.repeats for c in cells)
+    )
     prog = Progress(total, cfg.progress)
     inflight = InFlight()
     busy = BusyWatch(servers, inflight)
@@ -139,17 +147,27 @@ async def measure(ctx: Ctx, engines: list[Target], pl: Plan, mem: MemorySource, 
                 await _run_cell(ctx, engines, cell, j, pl, prog, mem, fire, busy, fresh_prefixes, label)
         for server in sorted(busy.unwatched):
             names = ", ".join(t.name for t in real if t.url == server)
-            w.write({"type": "note", "engine": names, "text": f"foreign load not watched: {server} does not say "
-                     "how many requests it is running"})  # fmt: skip
+            w.write(
+                {
+                    "type": "note",
+                    "engine": names,
+                    "text": f"foreign load not watched: {server} does not say how many requests it is running",
+                }
+            )
     finally:
         prog.close()
         await busy.aclose()
 
 
 async def _run_repeat(
-    cfg: BenchConfig, t: Target, cell: CellSpec, jobs: Sequence[Job], offsets: Sequence[float] | None, fire: Fire,
+    cfg: BenchConfig,
+    t: Target,
+    cell: CellSpec,
+    jobs: Sequence[Job],
+    offsets: Sequence[float] | None,
+    fire: Fire,
     on_done: Callable[[int, Prompt, str, RequestOutcome], None],
-) -> tuple[list[RequestOutcome], int, int]:  # fmt: skip
+) -> tuple[list[RequestOutcome], int, int]:
     sem = asyncio.Semaphore(cell.concurrency)
     cold = cell.cache == "cold"
     t_a = time.perf_counter_ns()
@@ -172,14 +190,25 @@ async def _run_repeat(
 def _warm_jobs(cell: CellSpec, n: int, pool: Sequence[Prompt], run_id: str) -> list[Job]:
     """One wave of the cell, fresh prefixes (cold) or the bare prompts (warm), to be discarded."""
     k = max(1, min(n, cell.concurrency))
-    return [(pool[i % len(pool)], f"[{secrets.token_hex(4)} cellwarm {run_id}] " if cell.cache == "cold" else "")
-            for i in range(k)]  # fmt: skip
+    return [
+        (pool[i % len(pool)], f"[{secrets.token_hex(4)} cellwarm {run_id}] " if cell.cache == "cold" else "")
+        for i in range(k)
+    ]
 
 
 async def _run_cell(
-    ctx: Ctx, engines: list[Target], cell: CellSpec, index: int, pl: Plan, prog: Progress, mem: MemorySource,
-    fire: Fire, busy: BusyWatch, fresh_prefixes: Callable[[Target], bool], label: str,
-) -> None:  # fmt: skip
+    ctx: Ctx,
+    engines: list[Target],
+    cell: CellSpec,
+    index: int,
+    pl: Plan,
+    prog: Progress,
+    mem: MemorySource,
+    fire: Fire,
+    busy: BusyWatch,
+    fresh_prefixes: Callable[[Target], bool],
+    label: str,
+) -> None:
     cfg, w = ctx.cfg, ctx.w
     pool = prompts_for(pl.prompts, cell.prompt_len)
     n = cell.requests(cfg)
@@ -208,8 +237,11 @@ async def _run_cell(
 
             def done(i: int, p: Prompt, prefix: str, o: RequestOutcome, t: Target = t, rep: int = rep) -> None:
                 key = f"{p.id}#{prefix.strip()}" if prefix else f"{p.id}#{i}"
-                w.write(request_record(t, o, ctx.t0_ns, phase="measure", **cell.key(), repeat=rep, index=i,
-                                       prompt=p.id, key=key))  # fmt: skip
+                w.write(
+                    request_record(
+                        t, o, ctx.t0_ns, phase="measure", **cell.key(), repeat=rep, index=i, prompt=p.id, key=key
+                    )
+                )
                 prog.step()
 
             jobs = rp.aa_jobs if fresh_prefixes(t) else rp.jobs

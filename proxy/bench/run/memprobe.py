@@ -15,15 +15,13 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import httpx
 
+from proxy.gpu.memory import GpuMemory
 from proxy.gpu.nvml import NvmlReader, Opener, PynvmlReader
 from proxy.gpu.scraped import PROCESS, read_memory
-
-if TYPE_CHECKING:
-    from proxy.gpu.memory import GpuMemory
 
 
 class MemorySource(Protocol):

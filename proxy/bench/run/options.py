@@ -14,6 +14,7 @@ from typing import Any
 from proxy.bench.run.benchfile import BenchFile, goodput_spec
 from proxy.bench.run.config import BenchConfig, Target
 from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT
+from proxy.bench.verdict.workload import parse_goodput
 
 QUICK = {
     "concurrency": "1,2",
@@ -119,8 +120,9 @@ def size_arg(s: str | int | None) -> int | None:
 class Targets(argparse.Action):
     """``--engine`` and ``--launch`` into one list, in the order given: ``[(kind, "NAME=VALUE"), ...]``."""
 
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
         items = list(getattr(ns, self.dest, None) or [])
         items.append((self.const, values))
         setattr(ns, self.dest, items)
@@ -135,37 +137,66 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help="repeats per cell (default 3; fewer makes the verdict inconclusive)")
     p.add_argument("--warmup", type=int, help="warm-up requests per engine, discarded (default 2)")
     p.add_argument("--cache", choices=("cold", "warm", "both"), help="prompt-cache phases (default both)")
-    p.add_argument("--no-prompt-cache", action="store_true", default=None,
-                   help="cold phase: also send cache_prompt:false to llama.cpp")  # fmt: skip
+    p.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        default=None,
+        help="cold phase: also send cache_prompt:false to llama.cpp",
+    )
     p.add_argument("--waves", type=int, help="requests per cell repeat = concurrency × waves (default 2)")
     p.add_argument("--requests", type=int, help="requests per cell repeat (instead of concurrency × waves)")
     p.add_argument("--duration", type=float, metavar="S", help="send for S seconds per cell repeat")
-    p.add_argument("--request-rate", type=floats, metavar="R[,R...]", help="open-loop arrivals at R requests/s (a "
-                   "sweep replacing the concurrency sweep; at most max(--concurrency) in flight)")  # fmt: skip
+    p.add_argument(
+        "--request-rate",
+        type=floats,
+        metavar="R[,R...]",
+        help="open-loop arrivals at R requests/s (a "
+        "sweep replacing the concurrency sweep; at most max(--concurrency) in flight)",
+    )
     p.add_argument("--burstiness", type=float, help="gamma shape of inter-arrival times (1 = Poisson, <1 burstier)")
     p.add_argument("--goodput", metavar="ttft:MS,tpot:MS,e2el:MS", help="SLOs for goodput (requests meeting all)")
-    p.add_argument("--aa", choices=("auto", "off"), help="A/A noise floor: a second pass of the baseline (auto; "
-                   "launched engines: the baseline launched again last) or none (off: the run-to-run variation "
-                   "stands in)")  # fmt: skip
+    p.add_argument(
+        "--aa",
+        choices=("auto", "off"),
+        help="A/A noise floor: a second pass of the baseline (auto; "
+        "launched engines: the baseline launched again last) or none (off: the run-to-run variation "
+        "stands in)",
+    )
     p.add_argument("--min-effect", type=percent_arg, metavar="PCT", help=MIN_EFFECT_HELP)
     p.add_argument("--max-error-rate", type=percent_arg, metavar="PCT", help=MAX_ERROR_RATE_HELP)
-    p.add_argument("--fail-on", type=fail_on, metavar="stay,partial,inconclusive",
-                   help=f"exit {EXIT_VERDICT} when a verdict is one of these (inconclusive includes partial)")  # fmt: skip
-    p.add_argument("--out", help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json; "
-                   "launched engines' logs in engines/); default bench-out; one holding a run is refused")  # fmt: skip
+    p.add_argument(
+        "--fail-on",
+        type=fail_on,
+        metavar="stay,partial,inconclusive",
+        help=f"exit {EXIT_VERDICT} when a verdict is one of these (inconclusive includes partial)",
+    )
+    p.add_argument(
+        "--out",
+        help="output directory (results.jsonl, report.md/.html, SVG charts, verdict.json; "
+        "launched engines' logs in engines/); default bench-out; one holding a run is refused",
+    )
     p.add_argument("--force", action="store_true", help="write into an --out that holds a run (replacing its files)")
     p.add_argument("--model", help="model name to send (default: each engine's /v1/models; required with --through)")
     p.add_argument("--seed", type=int, help="sampling seed and arrival schedule (default 1234)")
     p.add_argument("--max-tokens", type=int, help="base max_tokens (default 128)")
-    p.add_argument("--no-ignore-eos", action="store_true", default=None,
-                   help="let engines stop at EOS (output lengths may differ)")  # fmt: skip
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", default=None, help="let engines stop at EOS (output lengths may differ)"
+    )
     p.add_argument("--memory-budget", help="GPU memory the candidate must fit in (e.g. 72GiB)")
     p.add_argument("--timeout", type=float, help="per-request timeout, seconds (default 600)")
-    p.add_argument("--launch-timeout", type=float, metavar="S",
-                   help="launched engines: seconds from launch to ready before the launch fails (default 900)")  # fmt: skip
-    p.add_argument("--quick", action="store_true", default=None,
-                   help="CI-sized preset: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (what 4 slots "
-                   "buy shows only at c=4: add --concurrency 1,4)")  # fmt: skip
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        metavar="S",
+        help="launched engines: seconds from launch to ready before the launch fails (default 900)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        default=None,
+        help="CI-sized preset: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (what 4 slots "
+        "buy shows only at c=4: add --concurrency 1,4)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -176,11 +207,10 @@ def _pick(args: argparse.Namespace, file: BenchFile | None, key: str, file_key: 
     return v
 
 
-def build_config(args: argparse.Namespace, file: BenchFile | None, targets: list[Target],
-                 preset_over: dict[str, Any] | None = None) -> BenchConfig:  # fmt: skip
+def build_config(
+    args: argparse.Namespace, file: BenchFile | None, targets: list[Target], preset_over: dict[str, Any] | None = None
+) -> BenchConfig:
     """Preset < file < flags -> the run's config. ``preset_over``: a command's own defaults (``tune``)."""
-    from proxy.bench.verdict.workload import parse_goodput
-
     quick = bool(_pick(args, file, "quick"))
     preset: dict[str, Any] = {**(QUICK if quick else DEFAULTS), **(preset_over or {})}
 
@@ -206,8 +236,11 @@ def build_config(args: argparse.Namespace, file: BenchFile | None, targets: list
     if max_tokens not in outputs:
         outputs = tuple(sorted({*outputs, max_tokens}))
     lengths = val("prompt_lengths", preset["prompt_lengths"])
-    min_effect = args.min_effect if args.min_effect is not None else (file.min_effect / 100 if file and
-                                                                      file.min_effect else MIN_EFFECT)  # fmt: skip
+    min_effect = (
+        args.min_effect
+        if args.min_effect is not None
+        else (file.min_effect / 100 if file and file.min_effect else MIN_EFFECT)
+    )
     return BenchConfig(
         engines=targets,
         through=through.rstrip("/") if through else None,

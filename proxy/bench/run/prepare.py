@@ -15,8 +15,15 @@ from typing import Any
 import httpx
 
 from proxy.bench.run.client import send_one
-from proxy.bench.run.config import PIN_HEADER, BenchConfig, Target, build_body, canonical_sampling, effective_sampling
-from proxy.bench.run.config import sampling as sampling_of
+from proxy.bench.run.config import (
+    PIN_HEADER,
+    BenchConfig,
+    Target,
+    build_body,
+    canonical_sampling,
+    effective_sampling,
+    sampling,
+)
 from proxy.bench.run.measure import real_engines
 from proxy.bench.run.schedule import Plan, prompt_digests
 from proxy.bench.run.targets import count_prompt_tokens
@@ -75,8 +82,12 @@ async def engine_info_via_proxy(cfg: BenchConfig) -> None:
         t.model = t.model or st.get("model")
 
 
-async def preflight(cfg: BenchConfig, engines: Sequence[Target], clients: Mapping[str, httpx.AsyncClient],
-                    headers: Mapping[str, dict[str, str]]) -> None:  # fmt: skip
+async def preflight(
+    cfg: BenchConfig,
+    engines: Sequence[Target],
+    clients: Mapping[str, httpx.AsyncClient],
+    headers: Mapping[str, dict[str, str]],
+) -> None:
     """Probe results checked, then one tiny request per engine (concurrently): the first failure raises."""
     for t in engines:
         if t.info.get("probe_error"):
@@ -96,8 +107,12 @@ def client_for(cfg: BenchConfig, t: Target) -> httpx.AsyncClient:
     if not base_url:
         raise ValueError(f"engine {t.name}: no URL and no --through")
     n = max(cfg.concurrency) + 2
-    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(cfg.timeout_s, connect=5),
-                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), trust_env=False)  # fmt: skip
+    return httpx.AsyncClient(
+        base_url=base_url,
+        timeout=httpx.Timeout(cfg.timeout_s, connect=5),
+        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+        trust_env=False,
+    )
 
 
 def headers_for(cfg: BenchConfig, t: Target) -> dict[str, str]:
@@ -144,29 +159,56 @@ async def count_tokens(cfg: BenchConfig, engines: Sequence[Target], prompts: Seq
     for p in prompts:
         counts = await asyncio.gather(*(count_prompt_tokens(t, cfg.model or t.model, p.messages) for t in engines))
         for t, (n, method) in zip(engines, counts, strict=True):
-            out.append({"type": "prompt_tokens", "engine": t.name, "prompt": p.id, "length": p.length,
-                        "lang": p.lang, "tokens": n, "method": method})  # fmt: skip
+            out.append(
+                {
+                    "type": "prompt_tokens",
+                    "engine": t.name,
+                    "prompt": p.id,
+                    "length": p.length,
+                    "lang": p.lang,
+                    "tokens": n,
+                    "method": method,
+                }
+            )
     return out
 
 
-def run_record(cfg: BenchConfig, run_id: str, t_start: float, pl: Plan,
-               engines: Sequence[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def run_record(
+    cfg: BenchConfig, run_id: str, t_start: float, pl: Plan, engines: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
     cfg_rec = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "engines"}
-    sent = {k: v for k, v in sampling_of(cfg, cfg.max_tokens).items() if k != "max_tokens"}
+    sent = {k: v for k, v in sampling(cfg, cfg.max_tokens).items() if k != "max_tokens"}
     return {
-        "type": "run", "version": RESULTS_VERSION, "run_id": run_id, "started": t_start, "config": cfg_rec,
-        "engines": list(engines), "baseline": cfg.baseline, "through": cfg.through,
+        "type": "run",
+        "version": RESULTS_VERSION,
+        "run_id": run_id,
+        "started": t_start,
+        "config": cfg_rec,
+        "engines": list(engines),
+        "baseline": cfg.baseline,
+        "through": cfg.through,
         "base": {"concurrency": 1, "max_tokens": cfg.max_tokens, "prompt_len": cfg.base_prompt_len},
         "cells": [asdict(c) for c in pl.cells],
         "prompts": [{"id": p.id, "lang": p.lang, "length": p.length} for p in pl.prompts],
-        "memory_budget_bytes": cfg.memory_budget_bytes, "goodput": cfg.goodput, "python": sys.version.split()[0],
-        "argv": cfg.argv or None, "min_effect": cfg.min_effect,
+        "memory_budget_bytes": cfg.memory_budget_bytes,
+        "goodput": cfg.goodput,
+        "python": sys.version.split()[0],
+        "argv": cfg.argv or None,
+        "min_effect": cfg.min_effect,
         "max_error_rate": cfg.max_error_rate,
         "time_shared": cfg.time_shared,
-        "protocol": {"cell_warmup": "one wave per cell and engine server",
-                     "order": "one engine at a time" if cfg.time_shared else "williams",
-                     "cold_prefixes": "seeded" if pl.seeded else "random per run"},
+        "protocol": {
+            "cell_warmup": "one wave per cell and engine server",
+            "order": "one engine at a time" if cfg.time_shared else "williams",
+            "cold_prefixes": "seeded" if pl.seeded else "random per run",
+        },
         # what a later run must share for ``report --results A B`` to join the two (proxy.bench.verdict.merge)
-        "comparable": {"suite": cfg.suite, "prompts": prompt_digests(pl.prompts), "sampling": sent,
-                       "max_tokens": cfg.max_tokens, "prompt_len": cfg.base_prompt_len, "gpu": gpu_facts()},
-    }  # fmt: skip
+        "comparable": {
+            "suite": cfg.suite,
+            "prompts": prompt_digests(pl.prompts),
+            "sampling": sent,
+            "max_tokens": cfg.max_tokens,
+            "prompt_len": cfg.base_prompt_len,
+            "gpu": gpu_facts(),
+        },
+    }

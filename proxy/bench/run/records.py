@@ -74,22 +74,36 @@ def sample_record(
     itl = [g for o in ok if not o.timing.burst for g in o.timing.gaps_s]  # a burst's gaps time the reader
     comp = [float(o.usage.completion_tokens) for o in ok if o.usage and o.usage.completion_tokens]
     prompt = [float(o.usage.prompt_tokens) for o in ok if o.usage and o.usage.prompt_tokens]
-    good = sum(1 for o in ok if meets_slo({"ok": True, "ttft_s": o.timing.ttft_s, "tpot_s": o.timing.tpot_s,
-                                           "e2e_s": o.timing.e2e_s}, slo))  # fmt: skip
+    good = sum(
+        1
+        for o in ok
+        if meets_slo({"ok": True, "ttft_s": o.timing.ttft_s, "tpot_s": o.timing.tpot_s, "e2e_s": o.timing.e2e_s}, slo)
+    )
     rec: dict[str, Any] = {
-        "type": "sample", "engine": engine, **cell.key(), "repeat": rep, "sweeps": list(cell.sweeps),
-        "n_ok": len(ok), "n_err": len(outs) - len(ok), "errors": sorted({o.error for o in outs if o.error})[:5],
-        "wall_s": wall, "output_tokens": tokens, "output_tps": tokens / wall if wall > 0 and ok else None,
+        "type": "sample",
+        "engine": engine,
+        **cell.key(),
+        "repeat": rep,
+        "sweeps": list(cell.sweeps),
+        "n_ok": len(ok),
+        "n_err": len(outs) - len(ok),
+        "errors": sorted({o.error for o in outs if o.error})[:5],
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tps": tokens / wall if wall > 0 and ok else None,
         "request_rate": len(ok) / wall if wall > 0 else None,
         "completion_tokens": sum(comp) / len(comp) if comp else None,
         "prompt_tokens": sum(prompt) / len(prompt) if prompt else None,
-        "engine_decode_tps": _median([o.engine.predicted_per_second for o in ok
-                                      if o.engine and o.engine.predicted_per_second is not None]),
+        "engine_decode_tps": _median(
+            [o.engine.predicted_per_second for o in ok if o.engine and o.engine.predicted_per_second is not None]
+        ),
         "bursts": sum(1 for o in ok if o.timing.burst),
         "bursts_unrated": sum(1 for o in ok if o.timing.burst and o.timing.decode_tps is None),
-        "gpu_mem_peak_bytes": mem_peak, "gpu_mem_source": mem.source,
-        "gpus": list(mem.gpus.get(mem_engine, ())), "gpu_mem_total_bytes": mem.total_bytes,
-    }  # fmt: skip
+        "gpu_mem_peak_bytes": mem_peak,
+        "gpu_mem_source": mem.source,
+        "gpus": list(mem.gpus.get(mem_engine, ())),
+        "gpu_mem_total_bytes": mem.total_bytes,
+    }
     for attr in ("ttft_s", "tpot_s", "decode_tps", "e2e_s"):
         rec[attr] = _median(vals(attr))
     for attr, v in (("ttft", vals("ttft_s")), ("tpot", vals("tpot_s")), ("itl", itl)):

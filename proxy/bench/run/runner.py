@@ -27,11 +27,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 
-from proxy.bench import suite as suite_mod
+from proxy.bench import suite
 from proxy.bench.run.client import Writer
 from proxy.bench.run.config import BenchConfig
 from proxy.bench.run.measure import Ctx, measure, real_engines
@@ -50,13 +49,12 @@ from proxy.bench.run.prepare import (
 from proxy.bench.run.schedule import make_plan
 from proxy.bench.run.targets import probe
 from proxy.bench.run.timeshare import run_time_shared
-
-if TYPE_CHECKING:
-    from proxy.procs.launch import Launcher
+from proxy.procs.launch import Launcher
 
 
-async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None, *,
-                    launcher: Launcher | None = None) -> Path:  # fmt: skip
+async def run_bench(
+    cfg: BenchConfig, log: Callable[[str], None] | None = None, *, launcher: Launcher | None = None
+) -> Path:
     """Run the whole bench; returns the JSONL path. Cancellation (Ctrl-C) keeps what was written.
     Raises ``PreflightError`` before anything is measured when an engine is unreachable or failing; with
     launched engines, ``LaunchError`` when one does not start (the engines it started are stopped)."""
@@ -88,7 +86,7 @@ async def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None, 
     try:
         await preflight(cfg, cfg.engines, clients, headers)
         real = real_engines(cfg.engines)
-        prompts = suite_mod.load(cfg.suite, cfg.prompt_lengths)
+        prompts = suite.load(cfg.suite, cfg.prompt_lengths)
         counted = await count_tokens(cfg, real, prompts)
         pl = make_plan(cfg, prompts, counted, [t.context_per_slot for t in real if t.context_per_slot], run_id)
         max_tokens_all = sorted({c.max_tokens for c in pl.cells})

@@ -18,9 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.bench import suite as suite_mod
 from proxy.bench.run.config import BenchConfig, CellSpec, plan
-from proxy.bench.suite import Prompt
+from proxy.bench.suite import TARGET_TOKENS, Prompt, length_rank
 from proxy.bench.verdict.workload import arrivals
 
 Job = tuple[Prompt, str]
@@ -66,23 +65,33 @@ def prompt_digests(prompts: Iterable[Prompt]) -> dict[str, str]:
     return out
 
 
-def too_long(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Mapping[str, Any]],
-             contexts: Sequence[int]) -> tuple[list[Prompt], int | None, dict[str, int]]:  # fmt: skip
+def too_long(
+    cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Mapping[str, Any]], contexts: Sequence[int]
+) -> tuple[list[Prompt], int | None, dict[str, int]]:
     """(prompts longer than the smallest context per slot less the longest output, the room, worst counts)."""
     if not contexts:
         return [], None, {}
     room = min(contexts) - max((*cfg.output_lengths, cfg.max_tokens))
     # the largest count any engine gave; uncounted (no tokenizer endpoint): the class's size, with margin
     worst = {
-        p.id: max([r["tokens"] for r in counted if r["prompt"] == p.id and r["tokens"]]
-                  or [int(suite_mod.TARGET_TOKENS.get(p.length, 0) * 1.2)])
+        p.id: max(
+            [r["tokens"] for r in counted if r["prompt"] == p.id and r["tokens"]]
+            or [int(TARGET_TOKENS.get(p.length, 0) * 1.2)]
+        )
         for p in prompts
-    }  # fmt: skip
+    }
     return [p for p in prompts if worst[p.id] > room], room, worst
 
 
-def make_plan(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Mapping[str, Any]],
-              contexts: Sequence[int], run_id: str, *, seeded: bool = False) -> Plan:  # fmt: skip
+def make_plan(
+    cfg: BenchConfig,
+    prompts: Sequence[Prompt],
+    counted: Sequence[Mapping[str, Any]],
+    contexts: Sequence[int],
+    run_id: str,
+    *,
+    seeded: bool = False,
+) -> Plan:
     """Leave out what does not fit (a note), then plan the cells and every repeat's requests. ``seeded``: the cold
     prefixes come from ``cfg.seed`` — only where every engine is a fresh process (launched), which holds nothing
     of an earlier run in its prompt cache; then two runs with the same seed send the very same requests."""
@@ -92,13 +101,19 @@ def make_plan(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Map
     out, room, worst = too_long(cfg, prompts, counted, contexts)
     kept = [p for p in prompts if p not in out]
     if out:
-        notes.append({"type": "note", "engine": None, "text": f"left out {len(out)} prompt(s) longer than {room} "
-                      f"tokens (context per slot {min(contexts)} − max_tokens): "
-                      + ", ".join(f"{p.id} ({worst[p.id]})" for p in out)})  # fmt: skip
+        notes.append(
+            {
+                "type": "note",
+                "engine": None,
+                "text": f"left out {len(out)} prompt(s) longer than {room} "
+                f"tokens (context per slot {min(contexts)} − max_tokens): "
+                + ", ".join(f"{p.id} ({worst[p.id]})" for p in out),
+            }
+        )
     if not kept:
         raise ValueError("no prompt fits the engines' context per slot")
     cfg.prompt_lengths = tuple(pl for pl in cfg.prompt_lengths if any(p.length == pl for p in kept)) or tuple(
-        sorted({p.length for p in kept}, key=suite_mod.length_rank)
+        sorted({p.length for p in kept}, key=length_rank)
     )
     pl = Plan(kept, plan(cfg), notes=notes, seeded=seeded)
     for cell in pl.cells:
@@ -113,8 +128,9 @@ def make_plan(cfg: BenchConfig, prompts: Sequence[Prompt], counted: Sequence[Map
     return pl
 
 
-def unfit_cells(cfg: BenchConfig, pl: Plan, counted: Sequence[Mapping[str, Any]], context: int | None,
-                engine: str) -> tuple[set[CellSpec], dict[str, Any] | None]:  # fmt: skip
+def unfit_cells(
+    cfg: BenchConfig, pl: Plan, counted: Sequence[Mapping[str, Any]], context: int | None, engine: str
+) -> tuple[set[CellSpec], dict[str, Any] | None]:
     """Cells of a plan made on another engine whose prompts do not fit this engine's context per slot (an engine
     launched later with a smaller context): left out for it, with a note."""
     out, room, worst = too_long(cfg, pl.prompts, counted, [context] if context else [])
@@ -122,7 +138,11 @@ def unfit_cells(cfg: BenchConfig, pl: Plan, counted: Sequence[Mapping[str, Any]]
         return set(), None
     ids = {p.id for p in out}
     cells = {c for c in pl.cells if any(p.id in ids for p in prompts_for(pl.prompts, c.prompt_len))}
-    note = {"type": "note", "engine": engine, "text": f"{len(cells)} cell(s) left out on {engine}: {len(out)} "
-            f"prompt(s) longer than its {room} tokens (context per slot {context} − max_tokens): "
-            + ", ".join(f"{p.id} ({worst[p.id]})" for p in out)}  # fmt: skip
+    note = {
+        "type": "note",
+        "engine": engine,
+        "text": f"{len(cells)} cell(s) left out on {engine}: {len(out)} "
+        f"prompt(s) longer than its {room} tokens (context per slot {context} − max_tokens): "
+        + ", ".join(f"{p.id} ({worst[p.id]})" for p in out),
+    }
     return cells, note

@@ -44,9 +44,12 @@ def variants(command: str, vary: str | None, name: str | None = None) -> tuple[s
         commands = [_replace_flag(command, flag, v) for v in values]
     else:
         if len(lists) != 1:
-            raise UsageError("tune sweeps one flag: put exactly one {a,b,...} list in the command (-np {1,2,4}), or "
-                             "use --vary FLAG=A,B" if not lists else "tune sweeps one flag: the command has "
-                             f"{len(lists)} {{...}} lists")  # fmt: skip
+            raise UsageError(
+                "tune sweeps one flag: put exactly one {a,b,...} list in the command (-np {1,2,4}), or "
+                "use --vary FLAG=A,B"
+                if not lists
+                else f"tune sweeps one flag: the command has {len(lists)} {{...}} lists"
+            )
         m = lists[0]
         before = command[: m.start()]
         flag = before.rstrip().rstrip("=").split()[-1] if before.strip() else ""
@@ -57,8 +60,12 @@ def variants(command: str, vary: str | None, name: str | None = None) -> tuple[s
     if len(values) < 2 or len(set(values)) != len(values):
         raise UsageError(f"tune needs at least two different values of {flag}, got {', '.join(values) or 'none'}")
     stem = re.sub(r"[^A-Za-z0-9]+", "", flag.lstrip("-")) or "v"
-    names = [f"{name}-{stem}{re.sub(r'[^A-Za-z0-9_.-]+', '_', v)}" if name else
-             f"{stem}{re.sub(r'[^A-Za-z0-9_.-]+', '_', v)}" for v in values]  # fmt: skip
+    names = [
+        f"{name}-{stem}{re.sub(r'[^A-Za-z0-9_.-]+', '_', v)}"
+        if name
+        else f"{stem}{re.sub(r'[^A-Za-z0-9_.-]+', '_', v)}"
+        for v in values
+    ]
     return flag, [Variant(n, v, c) for n, v, c in zip(names, values, commands, strict=True)]
 
 

@@ -1,7 +1,6 @@
 """What the bench asks each engine directly: probe (kind, model, slots, context per slot, quantization),
 prompt-token counts with the engine's own tokenizer, cache flush. Each is answered by the engine's dialect in
 ``proxy/engines/`` (one module per engine kind); this module only fills the bench's ``Target`` from it.
-``quant_key`` (re-exported from ``proxy.engines``) is the one quantization spelling the verdict compares.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ import httpx
 
 from proxy import engines
 from proxy.bench.run.config import Target
+from proxy.embedded.gguf_meta import read_gguf_metadata
 from proxy.engines import quant_from_name
-from proxy.engines import quant_key as quant_key  # one spelling per quantization (re-exported for the verdict)
 from proxy.engines.llamacpp import ftype_name
 
 
@@ -64,8 +63,6 @@ def _gguf_file_type(path: Path) -> int | None:
 
 def _gguf_meta(path: Path) -> Mapping[str, Any]:
     try:
-        from proxy.embedded import read_gguf_metadata
-
         return read_gguf_metadata(path)
     except Exception:  # not a GGUF, unreadable, gguf extras absent: the header says nothing
         return {}
@@ -84,7 +81,7 @@ async def probe(t: Target, timeout: float = 5.0, *, log: Path | None = None) -> 
     """Kind, served model, slots, context per slot and quantization from the engine's dialect
     (``proxy.engines``); a declared quantization wins, the GGUF header or the model's name is the last resort.
     ``log``: a launched engine's log, whose start-up lines give its KV pool in tokens and bytes (what a memory
-    share's excess costs in tokens: ``proxy.bench.verdict.gates``)."""
+    share's excess costs in tokens: ``proxy.bench.verdict.gates.memorygate``)."""
     if not t.url:
         return
     async with httpx.AsyncClient(base_url=t.url, timeout=timeout, trust_env=False) as c:
@@ -97,8 +94,18 @@ async def probe(t: Target, timeout: float = 5.0, *, log: Path | None = None) -> 
     f = p.facts
     if f is not None:
         t.slots = t.slots or f.slots
-        t.info.update({k: v for k, v in (("model_path", f.model_path), ("context_length", f.context_length),
-                                         ("build", f.build), ("kv_pool_tokens", f.kv_pool_tokens)) if v is not None})  # fmt: skip
+        t.info.update(
+            {
+                k: v
+                for k, v in (
+                    ("model_path", f.model_path),
+                    ("context_length", f.context_length),
+                    ("build", f.build),
+                    ("kv_pool_tokens", f.kv_pool_tokens),
+                )
+                if v is not None
+            }
+        )
     quantization(t, {"quantization": f.quantization, "weights_format": f.weights_format} if f is not None else None)
     gguf_name(t)
     if f is not None and f.weights_format:

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from proxy.bench import suite as suite_mod
+from proxy.bench import suite
 from proxy.bench.run.client import Writer
 from proxy.bench.run.config import BenchConfig, CellSpec, Target
 from proxy.bench.run.measure import Ctx, measure
@@ -112,7 +112,7 @@ async def _fit_shares(cfg: BenchConfig, launcher: Launcher, say: Callable[[str],
 
 async def run_time_shared(cfg: BenchConfig, say: Callable[[str], None], launcher: Launcher | None = None) -> Path:
     launcher = launcher or Launcher(cfg.out, ready_timeout_s=cfg.launch_timeout_s)
-    run = _Run(cfg, secrets.token_hex(4), time.time(), suite_mod.load(cfg.suite, cfg.prompt_lengths), say)
+    run = _Run(cfg, secrets.token_hex(4), time.time(), suite.load(cfg.suite, cfg.prompt_lengths), say)
     if cfg.metrics_url:
         run.metrics_client = httpx.AsyncClient(timeout=10, trust_env=False)
     run.share_notes = await _fit_shares(cfg, launcher, say)
@@ -134,8 +134,9 @@ async def run_time_shared(cfg: BenchConfig, say: Callable[[str], None], launcher
         if run.metrics_client is not None:
             await run.metrics_client.aclose()
         if run.w is not None:
-            run.w.write({"type": "end", "interrupted": interrupted, "duration_s": time.time() - run.t_start,
-                         "stopped": stopped})  # fmt: skip
+            run.w.write(
+                {"type": "end", "interrupted": interrupted, "duration_s": time.time() - run.t_start, "stopped": stopped}
+            )
             run.w.close()
             say(f"enginemeter bench: {'interrupted; ' if interrupted else ''}results in {run.path}")
     return run.path
@@ -145,8 +146,15 @@ async def _stint(run: _Run, s: Stint, i: int, n: int, launcher: Launcher) -> Non
     t = s.target
     label = f"[{i + 1}/{n} {t.name}] "
     others = await asyncio.to_thread(_gpu_processes, launcher)
-    rec: dict[str, Any] = {"type": "stint", "engine": t.name, "role": s.role, "index": i, "started": time.time(),
-                           "gpu_processes_before": others, "launch": None}  # fmt: skip
+    rec: dict[str, Any] = {
+        "type": "stint",
+        "engine": t.name,
+        "role": s.role,
+        "index": i,
+        "started": time.time(),
+        "gpu_processes_before": others,
+        "launch": None,
+    }
     if not t.launch:
         await _measure(run, s, MemoryProbe(run.cfg.metrics_url), label, fresh=s.role == "aa")
         rec["ended"] = time.time()
@@ -157,8 +165,16 @@ async def _stint(run: _Run, s: Stint, i: int, n: int, launcher: Launcher) -> Non
     try:
         eng = await launcher.start(spec)
     except LaunchError as exc:
-        _write(run, {**rec, "ended": time.time(), "failed": str(exc).split("\n", 1)[0],
-                     "log": str(launcher.log_path(spec)), "command": t.launch})  # fmt: skip
+        _write(
+            run,
+            {
+                **rec,
+                "ended": time.time(),
+                "failed": str(exc).split("\n", 1)[0],
+                "log": str(launcher.log_path(spec)),
+                "command": t.launch,
+            },
+        )
         raise
     mem = ProcessMemory(launcher.memory, t.name, eng.pid)
     try:
@@ -171,9 +187,11 @@ async def _stint(run: _Run, s: Stint, i: int, n: int, launcher: Launcher) -> Non
         rec["launch"] = _launch_record(eng, mem)
         _write(run, rec)
     if eng.memory_returned is False:
-        raise MemoryNotBack(f"{t.name}: GPU memory did not come back within {launcher.memory_timeout_s:g} s after "
-                            f"it stopped ({_held(eng)}): the next engine would not run alone, so the bench stops "
-                            "here — find what holds the GPU (nvidia-smi) and run again")  # fmt: skip
+        raise MemoryNotBack(
+            f"{t.name}: GPU memory did not come back within {launcher.memory_timeout_s:g} s after "
+            f"it stopped ({_held(eng)}): the next engine would not run alone, so the bench stops "
+            "here — find what holds the GPU (nvidia-smi) and run again"
+        )
 
 
 def _gpu_processes(launcher: Launcher) -> int | None:
@@ -216,10 +234,16 @@ async def _measure(run: _Run, s: Stint, mem: MemorySource, label: str, *, fresh:
     notes: list[dict[str, Any]] = []
     if run.plan is None:
         seeded = all(x.launch for x in cfg.engines)  # fresh processes only: nothing cached from an earlier run
-        pl = make_plan(cfg, run.suite, counted, [t.context_per_slot] if t.context_per_slot else [], run.run_id,
-                       seeded=seeded)  # fmt: skip
-        run.plan, notes = pl, [*pl.notes, *({"type": "note", "engine": n.split(":", 1)[0], "text": n.split(": ", 1)[1]}
-                                            for n in run.share_notes)]  # fmt: skip
+        pl = make_plan(
+            cfg, run.suite, counted, [t.context_per_slot] if t.context_per_slot else [], run.run_id, seeded=seeded
+        )
+        run.plan, notes = (
+            pl,
+            [
+                *pl.notes,
+                *({"type": "note", "engine": n.split(":", 1)[0], "text": n.split(": ", 1)[1]} for n in run.share_notes),
+            ],
+        )
         run.w = Writer(run.path)
         mt = sorted({c.max_tokens for c in pl.cells})
         run.w.write(run_record(cfg, run.run_id, run.t_start, pl, [engine_record(cfg, x, mt) for x in cfg.engines]))

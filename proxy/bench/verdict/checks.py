@@ -69,8 +69,12 @@ def order_counts(positions: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, 
     return out
 
 
-def summary(samples: Sequence[Sample], positions: Sequence[Mapping[str, Any]], flags: Mapping[tuple[str, Cell], str],
-            aa_names: Sequence[str]) -> list[str]:  # fmt: skip
+def summary(
+    samples: Sequence[Sample],
+    positions: Sequence[Mapping[str, Any]],
+    flags: Mapping[tuple[str, Cell], str],
+    aa_names: Sequence[str],
+) -> list[str]:
     """The protocol checks as lines for the report."""
     lines: list[str] = []
     fr = first_repeat(samples)
@@ -88,16 +92,22 @@ def summary(samples: Sequence[Sample], positions: Sequence[Mapping[str, Any]], f
                 "measured without its warm-up, or drift at the start of each cell"
             )
         else:
-            lines.append(f"first repeat in line with the others in all {len(cells)} engine cells (within 2× the other "
-                         "repeats' spread or 10 %)")  # fmt: skip
+            lines.append(
+                f"first repeat in line with the others in all {len(cells)} engine cells (within 2× the other "
+                "repeats' spread or 10 %)"
+            )
     counts = order_counts(positions)
     if counts:
         firsts = {e: d.get(0, 0) for e, d in counts.items()}
-        lines.append("order: times each engine ran first in a repeat — "
-                     + ", ".join(f"{e} {n}" + (" (A/A)" if e in aa_names else "") for e, n in sorted(firsts.items())))  # fmt: skip
+        lines.append(
+            "order: times each engine ran first in a repeat — "
+            + ", ".join(f"{e} {n}" + (" (A/A)" if e in aa_names else "") for e, n in sorted(firsts.items()))
+        )
     elif samples:
-        lines.append("order: not recorded (results from before the balanced order: the first repeat of every cell "
-                     "ran the engines in the listed order)")  # fmt: skip
+        lines.append(
+            "order: not recorded (results from before the balanced order: the first repeat of every cell "
+            "ran the engines in the listed order)"
+        )
     if flags:
         for (e, c), why in sorted(flags.items(), key=lambda kv: (kv[0][0], kv[0][1].label())):
             lines.append(f"**{c.label()}** on {e}: {why} — the cell cannot decide")

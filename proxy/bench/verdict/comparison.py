@@ -152,15 +152,31 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         s = self.stats
-        return {"step": self.step, "metric": self.metric, "cell": self.cell.label(), "outcome": self.outcome,
-                "primary": self.primary, "base_mean": s.base_mean, "cand_mean": s.cand_mean, "rel": s.rel,
-                "ci95": [s.lo, s.hi], "ci95_bootstrap": list(s.boot),
-                "ci95_repeats_t": list(s.t_interval) if s.t_interval else None, "effect_size_dz": s.effect,
-                "pairs": s.n_pairs, "repeats": s.n_groups, "noise_floor": self.floor,
-                "noise_floor_source": self.floor_source, "protocol_bias": self.bias or None,
-                "min_effect": self.min_effect, "band": self.band, "detectable_effect": self.detectable,
-                "repeats_to_resolve": self.repeats_to_resolve() if self.outcome == "unresolved" else None,
-                "flagged": self.flagged, "variation": dict(self.variation)}  # fmt: skip
+        return {
+            "step": self.step,
+            "metric": self.metric,
+            "cell": self.cell.label(),
+            "outcome": self.outcome,
+            "primary": self.primary,
+            "base_mean": s.base_mean,
+            "cand_mean": s.cand_mean,
+            "rel": s.rel,
+            "ci95": [s.lo, s.hi],
+            "ci95_bootstrap": list(s.boot),
+            "ci95_repeats_t": list(s.t_interval) if s.t_interval else None,
+            "effect_size_dz": s.effect,
+            "pairs": s.n_pairs,
+            "repeats": s.n_groups,
+            "noise_floor": self.floor,
+            "noise_floor_source": self.floor_source,
+            "protocol_bias": self.bias or None,
+            "min_effect": self.min_effect,
+            "band": self.band,
+            "detectable_effect": self.detectable,
+            "repeats_to_resolve": self.repeats_to_resolve() if self.outcome == "unresolved" else None,
+            "flagged": self.flagged,
+            "variation": dict(self.variation),
+        }
 
 
 def log_ratio(rel: float) -> float:

@@ -7,18 +7,20 @@ variation standing in for the A/A noise floor. Its llama.cpp context per slot co
 
 from __future__ import annotations
 
-import datetime as dt
 import gzip
 import json
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy import engines
 from proxy.bench.suite import SHARED_PREFIX
 from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
+from proxy.bench.verdict.provenance import bench_command, protocol, report_command
 from proxy.engines import started
+from proxy.engines.quant import random_weights
+from proxy.procs.launch import parse_launch
 from proxy.types import ENGINE_KINDS
 
 
@@ -59,31 +61,6 @@ def results_file(path: Path) -> Path:
     raise ValueError(f"{path}: no results.jsonl (or results.jsonl.gz) in this directory — not a bench --out")
 
 
-def report_command(
-    paths: Sequence[Path | str],
-    *,
-    baseline: str | None = None,
-    accept_quantization_difference: bool = False,
-    min_effect: float | None = None,
-    max_error_rate: float | None = None,
-    quantization: Mapping[str, str] | None = None,
-) -> str:
-    """``enginemeter report`` reading these results files again with the settings that change their verdict (no
-    ``--out``): a results file as the bench wrote it is named by its directory, as ``--results`` takes it."""
-    names = [str(p.parent if p.name in ("results.jsonl", "results.jsonl.gz") else p) for p in map(Path, paths)]
-    argv = ["enginemeter", "report", "--results", *names]
-    if baseline:
-        argv += ["--baseline", baseline]
-    for name, q in (quantization or {}).items():
-        argv += ["--quantization", f"{name}={q}"]
-    if accept_quantization_difference:
-        argv.append("--accept-quantization-difference")
-    for flag, v in (("--min-effect", min_effect), ("--max-error-rate", max_error_rate)):
-        if v is not None:
-            argv += [flag, f"{v * 100:g}"]
-    return shlex.join(argv)
-
-
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSONL file, gzipped or not; a line cut by Ctrl-C is skipped."""
     recs: list[dict[str, Any]] = []
@@ -104,8 +81,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _cell(r: Mapping[str, Any]) -> Cell:
     rate = r.get("rate")
-    return Cell(r["cache"], int(r["concurrency"]), int(r["max_tokens"]), r["prompt_len"],
-                float(rate) if isinstance(rate, int | float) else None)  # fmt: skip
+    return Cell(
+        r["cache"],
+        int(r["concurrency"]),
+        int(r["max_tokens"]),
+        r["prompt_len"],
+        float(rate) if isinstance(rate, int | float) else None,
+    )
 
 
 def _int(v: Any) -> int | None:
@@ -133,20 +115,74 @@ def load_bench(
     max_error_rate: float | None = None,
     accept_quantization_difference: bool = False,
 ) -> Data:
+    """A bench results file (or ``--out`` directory) -> ``Data``: ``ValueError`` when it holds no ``run`` record or
+    ``baseline`` is none of its engines. The settings given win over the ones the run recorded."""
     path = results_file(path)
     recs = read_jsonl(path)
     run = next((r for r in recs if r.get("type") == "run"), None)
     if run is None:
         raise ValueError(f"{path}: no 'run' record — not a bench results file")
     end = next((r for r in recs if r.get("type") == "end"), None)
-    cfg = run.get("config", {})
-    quant = dict(quantization or {})
-    infos = []
-    # a time-shared run learns each engine's facts once it is up: its ``engine`` record replaces the run's entry
-    later = {r["name"]: {k: v for k, v in r.items() if k not in ("type", "role")} for r in recs
-             if r.get("type") == "engine" and isinstance(r.get("name"), str)}  # fmt: skip
+    infos = _engines(run, recs, quantization or {}, path.parent / "engines")
+    names = [e.name for e in infos]
+    bl = baseline or run.get("baseline") or names[0]
+    if bl not in names:
+        raise ValueError(f"baseline {bl!r} is not one of the engines: {', '.join(names)}")
+    again = report_command(
+        [path],
+        baseline=baseline,
+        min_effect=min_effect,
+        max_error_rate=max_error_rate,
+        accept_quantization_difference=accept_quantization_difference,
+        quantization=quantization,
+    )
+    results = _results(
+        run,
+        recs,
+        infos,
+        bl,
+        again,
+        min_repeats=min_repeats,
+        min_effect=min_effect,
+        max_error_rate=max_error_rate,
+        accept=accept_quantization_difference,
+    )
+    return Data(
+        title="enginemeter bench report",
+        results=results,
+        engines_meta=run["engines"],
+        requests=[r for r in recs if r.get("type") == "request"],
+        tokenized=[r for r in recs if r.get("type") == "prompt_tokens"],
+        protocol=protocol(run, end),
+        notes=[f"{r.get('engine') or 'bench'}: {r.get('text')}" for r in recs if r.get("type") == "note"],
+        interrupted=bool(end is None or end.get("interrupted")),
+        duration_s=end.get("duration_s") if end else None,
+        goodput=run.get("goodput") or {},
+        positions=[
+            {"engine": r["engine"], "position": r["position"]}
+            for r in recs
+            if r.get("type") == "sample" and "position" in r
+        ],
+        stints=[r for r in recs if r.get("type") == "stint"],
+        stopped=(end or {}).get("stopped", {}).get("cause") if (end or {}).get("stopped") else None,
+        sources=[str(path)],
+        runs=[run],
+    )
+
+
+def _engines(
+    run: dict[str, Any], recs: Sequence[Mapping[str, Any]], quant: Mapping[str, str], logs: Path
+) -> list[EngineInfo]:
+    """The run's engines, each as its latest record says (a time-shared run's ``engine`` record, written once the
+    engine is up, replaces the run's entry), with a declared quantization over the recorded one. Updates the run's
+    ``engines`` entries to match (what the report shows of them)."""
+    later = {
+        r["name"]: {k: v for k, v in r.items() if k not in ("type", "role")}
+        for r in recs
+        if r.get("type") == "engine" and isinstance(r.get("name"), str)
+    }
     run["engines"] = [later.pop(e["name"], e) for e in run["engines"]] + list(later.values())
-    stints = [r for r in recs if r.get("type") == "stint"]
+    infos = []
     for e in run["engines"]:
         declared = quant.get(e["name"])
         q = declared or e.get("quantization")
@@ -155,89 +191,125 @@ def load_bench(
         dropped = e.get("dropped", [] if run.get("version", 1) == 1 else None)
         infos.append(
             EngineInfo(
-                name=e["name"], kind=e.get("kind"), model=e.get("model"), quantization=q,
-                sampling=e.get("sampling") or {}, max_tokens=tuple(e.get("max_tokens") or ()),
-                dropped=tuple(dropped) if isinstance(dropped, list) else None, context_per_slot=ctx,
-                slots=_int(e.get("slots")), aa_of=e.get("aa_of"),
+                name=e["name"],
+                kind=e.get("kind"),
+                model=e.get("model"),
+                quantization=q,
+                sampling=e.get("sampling") or {},
+                max_tokens=tuple(e.get("max_tokens") or ()),
+                dropped=tuple(dropped) if isinstance(dropped, list) else None,
+                context_per_slot=ctx,
+                slots=_int(e.get("slots")),
+                aa_of=e.get("aa_of"),
                 quantization_source="declared" if declared else e.get("quantization_source"),
-                **_kv_pool(info, path.parent / "engines" / f"{e['name']}.log", e.get("kind")),
+                **_kv_pool(info, logs / f"{e['name']}.log", e.get("kind")),
             )
-        )  # fmt: skip
-        e["quantization"] = q
-    samples = tuple(
-        Sample(
-            engine=r["engine"], cell=_cell(r), repeat=int(r["repeat"]), n_ok=int(r["n_ok"]), n_err=int(r["n_err"]),
-            ttft_s=r.get("ttft_s"), tpot_s=r.get("tpot_s"), decode_tps=r.get("decode_tps"), e2e_s=r.get("e2e_s"),
-            completion_tokens=r.get("completion_tokens"), prompt_tokens=r.get("prompt_tokens"),
-            output_tps=r.get("output_tps"), gpu_mem_peak_bytes=r.get("gpu_mem_peak_bytes"),
-            errors=tuple(r.get("errors") or ()), gpu_mem_source=r.get("gpu_mem_source"),
-            gpus=tuple(r.get("gpus") or ()), gpu_mem_total_bytes=r.get("gpu_mem_total_bytes"),
-            goodput_rps=r.get("goodput_rps"), bursts=int(r.get("bursts") or 0),
-            bursts_unrated=int(r.get("bursts_unrated") or 0),
-            percentiles={k: v for k, v in r.items() if k.endswith(("_p50_s", "_p90_s", "_p99_s"))},
         )
-        for r in recs
-        if r.get("type") == "sample"
-    )  # fmt: skip
-    tokenized = [r for r in recs if r.get("type") == "prompt_tokens"]
-    requests = [r for r in recs if r.get("type") == "request"]
-    measured = [r for r in requests if r.get("phase") == "measure" and "cache" in r]
-    reqs = tuple(
-        Req(engine=r["engine"], cell=_cell(r), repeat=int(r.get("repeat", 0)), index=int(r.get("index", 0)),
-            ok=bool(r.get("ok")), ttft_s=r.get("ttft_s"), tpot_s=r.get("tpot_s"), decode_tps=r.get("decode_tps"),
-            e2e_s=r.get("e2e_s"), prompt_tokens=_int(r.get("prompt_tokens")), cached_tokens=_int(r.get("cached_tokens")))
-        for r in measured
-    )  # fmt: skip
+        e["quantization"] = q
+    return infos
+
+
+def _results(
+    run: Mapping[str, Any],
+    recs: list[dict[str, Any]],
+    infos: Sequence[EngineInfo],
+    baseline: str,
+    report: str,
+    *,
+    min_repeats: int,
+    min_effect: float | None,
+    max_error_rate: float | None,
+    accept: bool,
+) -> Results:
+    """What the verdict reads of the run; ``report``: the command that reads it again with these settings."""
+    cfg = run.get("config", {})
+    base = run.get("base", {})
+    measured = [r for r in recs if r.get("type") == "request" and r.get("phase") == "measure" and "cache" in r]
+    return Results(
+        engines=tuple(infos),
+        baseline=baseline,
+        samples=tuple(_sample(r) for r in recs if r.get("type") == "sample"),
+        prompt_tokens=_prompt_tokens(recs, measured),
+        base_max_tokens=base.get("max_tokens"),
+        base_prompt_len=base.get("prompt_len"),
+        memory_budget_bytes=run.get("memory_budget_bytes"),
+        min_repeats=min_repeats,
+        requests=tuple(_req(r) for r in measured),
+        shared_prefix=cfg.get("suite") == SHARED_PREFIX,
+        min_effect=min_effect if min_effect is not None else float(cfg.get("min_effect") or MIN_EFFECT),
+        max_error_rate=max_error_rate
+        if max_error_rate is not None
+        else float(cfg.get("max_error_rate", MAX_ERROR_RATE)),
+        flags=_busy_flags(recs),
+        command=bench_command(run),
+        report_command=report,
+        accept_quantization_difference=accept or bool(cfg.get("accept_quantization_difference")),
+        expected=frozenset(cfg.get("expected_differences") or ()),
+        alone=_alone([r for r in recs if r.get("type") == "stint"]),
+        time_shared=bool(run.get("time_shared")),
+        memory_share=_memory_share(run),
+        random_weights={e["name"]: why for e in run["engines"] if (why := weights_random(e))},
+    )
+
+
+def _sample(r: Mapping[str, Any]) -> Sample:
+    return Sample(
+        engine=r["engine"],
+        cell=_cell(r),
+        repeat=int(r["repeat"]),
+        n_ok=int(r["n_ok"]),
+        n_err=int(r["n_err"]),
+        ttft_s=r.get("ttft_s"),
+        tpot_s=r.get("tpot_s"),
+        decode_tps=r.get("decode_tps"),
+        e2e_s=r.get("e2e_s"),
+        completion_tokens=r.get("completion_tokens"),
+        prompt_tokens=r.get("prompt_tokens"),
+        output_tps=r.get("output_tps"),
+        gpu_mem_peak_bytes=r.get("gpu_mem_peak_bytes"),
+        errors=tuple(r.get("errors") or ()),
+        gpu_mem_source=r.get("gpu_mem_source"),
+        gpus=tuple(r.get("gpus") or ()),
+        gpu_mem_total_bytes=r.get("gpu_mem_total_bytes"),
+        goodput_rps=r.get("goodput_rps"),
+        bursts=int(r.get("bursts") or 0),
+        bursts_unrated=int(r.get("bursts_unrated") or 0),
+        percentiles={k: v for k, v in r.items() if k.endswith(("_p50_s", "_p90_s", "_p99_s"))},
+    )
+
+
+def _req(r: Mapping[str, Any]) -> Req:
+    return Req(
+        engine=r["engine"],
+        cell=_cell(r),
+        repeat=int(r.get("repeat", 0)),
+        index=int(r.get("index", 0)),
+        ok=bool(r.get("ok")),
+        ttft_s=r.get("ttft_s"),
+        tpot_s=r.get("tpot_s"),
+        decode_tps=r.get("decode_tps"),
+        e2e_s=r.get("e2e_s"),
+        prompt_tokens=_int(r.get("prompt_tokens")),
+        cached_tokens=_int(r.get("cached_tokens")),
+    )
+
+
+def _prompt_tokens(
+    recs: Sequence[Mapping[str, Any]], measured: Sequence[Mapping[str, Any]]
+) -> dict[str, dict[str, int]]:
+    """engine -> ``tokenizer:PROMPT`` (its own tokenizer's count) and ``usage:KEY`` (what a request's usage said)."""
     pt: dict[str, dict[str, int]] = {}
-    for r in tokenized:
-        if isinstance(r.get("tokens"), int):
+    for r in recs:
+        if r.get("type") == "prompt_tokens" and isinstance(r.get("tokens"), int):
             pt.setdefault(r["engine"], {})[f"tokenizer:{r['prompt']}"] = r["tokens"]
     for r in measured:
         if r.get("ok") and isinstance(r.get("prompt_tokens"), int) and r.get("key"):
             pt.setdefault(r["engine"], {})[f"usage:{r['key']}"] = r["prompt_tokens"]
-    base = run.get("base", {})
-    names = [e.name for e in infos]
-    bl = baseline or run.get("baseline") or names[0]
-    if bl not in names:
-        raise ValueError(f"baseline {bl!r} is not one of the engines: {', '.join(names)}")
-    results = Results(
-        engines=tuple(infos), baseline=bl, samples=samples, prompt_tokens=pt, base_max_tokens=base.get("max_tokens"),
-        base_prompt_len=base.get("prompt_len"), memory_budget_bytes=run.get("memory_budget_bytes"),
-        min_repeats=min_repeats, requests=reqs, shared_prefix=cfg.get("suite") == SHARED_PREFIX,
-        min_effect=min_effect if min_effect is not None else float(cfg.get("min_effect") or MIN_EFFECT),
-        max_error_rate=max_error_rate if max_error_rate is not None else float(cfg.get("max_error_rate", MAX_ERROR_RATE)),
-        flags=_busy_flags(recs), command=bench_command(run),
-        report_command=report_command([path], baseline=baseline, min_effect=min_effect, max_error_rate=max_error_rate,
-                                      accept_quantization_difference=accept_quantization_difference,
-                                      quantization=quantization),
-        accept_quantization_difference=accept_quantization_difference or bool(cfg.get("accept_quantization_difference")),
-        expected=frozenset(cfg.get("expected_differences") or ()), alone=_alone(stints),
-        time_shared=bool(run.get("time_shared")), memory_share=_memory_share(run),
-        random_weights={e["name"]: why for e in run["engines"] if (why := weights_random(e))},
-    )  # fmt: skip
-    return Data(
-        title="enginemeter bench report",
-        results=results,
-        engines_meta=run["engines"],
-        requests=requests,
-        tokenized=tokenized,
-        protocol=_protocol(run, end),
-        notes=[f"{r.get('engine') or 'bench'}: {r.get('text')}" for r in recs if r.get("type") == "note"],
-        interrupted=bool(end is None or end.get("interrupted")),
-        duration_s=end.get("duration_s") if end else None,
-        goodput=run.get("goodput") or {},
-        positions=[{"engine": r["engine"], "position": r["position"]} for r in recs
-                   if r.get("type") == "sample" and "position" in r],
-        stints=stints, stopped=(end or {}).get("stopped", {}).get("cause") if (end or {}).get("stopped") else None,
-        sources=[str(path)], runs=[run],
-    )  # fmt: skip
+    return pt
 
 
 def _memory_share(run: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
     """Launched engines whose command line sets their share of the GPU's memory (SGLang, vLLM: the dialect's)."""
-    from proxy import engines
-    from proxy.procs.launch import parse_launch
-
     out: dict[str, tuple[str, float]] = {}
     for e in run["engines"]:
         if not isinstance(e.get("launch"), str):
@@ -254,67 +326,12 @@ def _memory_share(run: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
 
 def weights_random(meta: Mapping[str, Any]) -> str | None:
     """Why an engine of a run's records runs random weights, when it does (``proxy.engines.quant.random_weights``)."""
-    from proxy.engines.quant import random_weights
-
     return random_weights(meta.get("launch") if isinstance(meta.get("launch"), str) else None, meta.get("info") or {})
 
 
 def _alone(stints: list[dict[str, Any]]) -> frozenset[str]:
     """Launched engines that found no other process on the GPU when they started."""
     return frozenset(s["engine"] for s in stints if s.get("launch") and s.get("gpu_processes_before") == 0)
-
-
-def _protocol(run: Mapping[str, Any], end: Mapping[str, Any] | None) -> list[str]:
-    cfg = run.get("config", {})
-    base = run.get("base", {})
-    ex = run["engines"][0].get("body_example", {}) if run["engines"] else {}
-    rates = cfg.get("request_rates") or []
-    per_cell = (f"{cfg['requests']} requests" if cfg.get("requests") else f"{cfg['duration_s']:g} s" if
-                cfg.get("duration_s") else f"{cfg.get('waves')} × concurrency requests")  # fmt: skip
-    aa = [e["name"] for e in run["engines"] if e.get("aa_of")]
-    launched = [e for e in run["engines"] if e.get("launch")]
-    shared = (
-        "time-shared: each engine ran the whole suite alone, one after another"
-        + (f" ({len(launched)} launched by enginemeter, each stopped and its GPU memory back before the next)"
-           if launched else "")
-        + "; the bench's engines never ran side by side, so no contention applies"
-    ) if run.get("time_shared") else None  # fmt: skip
-    out = [
-        f"started {dt.datetime.fromtimestamp(run.get('started', 0), dt.UTC):%Y-%m-%d %H:%M:%S} UTC"
-        + (f", took {end['duration_s']:.0f} s" if end and isinstance(end.get("duration_s"), int | float) else ""),
-        (f"through the proxy at {run['through']} (engine pinned per request with x-enginemeter-engine; the proxy "
-         "maps sampling per engine kind)") if run.get("through")
-        else "directly against each engine (sampling mapped per engine kind by proxy.normalize)",
-        f"suite: {cfg.get('suite')}; prompt lengths {', '.join(cfg.get('prompt_lengths') or [])} "
-        f"(base {base.get('prompt_len')}); concurrency {', '.join(map(str, cfg.get('concurrency') or []))}; "
-        f"output lengths {', '.join(map(str, cfg.get('output_lengths') or []))} (base {base.get('max_tokens')})",
-        (f"open loop: request rates {', '.join(f'{x:g}' for x in rates)}/s, gamma arrivals with burstiness "
-         f"{cfg.get('burstiness', 1.0):g} (1 = Poisson), at most {max(cfg.get('concurrency') or [1])} in flight")
-        if rates else "closed loop: at most `concurrency` requests in flight, the next sent as one ends",
-        f"{cfg.get('repeats')} repeats per cell, engines rotating order; {cfg.get('warmup')} warm-up request(s) per "
-        f"engine discarded; {per_cell} per cell repeat",
-        *([shared] if shared else []),
-        f"A/A noise floor: {', '.join(aa)} = {_aa_how(run, bool(launched))}" if aa
-        else "no A/A pass: the noise floor is the run-to-run variation",
-        f"cache: {cfg.get('cache')} (cold = unique prefix per request"
-        + (", drawn from --seed: every engine was launched fresh, so runs with the same seed send the same "
-           "requests" if (run.get("protocol") or {}).get("cold_prefixes") == "seeded" else "")
-        + (", cache_prompt:false to llama.cpp" if cfg.get("no_prompt_cache") else "")
-        + ", SGLang /flush_cache before each phase; warm = bare prompts, primed once)",
-        "sampling sent (before per-kind mapping): "
-        + ", ".join(f"{k}={v}" for k, v in sorted(ex.items()) if k not in ("model", "stream", "stream_options")),
-    ]  # fmt: skip
-    if run.get("goodput"):
-        out.append("goodput SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in run["goodput"].items()))
-    return out
-
-
-def _aa_how(run: Mapping[str, Any], launched: bool) -> str:
-    if not run.get("time_shared"):
-        return "a second pass of the baseline in every cell repeat"
-    if launched:
-        return "the baseline launched again after the candidates (restart-to-restart noise)"
-    return "the baseline measured again after the candidates"
 
 
 def _busy_flags(recs: list[dict[str, Any]]) -> dict[tuple[str, Cell], str]:
@@ -330,28 +347,3 @@ def _busy_flags(recs: list[dict[str, Any]]) -> dict[tuple[str, Cell], str]:
                 f"request(s) the bench did not send (repeat {r.get('repeat')}, {busy.get('when')})",
             )
     return out
-
-
-def bench_command(run: Mapping[str, Any]) -> str:
-    """The command that made a run: as recorded, else rebuilt from its settings (older results)."""
-    argv = run.get("argv")
-    if isinstance(argv, list) and argv:
-        return shlex.join(str(a) for a in argv)
-    cfg = run.get("config", {})
-    out = ["enginemeter", "bench"]
-    for e in run.get("engines", []):
-        if e.get("aa_of") and e.get("name") == f"{e['aa_of']}-aa":
-            continue  # the bench's own second pass of the baseline, not an engine the user listed
-        out += ["--engine", f"{e['name']}={e.get('url') or ''}"]
-    for flag, key in (("--concurrency", "concurrency"), ("--output-lengths", "output_lengths"),
-                      ("--prompt-lengths", "prompt_lengths")):  # fmt: skip
-        if cfg.get(key):
-            out += [flag, ",".join(map(str, cfg[key]))]
-    for flag, key in (("--repeats", "repeats"), ("--warmup", "warmup"), ("--cache", "cache"),
-                      ("--max-tokens", "max_tokens"), ("--waves", "waves"), ("--requests", "requests"),
-                      ("--through", "through"), ("--model", "model"), ("--baseline", "baseline")):  # fmt: skip
-        if cfg.get(key) not in (None, ""):
-            out += [flag, str(cfg[key])]
-    if cfg.get("no_prompt_cache"):
-        out.append("--no-prompt-cache")
-    return shlex.join(out)

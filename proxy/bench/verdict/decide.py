@@ -1,6 +1,7 @@
 """Results -> per-regime answers -> switch | stay | partial | inconclusive. Pure: no I/O, no clock.
 
-Gates first, in a fixed order; a failed gate stops the verdict there (which gate, which check, why):
+Gates first, in a fixed order (``proxy.bench.verdict.gates``); a failed gate stops the verdict there (which gate,
+which check, why):
 
 1. **parity**: prompt tokens, effective sampling (what the per-kind mapping dropped included), max tokens,
    output lengths, context per slot, quantization (normalized: F16 = FP16 = float16; bf16 ≠ f16); slots below
@@ -10,7 +11,8 @@ Gates first, in a fixed order; a failed gate stops the verdict there (which gate
 3. **memory**: the candidate's per-engine peak against the user's budget, or its GPU's total when it held
    that GPU alone; device-wide readings are not judged.
 
-Then the speed, one **regime** at a time, the order the people deciding read it (``proxy.bench.verdict.regimes``):
+Then the speed, one **regime** at a time, the order the people deciding read it (``proxy.bench.verdict.regimes``;
+the decision from their answers: ``proxy.bench.verdict.conclusion``):
 
 - **single request** (step ``decode``): TPOT at concurrency 1, the base cell (decode tok/s = 1/TPOT); TTFT
   beside it;
@@ -18,7 +20,7 @@ Then the speed, one **regime** at a time, the order the people deciding read it 
   measured on both; TTFT under load beside it;
 - **long prompts** (step ``long-context``): TTFT at the longest prompt class, concurrency 1; TPOT beside it.
 
-Each comparison is paired per request (``stats.paired_bootstrap``): a 95 % interval of the relative
+Each comparison is paired per request (``evidence``, ``stats.paired_bootstrap``): a 95 % interval of the relative
 difference whose width grows with the run-to-run variation. It is judged against a **band**: the larger of
 ``min_effect`` (practical significance, ``--min-effect``) and the **noise floor** (the baseline against its
 own second pass, A/A, in the same run; without one, the run-to-run variation). A win needs the whole
@@ -30,24 +32,36 @@ where an engine was busy with requests the bench did not send is *flagged* and c
 
 from __future__ import annotations
 
-import math
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.suite import length_rank
 from proxy.bench.verdict.checks import first_repeat
-from proxy.bench.verdict.comparison import Comparison, log_ratio
-from proxy.bench.verdict.gates import CAVEAT, data_gate, discount, memory_gate, parity_gate, quant_differs
+from proxy.bench.verdict.comparison import Comparison
+from proxy.bench.verdict.conclusion import conclude
+from proxy.bench.verdict.evidence import Evidence
+from proxy.bench.verdict.gates.datagate import data_gate
+from proxy.bench.verdict.gates.memorygate import CAVEAT, memory_gate
+from proxy.bench.verdict.gates.paritygate import discount, parity_gate, quant_differs
 from proxy.bench.verdict.inputs import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
-from proxy.bench.verdict.regimes import REGIMES, RegimeAnswer, conclude
-from proxy.bench.verdict.stats import paired_bootstrap, variation
+from proxy.bench.verdict.regimes import RegimeAnswer
 from proxy.bench.verdict.weighting import TrafficAnswer, weigh
-from proxy.notation import band, faster_ci, figure
+from proxy.notation import band, figure
 
-__all__ = ["Cell", "Comparison", "EngineInfo", "Reason", "RegimeAnswer", "Req", "Results", "Sample", "Verdict",
-           "decide", "decide_all"]  # fmt: skip
+__all__ = [
+    "Cell",
+    "Comparison",
+    "EngineInfo",
+    "Reason",
+    "RegimeAnswer",
+    "Req",
+    "Results",
+    "Sample",
+    "Verdict",
+    "decide",
+    "decide_all",
+]
 
 
 def discounted_tag(discounted: str | None) -> str:
@@ -87,20 +101,36 @@ class Verdict:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "baseline": self.baseline, "candidate": self.candidate, "decision": self.decision,
-            "summary": self.summary, "caveats": list(self.caveats),
+            "baseline": self.baseline,
+            "candidate": self.candidate,
+            "decision": self.decision,
+            "summary": self.summary,
+            "caveats": list(self.caveats),
             "traffic": self.traffic.to_json() if self.traffic else None,
-            "cells": [{"cell": c.cell.label(), "concurrency": c.cell.concurrency, "prompt": c.cell.prompt_len,
-                       "figure": c.what, "speed_ratio": c.speed[0], "ci95": list(c.speed[1:]), "outcome": c.outcome}
-                      for c in self.cells],
-            "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check or "unnamed"} if self.stopped_at
+            "cells": [
+                {
+                    "cell": c.cell.label(),
+                    "concurrency": c.cell.concurrency,
+                    "prompt": c.cell.prompt_len,
+                    "figure": c.what,
+                    "speed_ratio": c.speed[0],
+                    "ci95": list(c.speed[1:]),
+                    "outcome": c.outcome,
+                }
+                for c in self.cells
+            ],
+            "stopped_at": {"gate": self.stopped_at, "check": self.stopped_check or "unnamed"}
+            if self.stopped_at
             else None,
-            "regimes": [a.to_json() for a in self.regimes], "next_step": self.next_step,
+            "regimes": [a.to_json() for a in self.regimes],
+            "next_step": self.next_step,
             "discounted": self.discounted,
-            "reasons": [{"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive,
-                         "text": x.text} for x in self.reasons],
+            "reasons": [
+                {"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive, "text": x.text}
+                for x in self.reasons
+            ],
             "comparisons": [c.to_json() for c in self.comparisons],
-        }  # fmt: skip
+        }
 
 
 def decide_all(r: Results) -> list[Verdict]:
@@ -115,13 +145,14 @@ def judged_phase(samples: Sequence[Sample]) -> str | None:
 
 
 def decide(r: Results, candidate: str) -> Verdict:
+    """The candidate against the baseline: the gates, then the regimes (see the module docstring)."""
     base = r.baseline
     infos = {e.name: e for e in r.engines}
     if base not in infos or candidate not in infos:
         missing = base if base not in infos else candidate
         why = f"engine {missing!r} has no results"
-        return Verdict(base, candidate, "inconclusive", why, (Reason("data", "inconclusive", why, "engines"),), (),
-                       "data", "engines")  # fmt: skip
+        reason = Reason("data", "inconclusive", why, "engines")
+        return Verdict(base, candidate, "inconclusive", why, (reason,), (), "data", "engines")
     aa = next((e.name for e in r.engines if e.aa_of == base), None)
     samples = [s for s in r.samples if s.engine in (base, candidate, aa)]
     judged = judged_phase(samples)
@@ -130,38 +161,63 @@ def decide(r: Results, candidate: str) -> Verdict:
         if s.cell.cache == judged:
             by.setdefault((s.engine, s.cell), []).append(s)
     common = {c for (e, c) in by if e == base} & {c for (e, c) in by if e == candidate}
-    offered = max((c.concurrency for c in common), default=None)
     # live blocks are slices of the traffic in time, not repeats after a missing warm-up: none is left out
     cold = [] if r.live else _cold_first_repeats(by, common, (base, candidate, aa))
-
     reasons: list[Reason] = data_gate(r, samples, base, candidate, judged, common, by)
-    reasons += parity_gate(r, infos[base], infos[candidate], offered)
+    reasons += parity_gate(r, infos[base], infos[candidate], max((c.concurrency for c in common), default=None))
     reasons += r.extra_parity
     reasons += memory_gate(r, samples, base, candidate)
     if cold:
-        reasons.append(Reason("data", "note", "repeat 0 left out where it ran cold (no warm-up before it, far from "
-                              "the other repeats): " + "; ".join(cold), "first repeat"))  # fmt: skip
+        why = "repeat 0 left out where it ran cold (no warm-up before it, far from the other repeats): "
+        reasons.append(Reason("data", "note", why + "; ".join(cold), "first repeat"))
     reqs: dict[tuple[str, Cell, int], dict[int, Req]] = {}
     for q in r.requests:
         if q.ok and q.cell.cache == judged:
             reqs.setdefault((q.engine, q.cell, q.repeat), {})[q.index] = q
+    ev = Evidence(r, base, candidate, aa, by, reqs)
+    comps = _regime_comparisons(ev, common)
+    reasons += [Reason(c.step, c.outcome, _text(c, base, candidate), c.metric) for c in comps]
+    cells = [] if r.live else _cells(ev, common)
+    answer = weigh(r.traffic, cells, base, candidate, r.base_prompt_len) if r.traffic is not None and cells else None
+    slots = [e.slots for e in (infos[base], infos[candidate]) if e.slots]
+    live = r.live_findings.get(candidate) if r.live else None
+    c = conclude(r, base, candidate, reasons, comps, max(slots) if slots else None, cells, answer, live)
+    b, k = infos[base], infos[candidate]
+    return Verdict(
+        base,
+        candidate,
+        c.decision,
+        c.summary,
+        c.reasons,
+        tuple(comps),
+        c.stopped_at,
+        c.stopped_check,
+        "A/A pass" if aa else "run-to-run variation",
+        c.regimes,
+        c.next_step,
+        discount(b, k) if r.accept_quantization_difference and quant_differs(b, k) else None,
+        tuple(cells),
+        answer,
+        tuple(x.text for x in c.reasons if x.check == CAVEAT),
+    )
+
+
+def _regime_comparisons(ev: Evidence, common: set[Cell]) -> list[Comparison]:
+    """Each regime's comparisons, its deciding figure first: single request (c=1, the base cell), under load (the
+    highest concurrency or rate measured on both), long prompts (the longest prompt class at c=1)."""
+    r = ev.r
     comps: list[Comparison] = []
-    measured: dict[str, Cell | None] = {}
 
     def compare(step: str, cell: Cell, metric: str, unit: str, higher: bool, what: str, primary: bool) -> None:
-        per_req = metric != "output_tps"
-        comp = _compare(r, by, reqs, step, what, cell, metric, unit, higher, base, candidate, aa, per_req, primary)
-        if comp is None:
-            return
-        measured.setdefault(step, cell)
-        comps.append(comp)
-        reasons.append(Reason(step, comp.outcome, _text(comp, base, candidate), metric))
+        comp = ev.compare(step, what, cell, metric, unit, higher, metric != "output_tps", primary)
+        if comp is not None:
+            comps.append(comp)
 
     base_mt, base_pl = r.base_max_tokens, r.base_prompt_len
     c1 = [c for c in common if c.concurrency == 1 and c.rate is None]
     single = _pick(c1, base_mt, base_pl)
     if single is not None:
-        if r.live or not _has(reqs, r.samples, single, "e2e_s"):  # mirrored pairs' answers differ in length
+        if r.live or not ev.has(single, "e2e_s"):  # mirrored pairs' answers differ in length
             compare("decode", single, "tpot_s", "s/token", False, "single-request decode (TPOT)", True)
         else:
             compare("decode", single, "e2e_s", "s", False, f"whole request, {_tokens(single)}", True)
@@ -187,23 +243,13 @@ def decide(r: Results, candidate: str) -> Verdict:
         longest = max(longs, key=lambda c: length_rank(c.prompt_len))
         if base_pl is None or length_rank(longest.prompt_len) > length_rank(base_pl):
             p = longest.prompt_len
-            if _has(reqs, r.samples, longest, "e2e_s"):
+            if ev.has(longest, "e2e_s"):
                 compare("long-context", longest, "e2e_s", "s", False, f"whole {p}-prompt request", True)
                 compare("long-context", longest, "ttft_s", "s", False, f"TTFT ({p} prompt)", False)
             else:
                 compare("long-context", longest, "ttft_s", "s", False, f"TTFT ({p} prompt)", True)
             compare("long-context", longest, "tpot_s", "s/token", False, f"decode after a {p} prompt (TPOT)", False)
-    cells = [] if r.live else _cells(r, by, reqs, common, base, candidate, aa)
-    answer = weigh(r.traffic, cells, base, candidate, base_pl) if r.traffic is not None and cells else None
-    slots = [e.slots for e in (infos[base], infos[candidate]) if e.slots]
-    c = conclude(r, base, candidate, reasons, comps, aa, {s for s, _ in REGIMES if s in measured},
-                 max(slots) if slots else None, cells, answer, r.live_findings.get(candidate) if r.live else None)  # fmt: skip
-    noise = "A/A pass" if aa else "run-to-run variation"
-    b, k = infos[base], infos[candidate]
-    discounted = discount(b, k) if r.accept_quantization_difference and quant_differs(b, k) else None
-    caveats = tuple(x.text for x in c.reasons if x.check == CAVEAT)
-    return Verdict(base, candidate, c.decision, c.summary, c.reasons, tuple(comps), c.stopped_at, c.stopped_check,
-                   noise, c.regimes, c.next_step, discounted, tuple(cells), answer, caveats)  # fmt: skip
+    return comps
 
 
 def _cold_first_repeats(
@@ -224,8 +270,10 @@ def _cold_first_repeats(
             if e and (e, cell) in by:
                 by[(e, cell)] = [s for s in by[(e, cell)] if s.repeat != 0]
         name = {"ttft_s": "TTFT", "tpot_s": "TPOT", "output_tps": "output tok/s"}.get(x.metric, x.metric)
-        said.append(f"{cell.label()} ({x.engine}'s {name} {figure(x.metric, x.first)} against "
-                    f"{figure(x.metric, x.others_median)} in the other repeats)")  # fmt: skip
+        said.append(
+            f"{cell.label()} ({x.engine}'s {name} {figure(x.metric, x.first)} against "
+            f"{figure(x.metric, x.others_median)} in the other repeats)"
+        )
     return said
 
 
@@ -233,31 +281,22 @@ def _tokens(cell: Cell) -> str:
     return f"{cell.max_tokens}-token answer" if cell.max_tokens else "its answer"
 
 
-def _has(
-    reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]], samples: Sequence[Sample], cell: Cell, metric: str
-) -> bool:
-    """Whether the cell's requests (or samples) carry the figure: results before e2e per request have none."""
-    return any(getattr(q, metric) is not None for (_, c, _), qs in reqs.items() if c == cell for q in qs.values()) or (
-        not reqs and any(getattr(x, metric) is not None for x in samples if x.cell == cell))  # fmt: skip
-
-
-def _cells(
-    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
-    common: set[Cell], base: str, cand: str, aa: str | None,
-) -> list[Comparison]:  # fmt: skip
+def _cells(ev: Evidence, common: set[Cell]) -> list[Comparison]:
     """One comparison per measured cell at the base output length, in each regime's own figure: the whole
     request at c=1, output tok/s above (what a traffic profile is weighed with)."""
     out = []
     mts = {c.max_tokens for c in common}
-    mt = r.base_max_tokens if r.base_max_tokens in mts else (min(mts) if mts else None)
-    for cell in sorted((c for c in common if c.max_tokens == mt and c.rate is None),
-                       key=lambda c: (length_rank(c.prompt_len), c.concurrency)):  # fmt: skip
-        if cell.concurrency == 1 and _has(reqs, r.samples, cell, "e2e_s"):
-            comp = _compare(r, by, reqs, "cell", f"whole request ({cell.prompt_len} prompt, c=1)", cell, "e2e_s",
-                            "s", False, base, cand, aa, True, True)  # fmt: skip
+    mt = ev.r.base_max_tokens if ev.r.base_max_tokens in mts else (min(mts) if mts else None)
+    for cell in sorted(
+        (c for c in common if c.max_tokens == mt and c.rate is None),
+        key=lambda c: (length_rank(c.prompt_len), c.concurrency),
+    ):
+        if cell.concurrency == 1 and ev.has(cell, "e2e_s"):
+            what = f"whole request ({cell.prompt_len} prompt, c=1)"
+            comp = ev.compare("cell", what, cell, "e2e_s", "s", False, True, True)
         else:
-            comp = _compare(r, by, reqs, "cell", f"output tok/s ({cell.prompt_len} prompt, c={cell.concurrency})",
-                            cell, "output_tps", "tok/s", True, base, cand, aa, False, True)  # fmt: skip
+            what = f"output tok/s ({cell.prompt_len} prompt, c={cell.concurrency})"
+            comp = ev.compare("cell", what, cell, "output_tps", "tok/s", True, False, True)
         if comp is not None:
             out.append(comp)
     return out
@@ -269,81 +308,20 @@ def _text(comp: Comparison, base: str, cand: str) -> str:
     if o == "flagged":
         return f"{what} ({cell}): cannot decide — {comp.flagged}: {nums}"
     if o == "tie":
-        wide = (" (the noise floor, wider than the minimum effect: no smaller difference can be seen in this run)"
-                if comp.win_band > comp.min_effect else "")  # fmt: skip
+        wide = (
+            " (the noise floor, wider than the minimum effect: no smaller difference can be seen in this run)"
+            if comp.win_band > comp.min_effect
+            else ""
+        )
         return f"{what} ({cell}): tie — the interval sits inside the band {band(comp.win_band)}{wide}: {nums}"
     if o == "unresolved":
         worst = max(comp.variation.items(), key=lambda kv: kv[1] or 0, default=("", None))
-        cause = (f"; run-to-run variation {worst[1]:.0%} on {worst[0]} widens it" if worst[1] and worst[1] > 0.1
-                 else "")  # fmt: skip
+        cause = f"; run-to-run variation {worst[1]:.0%} on {worst[0]} widens it" if worst[1] and worst[1] > 0.1 else ""
         n = comp.repeats_to_resolve()
         fix = f"; about {n} repeats would resolve it" if n else "; no feasible number of repeats resolves it"
         return f"{what} ({cell}): unresolved — the interval crosses the band {band(comp.win_band)}{cause}{fix}: {nums}"
     who = cand if o == "win" else base
     return f"{what} ({cell}): {who} is better beyond the band {band(comp.win_band)}: {nums}"
-
-
-def _groups(
-    by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
-    x: str, y: str, cell: Cell, metric: str, per_req: bool,
-) -> tuple[list[list[tuple[float, float]]], dict[str, list[float]]]:  # fmt: skip
-    """Pairs per repeat, and each engine's per-repeat medians (for the run-to-run variation: a median is not
-    moved by one starved request)."""
-    reps_x = {s.repeat: s for s in by.get((x, cell), [])}
-    reps_y = {s.repeat: s for s in by.get((y, cell), [])}
-    groups: list[list[tuple[float, float]]] = []
-    means: dict[str, list[float]] = {x: [], y: []}
-    for rep in sorted(set(reps_x) & set(reps_y)):
-        qx, qy = reqs.get((x, cell, rep)), reqs.get((y, cell, rep))
-        if per_req and qx and qy:
-            pairs = [(getattr(qx[i], metric), getattr(qy[i], metric)) for i in sorted(set(qx) & set(qy))]
-            pairs = [
-                (float(a), float(b)) for a, b in pairs if isinstance(a, int | float) and isinstance(b, int | float)
-            ]
-        else:
-            a, b = getattr(reps_x[rep], metric), getattr(reps_y[rep], metric)
-            pairs = [(float(a), float(b))] if isinstance(a, int | float) and isinstance(b, int | float) else []
-        if pairs:
-            groups.append(pairs)
-            means[x].append(statistics.median(p[0] for p in pairs))
-            means[y].append(statistics.median(p[1] for p in pairs))
-    return groups, means
-
-
-def _compare(
-    r: Results, by: Mapping[tuple[str, Cell], Sequence[Sample]], reqs: Mapping[tuple[str, Cell, int], Mapping[int, Req]],
-    step: str, what: str, cell: Cell, metric: str, unit: str, higher: bool, base: str, cand: str, aa: str | None,
-    per_req: bool, primary: bool,
-) -> Comparison | None:  # fmt: skip
-    groups, means = _groups(by, reqs, base, cand, cell, metric, per_req)
-    stats = paired_bootstrap(groups)
-    if stats is None:
-        return None
-    var: dict[str, float | None] = {base: variation(means[base]), cand: variation(means[cand])}
-    aa_stats = None
-    if aa is not None:
-        aa_groups, aa_means = _groups(by, reqs, base, aa, cell, metric, per_req)
-        aa_stats = paired_bootstrap(aa_groups)
-        var[aa] = variation(aa_means[aa])
-    bias = 0.0
-    if aa_stats is not None:
-        sp = [math.exp(log_ratio(x) if higher else -log_ratio(x)) for x in (aa_stats.rel, aa_stats.lo, aa_stats.hi)]
-        lo_s, hi_s = min(sp[1:]), max(sp[1:])
-        a_src = f"A/A: {aa} against {base}, {faster_ci(sp[0], lo_s, hi_s)}"
-        lo, hi = log_ratio(aa_stats.lo), log_ratio(aa_stats.hi)  # the floor is symmetric on the log-ratio scale
-        if lo > 0 or hi < 0:  # the baseline differs from itself: order or drift, not noise
-            bias = math.expm1(abs(log_ratio(aa_stats.rel)))
-            floor = max(r.min_floor, math.expm1((hi - lo) / 2))
-            src = f"{a_src} — excludes 0: a protocol bias; the floor is its spread"
-        else:
-            floor = max(r.min_floor, math.expm1(max(-lo, hi)))
-            src = a_src
-    else:
-        floor = max([r.min_floor, *(v for v in var.values() if v is not None)])
-        src = "no A/A pass: run-to-run variation"
-    flagged = next((r.flags[(e, cell)] for e in (base, cand, aa) if e and (e, cell) in r.flags), None)
-    return Comparison(step, what, metric, unit, higher, cell, stats, floor, src, var, tuple(means[base]),
-                      tuple(means[cand]), r.min_effect, bias, flagged, primary, aa_stats)  # fmt: skip
 
 
 def _pick(cells: Sequence[Cell], max_tokens: int | None, prompt_len: str | None) -> Cell | None:

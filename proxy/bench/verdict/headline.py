@@ -73,10 +73,19 @@ class Headline:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"decision": self.decision, "sentence": self.sentence, "candidate": self.candidate,
-                "regimes": list(self.regimes), "tradeoffs": list(self.tradeoffs), "caveats": list(self.caveats),
-                "others": list(self.others), "next": self.next_step, "traffic": self.traffic,
-                "notes": list(self.notes), "discounted": self.discounted}  # fmt: skip
+        return {
+            "decision": self.decision,
+            "sentence": self.sentence,
+            "candidate": self.candidate,
+            "regimes": list(self.regimes),
+            "tradeoffs": list(self.tradeoffs),
+            "caveats": list(self.caveats),
+            "others": list(self.others),
+            "next": self.next_step,
+            "traffic": self.traffic,
+            "notes": list(self.notes),
+            "discounted": self.discounted,
+        }
 
 
 def _score(v: Verdict) -> float:
@@ -108,14 +117,17 @@ def _attribution(v: Verdict, kind: str | None) -> str:
     load = next((a for a in v.regimes if a.step == "throughput" and a.answer != "not measured"), None)
     said = "; ".join(f"{a.title}: {a.head}" for a in (single, load) if a is not None) or v.summary
     engine = kind or v.candidate
-    return (f"{v.candidate} runs your own weights file: {said} — attribution, not a second answer: where {engine} "
-            "wins it is with its own formats and scheduler, so switch formats with it")  # fmt: skip
+    return (
+        f"{v.candidate} runs your own weights file: {said} — attribution, not a second answer: where {engine} "
+        "wins it is with its own formats and scheduler, so switch formats with it"
+    )
 
 
 def _deciding(v: Verdict) -> dict[str, tuple[str, float]]:
     """regime step -> (title, the candidate's gain over the baseline on the regime's deciding figure, as a ratio)."""
-    return {a.step: (a.title, math.exp(c.log_gain[0])) for a in v.regimes for c in a.comparisons
-            if c.what == a.decided_by}  # fmt: skip
+    return {
+        a.step: (a.title, math.exp(c.log_gain[0])) for a in v.regimes for c in a.comparisons if c.what == a.decided_by
+    }
 
 
 def _versus(v: Verdict, best: Verdict) -> str:
@@ -143,6 +155,33 @@ def _one(v: Verdict) -> str:
     return v.summary
 
 
+def _others(
+    verdicts: Sequence[Verdict], main: Verdict, arms: set[str], close: Sequence[Verdict], kinds: Mapping[str, str]
+) -> tuple[str, ...]:
+    """A line for each verdict but the deciding one: attribution for a same-file arm, the comparison with the best
+    switch for one close behind it, else its decision and its gain."""
+    others = []
+    for v in verdicts:
+        if v is main:
+            continue
+        if v.candidate in arms:
+            others.append(_attribution(v, kinds.get(v.candidate)))
+            continue
+        r = math.exp(_score(v)) if math.isfinite(_score(v)) else None
+        weighed = v.traffic is not None and math.isfinite(v.traffic.ratio)
+        how = "for this traffic" if weighed else "its regimes, on average"
+        mean = f" ({how}: {faster(r)})" if r is not None else ""
+        if v in close:
+            b = math.exp(_score(main))
+            others.append(
+                f"{v.candidate}: {v.decision.upper()}{v.tag} — close to {main.candidate} ({how}: "
+                f"×{r:.2f} against ×{b:.2f}): {_versus(v, main)}"
+            )
+            continue
+        others.append(f"{v.candidate}: {v.decision.upper()}{v.tag}{mean} — {v.summary}")
+    return tuple(others)
+
+
 def headline(
     verdicts: Sequence[Verdict],
     weights: Mapping[str, str] | None = None,
@@ -156,12 +195,19 @@ def headline(
     (interrupted or stopped), so what was not measured is what it did not reach; ``weigh``: the command that weighs
     these results by a traffic profile (the next step when two switches are a close call and no traffic is given)."""
     if not verdicts:
-        return Headline("inconclusive", "one engine measured: nothing to compare (join runs: enginemeter report "
-                        "--results A B)")  # fmt: skip
+        return Headline(
+            "inconclusive", "one engine measured: nothing to compare (join runs: enginemeter report --results A B)"
+        )
     weights, kinds = weights or {}, kinds or {}
-    arms = {v.candidate for v in verdicts if weights.get(v.candidate) in ("same file", "same quantization")
-            and any(kinds.get(w.candidate) == kinds.get(v.candidate) and weights.get(w.candidate) == "different precision"
-                    for w in verdicts)}  # fmt: skip
+    arms = {
+        v.candidate
+        for v in verdicts
+        if weights.get(v.candidate) in ("same file", "same quantization")
+        and any(
+            kinds.get(w.candidate) == kinds.get(v.candidate) and weights.get(w.candidate) == "different precision"
+            for w in verdicts
+        )
+    }
     deciding = [v for v in verdicts if v.candidate not in arms] or list(verdicts)
     switches = sorted((v for v in deciding if v.decision == "switch"), key=_score, reverse=True)
     close = [v for v in switches[1:] if _score(switches[0]) - _score(v) < math.log(CLOSE)]
@@ -174,8 +220,10 @@ def headline(
             how = "for this traffic" if best.traffic is not None else "on average"
             gap = math.exp(_score(best) - max(_score(v) for v in close)) - 1
             within = "within " if len(close) > 1 else ""
-            rest = (f" (the best of the {len(switches)} that switch; {names} close behind: {within}{gap * 100:.0f} % "
-                    f"{how}, see below)")  # fmt: skip
+            rest = (
+                f" (the best of the {len(switches)} that switch; {names} close behind: {within}{gap * 100:.0f} % "
+                f"{how}, see below)"
+            )
             if best.traffic is None:
                 next_step = weigh and f"choose between them by your traffic: {weigh}"
         if best.traffic is not None:
@@ -186,24 +234,18 @@ def headline(
     else:
         main = min(deciding, key=lambda v: (_RANK.index(v.decision) if v.decision in _RANK else 9, -_score(v)))
         decision, sentence = main.decision, _one(main)
-    others = []
-    for v in verdicts:
-        if v is main:
-            continue
-        if v.candidate in arms:
-            others.append(_attribution(v, kinds.get(v.candidate)))
-        else:
-            r = math.exp(_score(v)) if math.isfinite(_score(v)) else None
-            weighed = v.traffic is not None and math.isfinite(v.traffic.ratio)
-            how = "for this traffic" if weighed else "its regimes, on average"
-            mean = f" ({how}: {faster(r)})" if r is not None else ""
-            if v in close:
-                b = math.exp(_score(main))
-                others.append(f"{v.candidate}: {v.decision.upper()}{v.tag} — close to {main.candidate} ({how}: "
-                              f"×{r:.2f} against ×{b:.2f}): {_versus(v, main)}")  # fmt: skip
-                continue
-            others.append(f"{v.candidate}: {v.decision.upper()}{v.tag}{mean} — {v.summary}")
+    others = _others(verdicts, main, arms, close, kinds)
     notes = (f"this answer is discounted: it {main.discounted}",) if main.discounted else ()
-    return Headline(decision, sentence, main.candidate if decision == "switch" else None, _regime_lines(main, ended),
-                    _tradeoffs(main), main.caveats, tuple(others), main.next_step or next_step, traffic, notes,
-                    main.discounted)  # fmt: skip
+    return Headline(
+        decision,
+        sentence,
+        main.candidate if decision == "switch" else None,
+        _regime_lines(main, ended),
+        _tradeoffs(main),
+        main.caveats,
+        others,
+        main.next_step or next_step,
+        traffic,
+        notes,
+        main.discounted,
+    )

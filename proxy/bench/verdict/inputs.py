@@ -172,9 +172,15 @@ class Traffic:
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {"source": self.source, "concurrency": {f"{k:g}": v for k, v in sorted(self.concurrency.items())},
-                "prompts": dict(self.prompts), "idle": self.idle, "output_tokens": self.output_tokens,
-                "requests": self.requests, "span_s": self.span_s}  # fmt: skip
+        return {
+            "source": self.source,
+            "concurrency": {f"{k:g}": v for k, v in sorted(self.concurrency.items())},
+            "prompts": dict(self.prompts),
+            "idle": self.idle,
+            "output_tokens": self.output_tokens,
+            "requests": self.requests,
+            "span_s": self.span_s,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,17 +23,32 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.verdict.data import Data, load_bench, report_command
+from proxy.bench.verdict.data import Data, load_bench
 from proxy.bench.verdict.inputs import Results
+from proxy.bench.verdict.provenance import report_command
 
 
-def load_runs(paths: Sequence[Path], *, baseline: str | None = None, quantization: Mapping[str, str] | None = None,
-              min_effect: float | None = None, max_error_rate: float | None = None,
-              accept_quantization_difference: bool = False) -> Data:  # fmt: skip
+def load_runs(
+    paths: Sequence[Path],
+    *,
+    baseline: str | None = None,
+    quantization: Mapping[str, str] | None = None,
+    min_effect: float | None = None,
+    max_error_rate: float | None = None,
+    accept_quantization_difference: bool = False,
+) -> Data:
     """One results file as it is; several joined (``ValueError`` naming the first difference when they cannot)."""
-    datas = [load_bench(p, quantization=quantization, min_effect=min_effect, max_error_rate=max_error_rate,
-                        accept_quantization_difference=accept_quantization_difference,
-                        baseline=baseline if len(paths) == 1 else None) for p in paths]  # fmt: skip
+    datas = [
+        load_bench(
+            p,
+            quantization=quantization,
+            min_effect=min_effect,
+            max_error_rate=max_error_rate,
+            accept_quantization_difference=accept_quantization_difference,
+            baseline=baseline if len(paths) == 1 else None,
+        )
+        for p in paths
+    ]
     if len(datas) == 1:
         return datas[0]
     for p, d in zip(paths[1:], datas[1:], strict=True):
@@ -41,9 +56,17 @@ def load_runs(paths: Sequence[Path], *, baseline: str | None = None, quantizatio
         if why:
             raise ValueError(f"{paths[0]} and {p} are not comparable runs: {why}")
     joined = join(datas, baseline=baseline)
-    joined.results = dataclasses.replace(joined.results, report_command=report_command(
-        paths, baseline=joined.results.baseline, min_effect=min_effect, max_error_rate=max_error_rate,
-        accept_quantization_difference=accept_quantization_difference, quantization=quantization))  # fmt: skip
+    joined.results = dataclasses.replace(
+        joined.results,
+        report_command=report_command(
+            paths,
+            baseline=joined.results.baseline,
+            min_effect=min_effect,
+            max_error_rate=max_error_rate,
+            accept_quantization_difference=accept_quantization_difference,
+            quantization=quantization,
+        ),
+    )
     return joined
 
 
@@ -73,8 +96,10 @@ def difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
         return "no prompt length class measured in both runs"
     for length in common:
         if by_a[length] != by_b[length]:
-            return (f"the {length} prompts differ: {', '.join(by_a[length])} vs {', '.join(by_b[length])} (the i-th "
-                    "request would not be the same prompt)")  # fmt: skip
+            return (
+                f"the {length} prompts differ: {', '.join(by_a[length])} vs {', '.join(by_b[length])} (the i-th "
+                "request would not be the same prompt)"
+            )
     da, db = ca.get("prompts") or {}, cb.get("prompts") or {}
     for pid in sorted(set(da) & set(db)):
         if da[pid] != db[pid]:
@@ -105,59 +130,8 @@ def join(datas: Sequence[Data], *, baseline: str | None = None) -> Data:
     """The runs as one: later repeats of an engine name become its A/A passes (see the module docstring)."""
     first = datas[0]
     bl = baseline or first.results.baseline
-    taken: set[str] = set()
-    renames: list[dict[str, str]] = []
-    cross_aa: set[str] = set()  # an engine's repeat from another run: the A/A pass joined runs prefer
-    aa_of: dict[str, str] = {}
-    for d in datas:
-        mine: dict[str, str] = {}
-        for e in d.results.engines:
-            if e.name in taken and e.aa_of is None:
-                new = _unique(f"{e.name}-aa", taken)
-                aa_of[new] = e.name
-                cross_aa.add(new)
-            else:
-                new = _unique(e.name, taken)
-            mine[e.name] = new
-            taken.add(new)
-        renames.append(mine)
-    engines, samples, reqs, flags = [], [], [], {}
-    prompt_tokens: dict[str, dict[str, int]] = {}
-    for d, ren in zip(datas, renames, strict=True):
-        r = d.results
-        for e in r.engines:
-            new = ren[e.name]
-            engines.append(dataclasses.replace(e, name=new, aa_of=aa_of.get(new) or (ren.get(e.aa_of) if e.aa_of
-                                                                                    else None)))  # fmt: skip
-        samples += [dataclasses.replace(s, engine=ren[s.engine]) for s in r.samples]
-        reqs += [dataclasses.replace(q, engine=ren[q.engine]) for q in r.requests]
-        for (eng, c), why in r.flags.items():
-            flags[(ren[eng], c)] = why
-        for eng, counts in r.prompt_tokens.items():
-            prompt_tokens.setdefault(ren.get(eng, eng), {}).update(counts)
-    names = [e.name for e in engines]
-    if bl not in names:
-        raise ValueError(f"baseline {bl!r} is not one of the engines: {', '.join(names)}")
-    # the engines as given, then the A/A passes: the baseline's repeat from another run first (it is the floor:
-    # verdict.decide takes the first A/A pass of the baseline), then its pass inside a run, then the others'
-    engines.sort(key=lambda e: (e.aa_of is not None, 0 if e.aa_of == bl and e.name in cross_aa else
-                                1 if e.aa_of == bl else 2))  # fmt: skip
-    r0 = first.results
-    results = Results(
-        engines=tuple(engines), baseline=bl, samples=tuple(samples), prompt_tokens=prompt_tokens,
-        base_max_tokens=r0.base_max_tokens, base_prompt_len=r0.base_prompt_len,
-        memory_budget_bytes=r0.memory_budget_bytes, min_repeats=r0.min_repeats, min_effect=r0.min_effect,
-        max_error_rate=r0.max_error_rate,
-        min_floor=r0.min_floor, requests=tuple(reqs), shared_prefix=any(d.results.shared_prefix for d in datas),
-        flags=flags, command=None,
-        accept_quantization_difference=any(d.results.accept_quantization_difference for d in datas),
-        expected=frozenset().union(*(d.results.expected for d in datas)),
-        alone=frozenset(ren[e] for d, ren in zip(datas, renames, strict=True) for e in d.results.alone),
-        memory_share={ren[e]: v for d, ren in zip(datas, renames, strict=True) for e, v in d.results.memory_share.items()},
-        time_shared=True,
-        random_weights={ren[e]: v for d, ren in zip(datas, renames, strict=True)
-                        for e, v in d.results.random_weights.items()},
-    )  # fmt: skip
+    renames, aa_of, cross_aa = _renames(datas)
+    results = _joined(datas, renames, aa_of, cross_aa, bl)
     each = _each(datas, renames)
 
     def renamed(recs: str, key: str = "engine") -> list[dict[str, Any]]:
@@ -187,6 +161,82 @@ def join(datas: Sequence[Data], *, baseline: str | None = None) -> Data:
     )
 
 
+def _renames(datas: Sequence[Data]) -> tuple[list[dict[str, str]], dict[str, str], set[str]]:
+    """Each run's engine names as joined (one map per run), the A/A passes made of a name measured again (new name
+    -> the engine's), and those passes: an engine's repeat from another run, the A/A pass joined runs prefer."""
+    taken: set[str] = set()
+    renames: list[dict[str, str]] = []
+    cross_aa: set[str] = set()
+    aa_of: dict[str, str] = {}
+    for d in datas:
+        mine: dict[str, str] = {}
+        for e in d.results.engines:
+            if e.name in taken and e.aa_of is None:
+                new = _unique(f"{e.name}-aa", taken)
+                aa_of[new] = e.name
+                cross_aa.add(new)
+            else:
+                new = _unique(e.name, taken)
+            mine[e.name] = new
+            taken.add(new)
+        renames.append(mine)
+    return renames, aa_of, cross_aa
+
+
+def _joined(
+    datas: Sequence[Data], renames: Sequence[dict[str, str]], aa_of: Mapping[str, str], cross_aa: set[str], bl: str
+) -> Results:
+    """The runs' results as one, their engines renamed; ``ValueError`` when the baseline is none of them."""
+    engines, samples, reqs, flags = [], [], [], {}
+    prompt_tokens: dict[str, dict[str, int]] = {}
+    for d, ren in zip(datas, renames, strict=True):
+        r = d.results
+        for e in r.engines:
+            new = ren[e.name]
+            engines.append(
+                dataclasses.replace(e, name=new, aa_of=aa_of.get(new) or (ren.get(e.aa_of) if e.aa_of else None))
+            )
+        samples += [dataclasses.replace(s, engine=ren[s.engine]) for s in r.samples]
+        reqs += [dataclasses.replace(q, engine=ren[q.engine]) for q in r.requests]
+        for (eng, c), why in r.flags.items():
+            flags[(ren[eng], c)] = why
+        for eng, counts in r.prompt_tokens.items():
+            prompt_tokens.setdefault(ren.get(eng, eng), {}).update(counts)
+    names = [e.name for e in engines]
+    if bl not in names:
+        raise ValueError(f"baseline {bl!r} is not one of the engines: {', '.join(names)}")
+    # the engines as given, then the A/A passes: the baseline's repeat from another run first (it is the floor:
+    # verdict.decide takes the first A/A pass of the baseline), then its pass inside a run, then the others'
+    engines.sort(
+        key=lambda e: (e.aa_of is not None, 0 if e.aa_of == bl and e.name in cross_aa else 1 if e.aa_of == bl else 2)
+    )
+    r0 = datas[0].results
+    each = list(zip(datas, renames, strict=True))
+    return Results(
+        engines=tuple(engines),
+        baseline=bl,
+        samples=tuple(samples),
+        prompt_tokens=prompt_tokens,
+        base_max_tokens=r0.base_max_tokens,
+        base_prompt_len=r0.base_prompt_len,
+        memory_budget_bytes=r0.memory_budget_bytes,
+        min_repeats=r0.min_repeats,
+        min_effect=r0.min_effect,
+        max_error_rate=r0.max_error_rate,
+        min_floor=r0.min_floor,
+        requests=tuple(reqs),
+        shared_prefix=any(d.results.shared_prefix for d in datas),
+        flags=flags,
+        command=None,
+        accept_quantization_difference=any(d.results.accept_quantization_difference for d in datas),
+        expected=frozenset().union(*(d.results.expected for d in datas)),
+        alone=frozenset(ren[e] for d, ren in each for e in d.results.alone),
+        memory_share={ren[e]: v for d, ren in each for e, v in d.results.memory_share.items()},
+        time_shared=True,
+        random_weights={ren[e]: v for d, ren in each for e, v in d.results.random_weights.items()},
+    )
+
+
 def _joined_role(engine: Any, bl: str, meta: Sequence[Mapping[str, Any]]) -> str:
     """A stint's role in the joined comparison: each run called its own first engine the baseline."""
     if engine == bl:
@@ -199,29 +249,46 @@ def _each(datas: Sequence[Data], renames: Sequence[dict[str, str]]) -> list[tupl
 
 
 def _protocol(datas: Sequence[Data], renames: Sequence[dict[str, str]], bl: str, cross_aa: set[str]) -> list[str]:
-    out = [f"{len(datas)} separate runs joined (same suite and prompts, sampling, max tokens"
-           + (" and GPU" if all((r.get("comparable") or {}).get("gpu") for d in datas for r in d.runs) else
-              "; GPU model and driver not recorded by every run") + "): "
-           + "; ".join(f"{src} ({', '.join(ren.values())})" for d, ren, src in _each(datas, renames))]  # fmt: skip
+    out = [
+        f"{len(datas)} separate runs joined (same suite and prompts, sampling, max tokens"
+        + (
+            " and GPU"
+            if all((r.get("comparable") or {}).get("gpu") for d in datas for r in d.runs)
+            else "; GPU model and driver not recorded by every run"
+        )
+        + "): "
+        + "; ".join(f"{src} ({', '.join(ren.values())})" for d, ren, src in _each(datas, renames))
+    ]
     floors = [n for ren in renames for n in ren.values() if n in cross_aa]
     mine = [n for n in floors if n.startswith(f"{bl}-aa")]
     # an A/A counts only if it was measured: an interrupted run declares an A/A it never ran
-    in_run = [(ren[e.name], bool(next((m.get("launch") for m in d.engines_meta if m["name"] == e.name), None)))
-              for d, ren in zip(datas, renames, strict=True) for e in d.results.engines
-              if (e.aa_of == bl or (e.aa_of and ren.get(e.aa_of) == bl))
-              and any(s.engine == e.name for s in d.results.samples)]  # fmt: skip
+    in_run = [
+        (ren[e.name], bool(next((m.get("launch") for m in d.engines_meta if m["name"] == e.name), None)))
+        for d, ren in zip(datas, renames, strict=True)
+        for e in d.results.engines
+        if (e.aa_of == bl or (e.aa_of and ren.get(e.aa_of) == bl))
+        and any(s.engine == e.name for s in d.results.samples)
+    ]
     if mine:
-        out.append(f"A/A noise floor: {mine[0]} = the baseline {bl}'s run repeated (run-to-run noise, what separate "
-                   "runs have)")  # fmt: skip
+        out.append(
+            f"A/A noise floor: {mine[0]} = the baseline {bl}'s run repeated (run-to-run noise, what separate runs have)"
+        )
     elif in_run:
         name, relaunch = in_run[0]
-        how = "the baseline launched again in its own run (restart-to-restart noise)" if relaunch else \
-            "a second pass inside the baseline's own run"  # fmt: skip
-        out.append(f"A/A noise floor: {name} = {how} — the drift between separate runs is not in it; repeat "
-                   f"{bl}'s run and join that file too for that floor")  # fmt: skip
+        how = (
+            "the baseline launched again in its own run (restart-to-restart noise)"
+            if relaunch
+            else "a second pass inside the baseline's own run"
+        )
+        out.append(
+            f"A/A noise floor: {name} = {how} — the drift between separate runs is not in it; repeat "
+            f"{bl}'s run and join that file too for that floor"
+        )
     else:
-        out.append(f"**no A/A noise floor**: {bl} was measured in one run only, without an A/A pass — the run-to-run "
-                   f"variation stands in; run {bl} again and join that file too")  # fmt: skip
+        out.append(
+            f"**no A/A noise floor**: {bl} was measured in one run only, without an A/A pass — the run-to-run "
+            f"variation stands in; run {bl} again and join that file too"
+        )
     for d in datas:
         out += [f"{Path(d.sources[0]).parent.name or d.sources[0]}: {line}" for line in d.protocol[:1]]
     return out

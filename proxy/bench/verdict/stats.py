@@ -127,8 +127,9 @@ def paired_bootstrap(
     if len(logs) >= 2:
         sd = statistics.stdev(logs)
         effect = statistics.mean(logs) / sd if sd > 0 else None
-    return Paired(len(pairs), len(groups), sb / len(pairs), sc / len(pairs), rel, lo, hi, effect, (blo, bhi), ti,
-                  rep_sd)  # fmt: skip
+    return Paired(
+        len(pairs), len(groups), sb / len(pairs), sc / len(pairs), rel, lo, hi, effect, (blo, bhi), ti, rep_sd
+    )
 
 
 def variation(per_repeat: Sequence[float]) -> float | None:

@@ -31,8 +31,7 @@ from typing import Any
 from proxy.bench.suite import ORDER, TARGET_TOKENS, length_rank
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.inputs import Traffic
-from proxy.notation import band as band_text
-from proxy.notation import faster_ci
+from proxy.notation import band, faster_ci
 
 Z = 1.959963984540054
 _ITEM = re.compile(r"^\s*(?:c(?P<c>\d+(?:\.\d+)?)|(?P<p>[a-z0-9]+))\s*=\s*(?P<v>\d+(?:\.\d+)?)\s*%?\s*$")
@@ -96,9 +95,17 @@ class Part:
 
     def to_json(self) -> dict[str, Any]:
         g, lo, hi = self.cell.log_gain
-        return {"weight": self.weight, "concurrency": self.concurrency, "prompt": self.prompt,
-                "cell": self.cell.cell.label(), "figure": self.cell.what, "speed_ratio": math.exp(g),
-                "ci95": [math.exp(lo), math.exp(hi)], "outcome": self.cell.outcome, "note": self.note}  # fmt: skip
+        return {
+            "weight": self.weight,
+            "concurrency": self.concurrency,
+            "prompt": self.prompt,
+            "cell": self.cell.cell.label(),
+            "figure": self.cell.what,
+            "speed_ratio": math.exp(g),
+            "ci95": [math.exp(lo), math.exp(hi)],
+            "outcome": self.cell.outcome,
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,15 @@ class TrafficAnswer:
     text: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"decision": self.decision, "speed_ratio": self.ratio, "ci95": [self.lo, self.hi], "band": self.band,
-                "text": self.text, "notes": list(self.notes), "parts": [p.to_json() for p in self.parts]}  # fmt: skip
+        return {
+            "decision": self.decision,
+            "speed_ratio": self.ratio,
+            "ci95": [self.lo, self.hi],
+            "band": self.band,
+            "text": self.text,
+            "notes": list(self.notes),
+            "parts": [p.to_json() for p in self.parts],
+        }
 
 
 def weigh(
@@ -125,8 +139,16 @@ def weigh(
 ) -> TrafficAnswer:
     """The decision for ``traffic`` from the measured ``cells`` (one comparison per cell: ``Verdict.cells``)."""
     if not cells:
-        return TrafficAnswer("inconclusive", math.nan, math.nan, math.nan, math.nan, (), (),
-                             "no cell was measured on both engines: nothing to weigh the traffic with")  # fmt: skip
+        return TrafficAnswer(
+            "inconclusive",
+            math.nan,
+            math.nan,
+            math.nan,
+            math.nan,
+            (),
+            (),
+            "no cell was measured on both engines: nothing to weigh the traffic with",
+        )
     classes = sorted({c.cell.prompt_len for c in cells}, key=length_rank)
     home = base_prompt if base_prompt in classes else classes[0]
     prompts = traffic.prompts or {home: 1.0}
@@ -162,13 +184,13 @@ def weigh(
         decision = "inconclusive"
         why = f"{len(flagged)} of its cells cannot decide ({flagged[0].cell.flagged})"
     elif lo > b:
-        decision, why = "switch", f"beyond the band {band_text(math.expm1(b))}"
+        decision, why = "switch", f"beyond the band {band(math.expm1(b))}"
     elif hi < -b:
-        decision, why = "stay", f"beyond the band {band_text(math.expm1(b))}"
+        decision, why = "stay", f"beyond the band {band(math.expm1(b))}"
     elif -tie <= lo and hi <= tie:
-        decision, why = "stay", f"a tie: inside the band {band_text(math.expm1(tie))}, no difference worth a switch"
+        decision, why = "stay", f"a tie: inside the band {band(math.expm1(tie))}, no difference worth a switch"
     else:
-        decision, why = "inconclusive", f"the interval crosses the band {band_text(math.expm1(b))}"
+        decision, why = "inconclusive", f"the interval crosses the band {band(math.expm1(b))}"
     text = f"{est}, {why}"
     return TrafficAnswer(decision, r, rlo, rhi, math.expm1(b), tuple(parts), tuple(dict.fromkeys(notes)), text)
 
@@ -181,8 +203,9 @@ def _se(c: Comparison) -> float:
 def crossing(cells: Sequence[Comparison], prompt: str | None) -> tuple[int, int, float] | None:
     """Where the candidate overtakes (or falls behind) as concurrency rises, from the measured cells of one prompt
     class: (the last measured concurrency before, the first after, the interpolated crossing on a log scale)."""
-    mine = sorted((c for c in cells if c.cell.prompt_len == prompt and c.cell.rate is None),
-                  key=lambda c: c.cell.concurrency)  # fmt: skip
+    mine = sorted(
+        (c for c in cells if c.cell.prompt_len == prompt and c.cell.rate is None), key=lambda c: c.cell.concurrency
+    )
     for a, b in itertools.pairwise(mine):
         ga, gb = a.log_gain[0], b.log_gain[0]
         if (ga < 0) != (gb < 0) and ga != gb:

@@ -38,9 +38,10 @@ from proxy.cli import main
 from proxy.configfile import load
 from proxy.gpu import scraped
 from proxy.gpu.nvml import NvmlUnavailable, ProcReading
+from proxy.procs.process import free_port
 from proxy.timing import EngineTimings, Usage
 from tests.gpu.test_gpu import TOTAL, RecordedReader, Step, dev
-from tests.helpers import ProxyFactory, free_port, run_uvicorn_app, wait_until
+from tests.helpers import ProxyFactory, run_uvicorn_app, wait_until
 
 Factory = Callable[..., Any]
 ROOT = Path(__file__).resolve().parents[3]

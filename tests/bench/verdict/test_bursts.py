@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.bench.verdict.gates import data_gate
+from proxy.bench.verdict.gates.datagate import data_gate
 from proxy.bench.verdict.inputs import Cell, Results, Sample
 from proxy.cli import main
 from proxy.timing import BURST_GAP_S, StreamTimer, StreamTiming, Usage, is_burst

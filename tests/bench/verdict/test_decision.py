@@ -27,7 +27,7 @@ from proxy.bench.verdict.regimes import RegimeAnswer, answer, even_split, weigh_
 from proxy.bench.verdict.stats import Paired
 from proxy.bench.verdict.weighting import crossing, parse_spec, prompt_class, weigh
 from proxy.cli import main
-from proxy.cli.common import with_traffic
+from proxy.cli.reporting import with_traffic
 from proxy.notation import band, faster, faster_interval
 from tests.bench.verdict.test_verdict import C1, C8, LONG, loaded, results, run, trio
 
@@ -373,7 +373,8 @@ def test_the_forest_chart_keeps_its_row_labels(run27: tuple[Path, Path]) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from proxy.bench.report.charts import forest, plain
+    from proxy.bench.report.charts import forest
+    from proxy.bench.report.drawing import plain
 
     d = load_runs(list(run27), baseline="llama", accept_quantization_difference=True)
     fig, ax = plt.subplots()

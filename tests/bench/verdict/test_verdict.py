@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from proxy.bench.run.targets import quant_key
 from proxy.bench.verdict.data import load_bench
 from proxy.bench.verdict.decide import Verdict, decide, decide_all
-from proxy.bench.verdict.gates import cache_flags
+from proxy.bench.verdict.gates.datagate import cache_flags
 from proxy.bench.verdict.inputs import Cell, EngineInfo, Req, Results, Sample
 from proxy.bench.verdict.stats import paired_bootstrap, variation
+from proxy.engines.quant import quant_key
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLING = {"temperature": 0, "top_p": 1, "top_k": "off", "seed": 1, "ignore_eos": True}
