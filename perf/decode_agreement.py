@@ -24,7 +24,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.embedded import LlamaServer, build_llama_server, free_port, make_model  # noqa: E402
+from proxy.embedded import LlamaServer, build_llama_server, make_model  # noqa: E402
+from proxy.procs.process import free_port  # noqa: E402
 
 
 def main() -> int:

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy import engines
+from proxy.embedded.gguf_meta import model_shape as gguf_shape
+from proxy.embedded.gguf_meta import read_gguf
 from proxy.engines.kvcache import KvEstimate, Shape, hf_shape, kv_estimate
 from proxy.engines.llamacpp import ftype_name, launch_flags
 from proxy.engines.startup import LogFacts, flag_value, last_launch, read_log
@@ -238,16 +240,24 @@ def model_shape(d: Diagnosis, argv: tuple[str, ...]) -> tuple[Shape | None, str 
     if not str(where) or str(where) == ".":
         return None, "the model file is not known: no KV formula, no weights size"
     if where.is_file():
-        from proxy.embedded.gguf_meta import model_shape as gguf_shape
-        from proxy.embedded.gguf_meta import read_gguf
-
         try:
             h = read_gguf(where)
             s = gguf_shape(h)
         except Exception as exc:  # not a GGUF, truncated, a field missing: no shape, said so
             return None, f"cannot read the GGUF header of {where}: {exc}"
-        return Shape(s.n_layer, s.n_head, s.kv_heads, s.head_dim_k, s.head_dim_v, f"GGUF header of {where}",
-                     s.sliding_window, h.n_params, h.weights_bytes, ftype_name(s.file_type)), None  # fmt: skip
+        shape = Shape(
+            s.n_layer,
+            s.n_head,
+            s.kv_heads,
+            s.head_dim_k,
+            s.head_dim_v,
+            f"GGUF header of {where}",
+            s.sliding_window,
+            h.n_params,
+            h.weights_bytes,
+            ftype_name(s.file_type),
+        )
+        return shape, None
     config = where / "config.json"
     if config.is_file():
         try:
@@ -264,13 +274,13 @@ def kv_from(d: Diagnosis) -> KvEstimate | None:
     if d.shape is None:
         return None
     if d.kind == "llamacpp":
+        per_slot = (s.slots or 0) * (s.context_per_slot or 0) if s.kv_unified is not True else s.context_per_slot
         candidates = [
             (s.context, "the log (llama_context: n_ctx)"),
             (s.kv_cache_tokens, "the log (KV cells x streams)"),
             (f.get("ctx_size") or None, "-c on the command line"),
-            ((s.slots or 0) * (s.context_per_slot or 0) if s.kv_unified is not True else s.context_per_slot,
-             "slots x context per slot (/props)"),
-        ]  # fmt: skip
+            (per_slot, "slots x context per slot (/props)"),
+        ]
     else:
         candidates = [(s.kv_cache_tokens, "the engine's KV pool (tokens)")]
     context, source = next(((int(c), w) for c, w in candidates if c), (0, ""))

@@ -5,7 +5,9 @@
     ├── Unauthorized          401  missing/wrong client bearer key
     ├── NotFound              404  unknown model (and no default route), unknown path
     ├── RequestTimeout        408  body not received within the body deadline
+    ├── Conflict              409  a rollout command its state refuses (both in ``proxy.server.switch.rolloutstate``)
     ├── PayloadTooLarge       413  body over max_body_bytes
+    ├── StateUnavailable      503  the rollout's state file unwritable, or replaced by another proxy's
     └── UpstreamError               the engine could not be used
         ├── UpstreamConnectError   502  connection refused / reset before the response
         ├── UpstreamTimeout        504  connect/read/pool timeout
@@ -14,7 +16,7 @@
 The engines' connections fail in the relay's own HTTP/1.1 client (``proxy.server.request.h1``) with its own tree, as
 httpx's ``_exceptions.py`` draws its:
 
-    TransportError             a connection to an engine failed (``proxy.server.request.h1``, ``proxy.server.request.h1conn``)
+    TransportError             a connection to an engine failed (raised in ``h1`` and ``h1conn``)
     ├── EngineUnreachable      the connection could not be made (refused, no route); ``os_error`` says why
     ├── EngineDisconnected     the engine closed the connection before the response's head
     └── EngineProtocolError    the response broke off mid-body, or was not HTTP/1.1

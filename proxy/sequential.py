@@ -117,8 +117,14 @@ class Interval:
     drift: bool = False
 
     def to_json(self) -> dict[str, object]:
-        return {"pairs": self.n, "delta": self.estimate, "interval": [self.lo, self.hi], "decision": self.decision,
-                "decided_after": self.decided_after, "drift": self.drift}  # fmt: skip
+        return {
+            "pairs": self.n,
+            "delta": self.estimate,
+            "interval": [self.lo, self.hi],
+            "decision": self.decision,
+            "decided_after": self.decided_after,
+            "drift": self.drift,
+        }
 
 
 @dataclass
@@ -243,10 +249,16 @@ class LiveVerdict:
             "shadow": self.shadow,
             "alpha": self.alpha,
             "min_effect": self.min_effect,
-            "streams": [{"regime": s.regime, "metric": s.metric, **st.to_json(),
-                         "text": sentence(self.shadow, self.primary, s, st, self.min_effect)}
-                        for s, st in self.states().items()],
-        }  # fmt: skip
+            "streams": [
+                {
+                    "regime": s.regime,
+                    "metric": s.metric,
+                    **st.to_json(),
+                    "text": sentence(self.shadow, self.primary, s, st, self.min_effect),
+                }
+                for s, st in self.states().items()
+            ],
+        }
 
 
 def sentence(shadow: str, primary: str, s: Stream, st: Interval, min_effect: float) -> str:

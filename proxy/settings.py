@@ -3,15 +3,12 @@
 Precedence (later wins): built-in defaults < YAML file < environment < CLI flags. Nothing here runs on the
 request path: the server reads plain attributes of frozen objects.
 
-The file is validated against :class:`ConfigFile` by pydantic with strict types and unknown keys refused, so
-``read: abc``, ``max_in_flight: "3"``, ``gpu: "no"`` or a misspelt ``temprature`` are errors, not guesses.
-Every mistake becomes a :class:`SettingsError` whose lines read ``FILE:LINE: key.path: what was expected``.
-The file's JSON Schema (``docs/config.schema.json``) and its reference (``docs/config.md``) are generated from
-these classes by ``scripts/config_docs.py``; a test fails when either is stale. Reading a file, the environment
-and the flags into a ``Settings`` is ``proxy.configfile`` (``load``, ``parse_file``).
-
-``${NAME}`` inside any string of the file is replaced by the environment variable ``NAME`` (for secrets:
-``api_key: ${SGLANG_KEY}``); ``$${`` is a literal ``${``; an unset variable is an error.
+The classes below are the file's schema, validated by pydantic against :class:`ConfigFile` with strict types and
+unknown keys refused: ``read: abc``, ``max_in_flight: "3"``, ``gpu: "no"`` or a misspelt ``temprature`` are
+errors, not guesses. ``proxy.configfile`` reads a file (``${NAME}`` references; each mistake a line
+``FILE:LINE: key.path: what was expected`` of a :class:`SettingsError`), the environment and the flags into a
+``Settings``. The file's JSON Schema (``docs/config.schema.json``) and reference (``docs/config.md``) are
+generated from these classes by ``scripts/config_docs.py``; a test fails when either is stale.
 
 The section classes (``EngineSettings``, ``RouteSettings``, ``MirrorSettings``, ...) are both the file's
 sections and the runtime objects. ``Settings`` is the runtime whole: the file's ``listen`` split into
@@ -62,9 +59,6 @@ class SettingsError(ValueError):
     def __str__(self) -> str:
         more = len(self.problems) - 1
         return self.problems[0] + (f" (and {more} more problem{'s' * (more > 1)})" if more > 0 else "")
-
-
-# --------------------------------------------------------------------------------------------- field checks
 
 
 def check_url(value: str) -> str:
@@ -175,8 +169,10 @@ class RolloutSettings:
     steps: Annotated[tuple[float, ...], AfterValidator(_steps)] = Field(
         default=DEFAULT_STEPS, description="the candidate's share of the route's traffic at each step; 0 = shadow only"
     )
-    state: RolloutState = Field(default="running", description="running, paused or aborted; applied at start when it "
-                                "differs from what the last start applied")  # fmt: skip
+    state: RolloutState = Field(
+        default="running",
+        description="running, paused or aborted; applied at start when it differs from what the last start applied",
+    )
     gate: RolloutGate = Field(
         default="not_slower",
         description="what a step needs to advance, with its pairs: not_slower (no stream decided slower) or "
@@ -185,8 +181,11 @@ class RolloutSettings:
     min_pairs: int = Field(
         default=30, ge=30, description="paired requests a regime needs at a step before it can pass (30 at least)"
     )
-    min_requests: int = Field(default=20, ge=0, description="requests the candidate must serve at a step (share "
-                              "above 0) before it may advance")  # fmt: skip
+    min_requests: int = Field(
+        default=20,
+        ge=0,
+        description="requests the candidate must serve at a step (share above 0) before it may advance",
+    )
     min_dwell_s: float = Field(default=60.0, ge=0, allow_inf_nan=False, description="seconds at a step, at least")
     regime_share: float = Field(
         default=0.1, gt=0, le=1, description="a regime with this share of a step's pairs must be not worse to advance"
@@ -195,8 +194,11 @@ class RolloutSettings:
         default=0.02, ge=0, lt=1, description="share of the candidate's requests at a step that may fail"
     )
     min_errors: int = Field(default=3, ge=1, description="failures before the error budget can roll back")
-    state_file: str | None = Field(default=None, description="the rollout's state, shared by workers and restarts; "
-                                   "none = $XDG_STATE_HOME/enginemeter/rollout-route<N>.json")  # fmt: skip
+    state_file: str | None = Field(
+        default=None,
+        description="the rollout's state, shared by workers and restarts; "
+        "none = $XDG_STATE_HOME/enginemeter/rollout-route<N>.json",
+    )
 
 
 @dataclass(frozen=True, config=_SECTION, kw_only=True)
@@ -324,9 +326,6 @@ class MetricsSettings:
     )
 
 
-# --------------------------------------------------------------------------------------------- the file
-
-
 @dataclass(frozen=True, config=_SECTION)
 class ConfigFile:
     """The YAML file. Every key is optional except ``engines`` when no ``--primary`` flag is given."""
@@ -376,23 +375,23 @@ CONFIG_ADAPTER: TypeAdapter[ConfigFile] = TypeAdapter(ConfigFile)
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of the YAML file (``docs/config.schema.json``), for editors and ``check-config``."""
     schema = CONFIG_ADAPTER.json_schema()
-
-    def strip_titles(node: Any) -> None:  # pydantic's "Connect"/"Read" titles only repeat the key
-        if isinstance(node, dict):
-            for prop in (node.get("properties") or {}).values():
-                prop.pop("title", None)
-            for v in node.values():
-                strip_titles(v)
-        elif isinstance(node, list):
-            for v in node:
-                strip_titles(v)
-
-    strip_titles(schema)
+    _strip_titles(schema)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "enginemeter configuration",
         **{k: v for k, v in schema.items() if k != "title"},
     }
+
+
+def _strip_titles(node: Any) -> None:
+    """pydantic's "Connect"/"Read" titles only repeat the key."""
+    if isinstance(node, dict):
+        for prop in (node.get("properties") or {}).values():
+            prop.pop("title", None)
+        node = list(node.values())
+    if isinstance(node, list):
+        for v in node:
+            _strip_titles(v)
 
 
 # --------------------------------------------------------------------------------------------- runtime

@@ -17,7 +17,7 @@ fixture                       scope       value
                                           last, so ``["-c", "8192"]`` overrides ``ctx_size``.
 ============================  ==========  ==================================================================
 
-What the tiny models do (see ``proxy/embedded.py``): greedy decoding never stops early — ``max_tokens=N``
+What the tiny models do (see ``proxy/embedded/__init__.py``): greedy decoding never stops early — ``max_tokens=N``
 gives exactly N completion tokens, ``finish_reason == "length"`` — and each streamed token arrives as one
 event with non-empty text. Greedy output is the same on ``-np 1`` and ``-np 2`` engines. Decode is about
 650 tok/s (qwen2 vocab) and 2,500 tok/s (llama-spm) on one CPU thread here; start-up takes under a second.

@@ -1,10 +1,9 @@
 """Shared test helpers: real sockets, real processes, deadlines instead of sleeps.
 
-- :func:`free_port`: a port on 127.0.0.1 that was free a moment ago.
 - :func:`wait_until`: poll a predicate until it is truthy or a deadline passes (then :class:`WaitTimeout`,
   a ``TimeoutError``). Polling is how tests wait; a fixed sleep never is.
 - :func:`run_uvicorn_app`: a real uvicorn server in a background thread on a pre-bound 127.0.0.1 socket
-  (uvicorn's own ``tests/utils.py:run_server`` pattern), yielding its base URL.
+  (the pattern of uvicorn's own test helper ``run_server``), yielding its base URL.
 - :class:`ProcessServer`: a ``python -m MODULE ...`` subprocess serving HTTP, ready once a URL answers.
 - :class:`LlamaServerFactory`: the type of the ``llama_server_factory`` fixture (tests/conftest.py).
 - :func:`start_proxy` / :class:`ProxyUnderTest`: the proxy under test, fully wired (``build_app``) on a real
@@ -30,9 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar
 import httpx
 from prometheus_client import CollectorRegistry
 
-from proxy.embedded import free_port as free_port  # re-exported: tests import it from here
-from proxy.embedded import http_status
-from proxy.procs.process import EngineProcess
+from proxy.procs.process import EngineProcess, free_port, http_status
 from proxy.server.record.result import Result
 from proxy.settings import Settings
 

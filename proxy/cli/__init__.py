@@ -6,7 +6,8 @@
     report        the report again, from bench results or the proxy's comparison log
     tune          one llama-server flag swept, each value launched alone
     diagnose      where a running engine's time goes, whether memory is its constraint
-    common        the parser whose mistakes are one line, the log format, and the bench/tune run skeleton
+    common        what every command shares: the parser whose mistakes are one line, the log format
+    reporting     what bench, tune and report share: the run skeleton, --traffic and --weights, the summary
 
 Every mistake on the command line or in a file ends in one line on stderr naming what is wrong and where, and
 exit status 2.

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from proxy.bench.outdir import refusal
+from proxy.bench.report.document import write_report
+from proxy.bench.run.benchfile import read_bench_file
+from proxy.bench.run.config import Target
 from proxy.bench.run.options import Targets, UsageError, add_workload, build_config, fail_on_of, pairs
-from proxy.cli.common import (
+from proxy.bench.run.prepare import PreflightError
+from proxy.bench.verdict.data import load_bench
+from proxy.cli.reporting import (
+    ACCEPT_HELP,
     add_traffic,
     print_summary,
     random_declared,
@@ -20,21 +27,29 @@ from proxy.cli.common import (
     with_random,
     with_traffic,
 )
-
-ACCEPT_HELP = (
-    "a quantization difference between the engines is declared, not a mistake: the parity gate passes with a "
-    "caveat and the verdict is computed and marked *discounted* (it includes the precision difference; a "
-    "same-weights comparison is the clean test)"
-)
+from proxy.procs.launch import parse_launch
+from proxy.settings import SettingsError
 
 
 def add_command(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--engine", action=Targets, const="url", dest="targets", metavar="NAME=URL",
-                   help="a running engine (repeat; with --through, URL may be empty: NAME=)")  # fmt: skip
-    b.add_argument("--launch", action=Targets, const="launch", dest="targets", metavar="NAME='COMMAND'",
-                   help="an engine enginemeter starts from COMMAND (verbatim; {port}: a free port), measures alone "
-                   "and stops; repeatable, mixable with --engine. Launched engines run one at a time: baseline, "
-                   "candidates, the baseline launched again (A/A)")  # fmt: skip
+    b.add_argument(
+        "--engine",
+        action=Targets,
+        const="url",
+        dest="targets",
+        metavar="NAME=URL",
+        help="a running engine (repeat; with --through, URL may be empty: NAME=)",
+    )
+    b.add_argument(
+        "--launch",
+        action=Targets,
+        const="launch",
+        dest="targets",
+        metavar="NAME='COMMAND'",
+        help="an engine enginemeter starts from COMMAND (verbatim; {port}: a free port), measures alone and stops; "
+        "repeatable, mixable with --engine. Launched engines run one at a time: baseline, candidates, the baseline "
+        "launched again (A/A)",
+    )
     b.add_argument("--config", metavar="FILE", help="bench settings in YAML (keys = these flags; flags win)")
     b.add_argument("--through", metavar="PROXY_URL", help="send via the enginemeter proxy, pinning each engine")
     b.add_argument("--metrics-url", help="Prometheus text endpoint for GPU memory (default: PROXY_URL/metrics)")
@@ -48,9 +63,6 @@ def add_command(b: argparse.ArgumentParser) -> None:
 
 def targets_of(args: argparse.Namespace, file: Any) -> list[Any]:
     """The engines, the file's first, then ``--engine``/``--launch`` in the order given; checked."""
-    from proxy.bench.run.config import Target
-    from proxy.procs.launch import parse_launch
-
     given: list[tuple[str, str, str, str | None]] = []  # (kind, name, value, declared quantization)
     for e in file.engines if file is not None else ():
         given.append(("launch" if e.launch else "url", e.name, e.launch or e.url or "", e.quantization))
@@ -73,9 +85,11 @@ def targets_of(args: argparse.Namespace, file: Any) -> list[Any]:
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         q = quant.get(name) or q
-        out.append(Target(name=name, url=(value.rstrip("/") or None) if kind == "url" else None,
-                          launch=value if kind == "launch" else None, quantization=q,
-                          quantization_source="declared" if q else None))  # fmt: skip
+        url = (value.rstrip("/") or None) if kind == "url" else None
+        launch = value if kind == "launch" else None
+        out.append(
+            Target(name=name, url=url, launch=launch, quantization=q, quantization_source="declared" if q else None)
+        )
     unknown = sorted(set(quant) - seen)
     if unknown:
         raise UsageError(f"--quantization {unknown[0]}=...: no engine named {unknown[0]}")
@@ -83,14 +97,6 @@ def targets_of(args: argparse.Namespace, file: Any) -> list[Any]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import logging
-
-    from proxy.bench.report.document import write_report
-    from proxy.bench.run.benchfile import read_bench_file
-    from proxy.bench.run.prepare import PreflightError
-    from proxy.bench.verdict.data import load_bench
-    from proxy.settings import SettingsError
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress bar
     try:
         file = read_bench_file(args.config) if args.config else None
@@ -112,11 +118,14 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         print(f"enginemeter bench: launch failed: {exc}", file=sys.stderr)
         head = str(exc).split("\n", 1)[0]
-        _stopped_verdict(cfg.out, "launch", "memory" if "did not come back" in head else "ready", cause=head,
-                         log_tail=getattr(exc, "log_tail", None) or None)  # fmt: skip
+        check = "memory" if "did not come back" in head else "ready"
+        _stopped_verdict(cfg.out, "launch", check, cause=head, log_tail=getattr(exc, "log_tail", None) or None)
         if (cfg.out / "results.jsonl").exists():
-            print(f"enginemeter bench: what finished is in {cfg.out / 'results.jsonl'} (enginemeter report --results "
-                  "builds a report from it)", file=sys.stderr)  # fmt: skip
+            print(
+                f"enginemeter bench: what finished is in {cfg.out / 'results.jsonl'} (enginemeter report --results "
+                "builds a report from it)",
+                file=sys.stderr,
+            )
         return 2
 
     def report(results: Path) -> dict[str, Any]:
@@ -131,8 +140,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _check(cfg: Any) -> None:
     if not cfg.engines:
-        raise UsageError("give at least one engine: --engine NAME=URL or --launch NAME='COMMAND' (one engine is a "
-                         "measurement to join with another run: report --results A B)")  # fmt: skip
+        raise UsageError(
+            "give at least one engine: --engine NAME=URL or --launch NAME='COMMAND' (one engine is a measurement to "
+            "join with another run: report --results A B)"
+        )
     if cfg.through and not cfg.model:
         raise UsageError("--through needs --model (the proxy's model alias)")
     if cfg.through and cfg.time_shared:
@@ -146,6 +157,6 @@ def _check(cfg: Any) -> None:
 
 def _stopped_verdict(out: Path, gate: str, check: str, **facts: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"version": 1, "decision": "inconclusive", "stopped_at": {"gate": gate, "check": check}, **facts,
-           "verdicts": []}  # fmt: skip
+    stopped_at = {"gate": gate, "check": check}
+    doc = {"version": 1, "decision": "inconclusive", "stopped_at": stopped_at, **facts, "verdicts": []}
     (out / "verdict.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

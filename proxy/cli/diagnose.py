@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import shlex
 import statistics
 import sys
@@ -50,10 +51,17 @@ _WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "
 def add_command(d: argparse.ArgumentParser) -> None:
     d.description, d.epilog = DESCRIPTION, EPILOG
     d.formatter_class = argparse.RawDescriptionHelpFormatter
-    d.add_argument("url", metavar="URL", help="the engine's base URL, http://HOST:PORT (a trailing /v1, as an "
-                   "OpenAI SDK's base_url has it, is dropped)")  # fmt: skip
-    d.add_argument("--memory-budget", metavar="SIZE", help="GPU memory the engine may use (e.g. 72GiB): memory is "
-                   "judged against it, and the tune command it ends with carries it")  # fmt: skip
+    d.add_argument(
+        "url",
+        metavar="URL",
+        help="the engine's base URL, http://HOST:PORT (a trailing /v1, as an OpenAI SDK's base_url has it, is dropped)",
+    )
+    d.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="GPU memory the engine may use (e.g. 72GiB): memory is judged against it, and the tune command it ends "
+        "with carries it",
+    )
     d.add_argument("--log", type=Path, metavar="FILE", help="the engine's log (default: found through its process)")
     d.add_argument("--pid", type=int, help="the engine's process id (default: the process listening on URL's port)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -66,8 +74,6 @@ def add_command(d: argparse.ArgumentParser) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    import logging
-
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         args.url = base_url(args.url)
@@ -258,11 +264,25 @@ _DEFAULTS = {"ctx_size": "0 = the model's training context", "batch_size": "2048
 
 
 def render(d: Diagnosis) -> str:
-    s, out = d.started, []
+    """The text ``diagnose`` prints, in the order a person should read it: launch parameters, where the time goes,
+    the model and memory, then the log and the notes."""
     kind = {"llamacpp": "llama.cpp", "sglang": "SGLang", "vllm": "vLLM"}.get(d.kind or "", d.kind or "?")
-    out.append(f"enginemeter diagnose {d.url}: {kind}" + (f", build {d.build}" if d.build else "")
-               + (f", model {d.model}" if d.model else ""))  # fmt: skip
-    out.append("\nLaunch parameters")
+    build = f", build {d.build}" if d.build else ""
+    model = f", model {d.model}" if d.model else ""
+    out = [f"enginemeter diagnose {d.url}: {kind}{build}{model}"]
+    out += ["\nLaunch parameters", *_launch_lines(d)]
+    out += ["\nWhere the time goes (eval first, then prompt eval, load last)", *_time_lines(d)]
+    out += ["\nModel and memory", *_model_lines(d), *_memory_lines(d)]
+    if d.log_path:
+        out.append(f"\nlog: {d.log_path}")
+    if d.notes:
+        out.append("\nNotes")
+        out += [f"  - {n}" for n in dict.fromkeys(d.notes)]
+    return "\n".join(out)
+
+
+def _launch_lines(d: Diagnosis) -> list[str]:
+    s, out = d.started, []
     if d.process.argv:
         out.append(f"  command      {' '.join(d.process.argv)}")
         out.append(f"               (pid {d.process.pid}, {d.process.how})")
@@ -278,18 +298,23 @@ def render(d: Diagnosis) -> str:
         if s.kv_unified is not None:
             line += "; one KV pool shared by all slots" if s.kv_unified else "; each slot its own share of the KV cache"
         out.append(line)
-    out.append("\nWhere the time goes (eval first, then prompt eval, load last)")
-    t = d.timing or {}
+    return out
+
+
+def _time_lines(d: Diagnosis) -> list[str]:
+    """The probes' split (eval, prompt eval, queue), then the load time from the log."""
+    s, t, out = d.started, d.timing or {}, []
     if t.get("ok"):
         src = f"  ({t.get('source')}; median of {t['ok']} requests, {t.get('prompt_tokens', '?')}-token prompt)"
         if "eval" in t:
+            e = t["eval"]
             out.append(
-                f"  eval         {t['eval']['ms_per_token']:.2f} ms/token = {t['eval']['tokens_per_second']:.1f} tok/s (one request decoding){src}"
+                f"  eval         {e['ms_per_token']:.2f} ms/token = {e['tokens_per_second']:.1f} tok/s "
+                f"(one request decoding){src}"
             )
         if "prompt_eval" in t:
-            out.append(
-                f"  prompt eval  {t['prompt_eval']['ms_per_token']:.3f} ms/token = {t['prompt_eval']['tokens_per_second']:.0f} tok/s"
-            )
+            pe = t["prompt_eval"]
+            out.append(f"  prompt eval  {pe['ms_per_token']:.3f} ms/token = {pe['tokens_per_second']:.0f} tok/s")
         q = t.get("queue", {})
         line = f"  queue        {q.get('alone_ms')} ms alone"
         if "max_ms" in q:
@@ -304,15 +329,22 @@ def render(d: Diagnosis) -> str:
         if s.load_s is not None
         else "  load         not in the log"
     )
-    out.append("\nModel and memory")
+    return out
+
+
+def _model_lines(d: Diagnosis) -> list[str]:
+    """Layers on the GPU, the model's shape, whether its weights are resident, the KV cache."""
+    s, out = d.started, []
     if s.layers_total:
         out.append(f"  layers       {s.layers_offloaded}/{s.layers_total} on the GPU" + _ev(d, "layers_offloaded"))
     if d.shape:
         sh = d.shape
         w = f"{size(sh.weights_bytes)} " if sh.weights_bytes else ""
-        out.append(f"  model        {w}{sh.file_type or ''}, {sh.n_layer} layers, {sh.n_head} heads, {sh.n_head_kv} KV heads"
-                   f", head dim {sh.head_dim_k}" + (f", {_params(sh.n_params)} params" if sh.n_params else "")
-                   + f"  ({sh.source})")  # fmt: skip
+        params = f", {_params(sh.n_params)} params" if sh.n_params else ""
+        out.append(
+            f"  model        {w}{sh.file_type or ''}, {sh.n_layer} layers, {sh.n_head} heads, {sh.n_head_kv} KV heads"
+            f", head dim {sh.head_dim_k}{params}  ({sh.source})"
+        )
     if d.resident:
         out.append(f"  resident     {_yes(d.resident.value)}: {d.resident.why}")
     if d.kv or s.kv_cache_bytes:
@@ -331,7 +363,13 @@ def render(d: Diagnosis) -> str:
             if k.note:
                 line += f"; {k.note}"
         out.append(line)
-    out.append(f"  flash attn   {s.flash_attention or 'not stated in the log'}")
+    return out
+
+
+def _memory_lines(d: Diagnosis) -> list[str]:
+    """Flash attention and CUDA graphs as the log says, the GPUs' memory, and whether memory is the constraint."""
+    s = d.started
+    out = [f"  flash attn   {s.flash_attention or 'not stated in the log'}"]
     graphs = s.cuda_graphs or "not stated in the log"
     if s.graph_capture_s:
         graphs += f" (captured in {s.graph_capture_s:.1f} s" + (f", {size(s.graph_bytes)})" if s.graph_bytes else ")")
@@ -341,16 +379,12 @@ def render(d: Diagnosis) -> str:
     if d.gpu and d.gpu.devices:
         for dev in d.gpu.on_engine_gpus():
             out.append(
-                f"  GPU {dev.index}        {dev.name}: {size(dev.total_bytes)} total, {size(dev.used_bytes)} used, {size(dev.free_bytes)} free"
+                f"  GPU {dev.index}        {dev.name}: {size(dev.total_bytes)} total, {size(dev.used_bytes)} used, "
+                f"{size(dev.free_bytes)} free"
             )
     if d.memory:
         out.append(f"  memory       {d.memory.why}")
-    if d.log_path:
-        out.append(f"\nlog: {d.log_path}")
-    if d.notes:
-        out.append("\nNotes")
-        out += [f"  - {n}" for n in dict.fromkeys(d.notes)]
-    return "\n".join(out)
+    return out
 
 
 def _ev(d: Diagnosis, key: str) -> str:

@@ -21,12 +21,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from proxy import embedded as emb
 from proxy.cli.common import LOG_LEVELS
 from proxy.configfile import load
 from proxy.errors import redact_url
+from proxy.levels import representative
 from proxy.listen import BindError, bind_socket, engine_at_listen_address
-from proxy.server.workers.guard import SHUTDOWN_TIMEOUT_S
-from proxy.server.workers.supervisor import default_workers
+from proxy.server.compose import build_app
+from proxy.server.mirror.compare import new_run_id
+from proxy.server.request.upstream import detect_kind
+from proxy.server.workers.guard import SHUTDOWN_TIMEOUT_S, Server, server_config
+from proxy.server.workers.lifetimes import remove_stale_directories
+from proxy.server.workers.supervisor import default_workers, serve_workers
 from proxy.settings import DEFAULT_LISTEN, Settings, SettingsError, split_listen
 from proxy.types import EngineKind
 
@@ -99,9 +107,6 @@ def default_log_path(env: Mapping[str, str] | None = None) -> Path:
 
 def _probe_kind(url: str) -> EngineKind | None:
     """Name a bare ``--primary``/``--shadow`` URL after its engine kind; None when it does not answer."""
-    import httpx
-
-    from proxy.server.request.upstream import detect_kind
 
     async def probe() -> EngineKind | None:
         async with httpx.AsyncClient(base_url=url, timeout=2.0) as client:
@@ -147,8 +152,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"enginemeter: {exc}", file=sys.stderr)
         _stop(embedded)
         return 1
-    from proxy.server.mirror.compare import new_run_id
-
     # one id for this run, shared by every worker: its records in the comparison log, the banner's report command
     settings = dataclasses.replace(settings, run_id=new_run_id())
     workers = args.workers if args.workers is not None else default_workers()
@@ -167,9 +170,6 @@ def _run_workers(
 ) -> int:
     """``--workers N``: the supervisor of ``proxy.server.workers.supervisor``, on the address ``sock`` was bound to (each
     worker binds its own socket there with SO_REUSEPORT, which a socket bound without it would refuse)."""
-    from proxy.server.compose import build_app
-    from proxy.server.workers.supervisor import serve_workers
-
     host, port = sock.getsockname()[:2]
     sock.close()
     return serve_workers(
@@ -186,8 +186,6 @@ def _run_workers(
 
 
 def _start_embedded(args: argparse.Namespace, embedded: list[object]) -> tuple[Settings, socket.socket]:
-    from proxy import embedded as emb
-
     listen = args.listen or os.environ.get("ENGINEMETER_LISTEN") or DEFAULT_LISTEN
     try:
         host, port = split_listen(listen)
@@ -249,17 +247,12 @@ def _env_configured() -> bool:
 def _run(
     settings: Settings, sock: socket.socket, embedded: Sequence[object], log_level: str, shutdown_timeout_s: float
 ) -> int:
-    from proxy.server.compose import build_app
-    from proxy.server.workers.lifetimes import remove_stale_directories
-
     remove_stale_directories()  # a killed `serve --workers` run's metrics directory, its processes all gone
     # the real port when --listen asked for port 0 (the run record says where this proxy listened)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code after run() may never execute: stop the
     # embedded engines in the app's own shutdown instead (the finally below covers start-up failures)
     app = build_app(settings, on_shutdown=[lambda: _stop(embedded)] if embedded else [])
-    from proxy.server.workers.guard import Server, server_config
-
     # connection limits, graceful-shutdown timeout, one log format: the same in every --workers worker
     config = server_config(app, log_level=log_level, shutdown_timeout_s=shutdown_timeout_s)
     server = Server(config, on_started=lambda: _banner(settings, embedded))
@@ -282,8 +275,6 @@ def _run(
 def _traffic_said(traffic: Any) -> None:
     """serve's last words: the traffic it carried, as a profile ``--traffic`` takes (the proxy's /metrics is gone);
     under ``--workers`` the supervisor says the whole proxy's (``proxy.server.observe.inflight``)."""
-    from proxy.levels import representative
-
     if traffic is None:
         return
     shares = traffic.health()["traffic"]["busy_shares"]

@@ -15,14 +15,22 @@ turns the verdicts into the table, the best setting per regime and the rule.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from proxy.bench.outdir import refusal
+from proxy.bench.report.document import write_report
+from proxy.bench.report.tuning import summarize
+from proxy.bench.run.benchfile import read_bench_file
+from proxy.bench.run.config import Target
 from proxy.bench.run.options import UsageError, add_workload, build_config, fail_on_of
 from proxy.bench.run.sweep import SLOT_FLAGS, slot_sweep, variants
-from proxy.cli.common import run_to_report
+from proxy.bench.verdict.data import load_bench
+from proxy.cli.reporting import run_to_report
+from proxy.procs.launch import parse_launch
+from proxy.settings import SettingsError
 
 DESCRIPTION = """\
 Sweep one llama-server flag: each value launched alone, measured with the same workload (single-request decode
@@ -41,8 +49,12 @@ examples:
 def add_command(t: argparse.ArgumentParser) -> None:
     t.description, t.epilog = DESCRIPTION, EPILOG
     t.formatter_class = argparse.RawDescriptionHelpFormatter
-    t.add_argument("--launch", required=True, metavar="'COMMAND'", help="the llama-server command (verbatim; "
-                   "{port}: a free port), with one {a,b,...} list or with --vary")  # fmt: skip
+    t.add_argument(
+        "--launch",
+        required=True,
+        metavar="'COMMAND'",
+        help="the llama-server command (verbatim; {port}: a free port), with one {a,b,...} list or with --vary",
+    )
     t.add_argument("--vary", metavar="FLAG=V1,V2,...", help="the flag to sweep and its values (-np=1,2,4,8)")
     t.add_argument("--name", help="prefix of the settings' names (default: the flag and value, e.g. np4)")
     t.add_argument("--config", metavar="FILE", help="bench settings in YAML (workload keys; flags win)")
@@ -51,16 +63,6 @@ def add_command(t: argparse.ArgumentParser) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    import logging
-
-    from proxy.bench.report.document import write_report
-    from proxy.bench.report.tuning import summarize
-    from proxy.bench.run.benchfile import read_bench_file
-    from proxy.bench.run.config import Target
-    from proxy.bench.verdict.data import load_bench
-    from proxy.procs.launch import parse_launch
-    from proxy.settings import SettingsError
-
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         file = read_bench_file(args.config) if args.config else None
@@ -78,8 +80,8 @@ def _tune(args: argparse.Namespace) -> int:
         if args.output_lengths is None:
             cfg.output_lengths = (cfg.max_tokens,)
         cfg.expected_differences = ("context",)
-        cfg.tune = {"flag": flag, "values": [v.value for v in vs], "names": [v.name for v in vs],
-                    "command": args.launch, "vary": args.vary}  # fmt: skip
+        values, names = [v.value for v in vs], [v.name for v in vs]
+        cfg.tune = {"flag": flag, "values": values, "names": names, "command": args.launch, "vary": args.vary}
         if cfg.out == Path("bench-out") and (args.out is None and (file is None or file.out is None)):
             cfg.out = Path("tune-out")
         if why := refusal(cfg.out, force=args.force):

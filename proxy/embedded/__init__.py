@@ -65,7 +65,7 @@ from proxy.embedded.generate import (
     model_params,
 )
 from proxy.embedded.gguf_meta import read_gguf_metadata
-from proxy.embedded.llamaserver import LlamaServer, free_port, http_status, start_default_engines
+from proxy.embedded.llamaserver import LlamaServer, start_default_engines
 
 __all__ = [
     "DEFAULT_VERSION",
@@ -81,8 +81,6 @@ __all__ = [
     "cache_root",
     "default_model_path",
     "fetch_sdist",
-    "free_port",
-    "http_status",
     "main",
     "make_model",
     "model_params",

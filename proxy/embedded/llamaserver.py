@@ -19,7 +19,7 @@ from proxy.embedded.build import EmbeddedError, build_llama_server
 from proxy.embedded.generate import make_model
 from proxy.procs.process import EngineExited, EngineProcess, LaunchError, free_port, http_status
 
-__all__ = ["LlamaServer", "free_port", "http_status", "start_default_engines"]
+__all__ = ["LlamaServer", "start_default_engines"]
 
 
 class LlamaServer:

@@ -55,8 +55,8 @@ def hf_shape(cfg: dict[str, Any], source: str) -> Shape:
     cfg = cfg.get("text_config", cfg)
     n_head = int(cfg["num_attention_heads"])
     head = int(cfg.get("head_dim") or cfg["hidden_size"] // n_head)
-    return Shape(int(cfg["num_hidden_layers"]), n_head, int(cfg.get("num_key_value_heads") or n_head), head, head,
-                 source, cfg.get("sliding_window"))  # fmt: skip
+    n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
+    return Shape(int(cfg["num_hidden_layers"]), n_head, n_head_kv, head, head, source, cfg.get("sliding_window"))
 
 
 def element_bytes(cache_type: str) -> float | None:
@@ -93,5 +93,7 @@ def kv_estimate(
     note = None
     if shape.sliding_window:
         note = f"sliding-window attention ({shape.sliding_window} tokens) keeps a smaller cache for those layers"
-    return KvEstimate(total, context, context_source, type_k, type_v, formula, slots, unified, per_slot, reported,
-                      round(reported / total, 4) if reported and total else None, note)  # fmt: skip
+    ratio = round(reported / total, 4) if reported and total else None
+    return KvEstimate(
+        total, context, context_source, type_k, type_v, formula, slots, unified, per_slot, reported, ratio, note
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -139,6 +140,119 @@ def launch_flags(argv: Sequence[str]) -> dict[str, str | int | bool]:
     return out
 
 
+@dataclass
+class _LogScan:
+    """What ``LlamaCpp.parse_log`` has read of a start-up log so far, line by line; ``facts`` concludes."""
+
+    #: fact name -> the log line(s) it was read from
+    ev: dict[str, str] = field(default_factory=dict)
+    t_loading: float | None = None
+    t_loaded: float | None = None
+    #: the weights' buffers, on the GPU and in host memory; whether any loader line was seen at all
+    gpu_w: int = 0
+    host_w: int = 0
+    any_gpu_buf: bool = False
+    loader: bool = False
+    offloaded: int | None = None
+    total: int | None = None
+    n_layer: int | None = None
+    ctx: int | None = None
+    slots: int | None = None
+    per_slot: int | None = None
+    unified: bool | None = None
+    kv_bytes: int | None = None
+    kv_tokens: int | None = None
+    kv_type: str | None = None
+    fa: str | None = None
+    graphs: str | None = None
+    graphs_built: str | None = None
+    devices: list[str] = field(default_factory=list)
+
+    def read(self, line: str) -> None:
+        ev = self.ev
+        if _LOADING.search(line):
+            self.t_loading, ev["load_s"] = _stamp(line), line
+        elif _LOADED.search(line):
+            self.t_loaded = _stamp(line)
+            ev["load_s"] = ev.get("load_s", "") + "\n" + line
+        elif m := _OFFLOADED.search(line):
+            self.offloaded, self.total, ev["layers_offloaded"] = int(m[1]), int(m[2]), line
+        elif m := _MODEL_BUF.search(line):
+            self.loader = True
+            n = size_bytes(m[2], m[3])
+            if m[1].upper().startswith("CPU") or "HOST" in m[1].upper():
+                self.host_w += n
+            else:
+                self.gpu_w, self.any_gpu_buf = self.gpu_w + n, True
+            ev["weights_bytes"] = ev.get("weights_bytes", "") + ("\n" if "weights_bytes" in ev else "") + line
+        elif m := _KV_SIZE.search(line):
+            self.kv_bytes = size_bytes(m[1], m[2])
+            self.kv_tokens = int(m[3]) * int(m[6])  # cells per stream x streams
+            self.kv_type = m[7] if m[7] == m[8] else f"K {m[7]}, V {m[8]}"
+            ev["kv_cache_bytes"] = line
+        elif m := _CTX.search(line):
+            self.ctx, ev["context"] = int(m[1]), line
+        elif m := _INIT.search(line):
+            self.slots, self.per_slot, self.unified = int(m[1]), int(m[2]), m[3] == "true"
+            ev["slots"] = line
+        elif m := _FA_RESOLVED.search(line):
+            self.fa = "enabled" if (m[1] == "enabled" or m[2] == "enabled") else "disabled"
+            ev["flash_attention"] = line
+        elif (m := _FA_PARAM.search(line)) and self.fa is None:
+            self.fa, ev["flash_attention"] = m[1], line
+        elif m := _N_LAYER.search(line):
+            self.n_layer = int(m[1])
+        elif m := _DEVICE.search(line):
+            self.devices.append(f"{m[1]} ({m[2]})")
+        elif _GRAPHS_OFF.search(line):
+            self.graphs, ev["cuda_graphs"] = "off", line
+        elif _GRAPHS_BUILD.search(line):
+            self.graphs_built = line
+        if line.startswith("load_tensors") or " load_tensors:" in line:
+            self.loader = True
+
+    def facts(self) -> LogFacts:
+        ev, notes = self.ev, []
+        offloaded, total, graphs = self.offloaded, self.total, self.graphs
+        t0, t1 = self.t_loading, self.t_loaded
+        load_s = t1 - t0 if t0 is not None and t1 is not None else None
+        if graphs is None and self.graphs_built is not None:
+            # compiled in; whether they run is not logged: ggml-cuda's "disabling CUDA graphs" lines are debug
+            # builds' only, and GGML_CUDA_DISABLE_GRAPHS turns them off without a word
+            graphs, ev["cuda_graphs"] = "compiled in (USE_GRAPHS = 1; their use is not logged)", self.graphs_built
+        if not self.loader:
+            notes.append(
+                "the log has no loader lines (layers offloaded, weights and KV buffers, flash attention): this "
+                "llama-server logs them at trace verbosity; start it with -lv 4 to see them"
+            )
+        elif offloaded is None and self.n_layer is not None:
+            offloaded, total = 0, self.n_layer + 1  # no GPU backend: no "offloaded" line; +1 is the output layer
+            ev["layers_offloaded"] = "no 'offloaded N/M layers to GPU' line: this build has no GPU backend"
+            notes.append("this llama-server has no GPU backend: every layer runs on the CPU")
+        if load_s is None and "load_s" in ev:
+            notes.append("the log has no timestamps (--log-timestamps): load time not measured from it")
+            ev.pop("load_s")
+        return LogFacts(
+            load_s=load_s,
+            weights_bytes=self.gpu_w if self.any_gpu_buf else (0 if self.loader and offloaded == 0 else None),
+            weights_host_bytes=self.host_w if self.loader else None,
+            layers_offloaded=offloaded,
+            layers_total=total,
+            kv_cache_bytes=self.kv_bytes,
+            kv_cache_tokens=self.kv_tokens,
+            kv_cache_type=self.kv_type,
+            context=self.ctx,
+            slots=self.slots,
+            context_per_slot=self.per_slot,
+            kv_unified=self.unified,
+            flash_attention=self.fa,
+            cuda_graphs=graphs,
+            devices=tuple(dict.fromkeys(self.devices)),
+            evidence=ev,
+            notes=tuple(notes),
+        )
+
+
 class LlamaCpp(Dialect):
     kind = "llamacpp"
     health_path = "/health"
@@ -150,94 +264,10 @@ class LlamaCpp(Dialect):
         return program(argv).removesuffix(".exe") == "llama-server"
 
     def parse_log(self, text: str) -> LogFacts:
-        ev: dict[str, str] = {}
-        notes: list[str] = []
-        t_loading = t_loaded = None
-        gpu_w = host_w = 0
-        any_gpu_buf = loader = False
-        offloaded = total = n_layer = ctx = slots = per_slot = None
-        kv_bytes = kv_tokens = None
-        kv_type = fa = graphs = None
-        graphs_built: str | None = None
-        unified: bool | None = None
-        devices: list[str] = []
+        scan = _LogScan()
         for line in clean_lines(text):
-            if m := _LOADING.search(line):
-                t_loading, ev["load_s"] = _stamp(line), line
-            elif _LOADED.search(line):
-                t_loaded = _stamp(line)
-                ev["load_s"] = ev.get("load_s", "") + "\n" + line
-            elif m := _OFFLOADED.search(line):
-                offloaded, total, ev["layers_offloaded"] = int(m[1]), int(m[2]), line
-            elif m := _MODEL_BUF.search(line):
-                loader = True
-                n = size_bytes(m[2], m[3])
-                if m[1].upper().startswith("CPU") or "HOST" in m[1].upper():
-                    host_w += n
-                else:
-                    gpu_w, any_gpu_buf = gpu_w + n, True
-                ev["weights_bytes"] = ev.get("weights_bytes", "") + ("\n" if "weights_bytes" in ev else "") + line
-            elif m := _KV_SIZE.search(line):
-                kv_bytes = size_bytes(m[1], m[2])
-                kv_tokens = int(m[3]) * int(m[6])  # cells per stream x streams
-                kv_type = m[7] if m[7] == m[8] else f"K {m[7]}, V {m[8]}"
-                ev["kv_cache_bytes"] = line
-            elif m := _CTX.search(line):
-                ctx, ev["context"] = int(m[1]), line
-            elif m := _INIT.search(line):
-                slots, per_slot, unified = int(m[1]), int(m[2]), m[3] == "true"
-                ev["slots"] = line
-            elif m := _FA_RESOLVED.search(line):
-                fa = "enabled" if (m[1] == "enabled" or m[2] == "enabled") else "disabled"
-                ev["flash_attention"] = line
-            elif (m := _FA_PARAM.search(line)) and fa is None:
-                fa, ev["flash_attention"] = m[1], line
-            elif m := _N_LAYER.search(line):
-                n_layer = int(m[1])
-            elif m := _DEVICE.search(line):
-                devices.append(f"{m[1]} ({m[2]})")
-            elif m := _GRAPHS_OFF.search(line):
-                graphs, ev["cuda_graphs"] = "off", line
-            elif _GRAPHS_BUILD.search(line):
-                graphs_built = line
-            if line.startswith("load_tensors") or " load_tensors:" in line:
-                loader = True
-        load_s = t_loaded - t_loading if t_loading is not None and t_loaded is not None else None
-        if graphs is None and graphs_built is not None:
-            # compiled in; whether they run is not logged: ggml-cuda's "disabling CUDA graphs" lines are debug
-            # builds' only, and GGML_CUDA_DISABLE_GRAPHS turns them off without a word
-            graphs, ev["cuda_graphs"] = "compiled in (USE_GRAPHS = 1; their use is not logged)", graphs_built
-        if not loader:
-            notes.append(
-                "the log has no loader lines (layers offloaded, weights and KV buffers, flash attention): this "
-                "llama-server logs them at trace verbosity; start it with -lv 4 to see them"
-            )
-        elif offloaded is None and n_layer is not None:
-            offloaded, total = 0, n_layer + 1  # no GPU backend: no "offloaded" line; +1 is the output layer
-            ev["layers_offloaded"] = "no 'offloaded N/M layers to GPU' line: this build has no GPU backend"
-            notes.append("this llama-server has no GPU backend: every layer runs on the CPU")
-        if load_s is None and "load_s" in ev:
-            notes.append("the log has no timestamps (--log-timestamps): load time not measured from it")
-            ev.pop("load_s")
-        return LogFacts(
-            load_s=load_s,
-            weights_bytes=gpu_w if any_gpu_buf else (0 if loader and offloaded == 0 else None),
-            weights_host_bytes=host_w if loader else None,
-            layers_offloaded=offloaded,
-            layers_total=total,
-            kv_cache_bytes=kv_bytes,
-            kv_cache_tokens=kv_tokens,
-            kv_cache_type=kv_type,
-            context=ctx,
-            slots=slots,
-            context_per_slot=per_slot,
-            kv_unified=unified,
-            flash_attention=fa,
-            cuda_graphs=graphs,
-            devices=tuple(dict.fromkeys(devices)),
-            evidence=ev,
-            notes=tuple(notes),
-        )
+            scan.read(line)
+        return scan.facts()
 
     async def poll(self, client: httpx.AsyncClient, timeout: float) -> Facts:
         props = await get_json(client, "/props", timeout)

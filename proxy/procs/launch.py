@@ -287,19 +287,27 @@ def fit_memory_share(name: str, command: str, budget_bytes: int, total_bytes: in
     given = d.memory_share(spec.argv) if any(w == flag or w.startswith(flag + "=") for w in spec.argv) else None
     if given is None:
         if fits <= 0:
-            raise ValueError(f"launch {name}: the {budget_bytes / gib:.1f} GiB budget leaves no share for {flag} once "
-                             f"~{reserve / gib:.1f} GiB is kept for what {spec.kind} holds beside it")  # fmt: skip
-        return (f"{command} {flag} {fits:g}", f"{name}: {flag} {fits:g} set for the {budget_bytes / gib:.1f} GiB "
-                f"budget on {card}: {fits * total_bytes / gib:.1f} GiB up front (weights and KV cache) + ~"
-                f"{reserve / gib:.1f} GiB beside it (context, graphs, activations)")  # fmt: skip
+            raise ValueError(
+                f"launch {name}: the {budget_bytes / gib:.1f} GiB budget leaves no share for {flag} once "
+                f"~{reserve / gib:.1f} GiB is kept for what {spec.kind} holds beside it"
+            )
+        return (
+            f"{command} {flag} {fits:g}",
+            f"{name}: {flag} {fits:g} set for the {budget_bytes / gib:.1f} GiB budget on {card}: "
+            f"{fits * total_bytes / gib:.1f} GiB up front (weights and KV cache) + ~{reserve / gib:.1f} GiB beside it "
+            "(context, graphs, activations)",
+        )
     share = given[1]
     static = share * total_bytes
     if static > budget_bytes:
-        raise ValueError(f"launch {name}: {flag} {share:g} takes {static / gib:.1f} GiB of {card} up front, over the "
-                         f"{budget_bytes / gib:.1f} GiB budget: use {fits:g} (or leave the flag out: enginemeter sets "
-                         "it)")  # fmt: skip
+        raise ValueError(
+            f"launch {name}: {flag} {share:g} takes {static / gib:.1f} GiB of {card} up front, over the "
+            f"{budget_bytes / gib:.1f} GiB budget: use {fits:g} (or leave the flag out: enginemeter sets it)"
+        )
     if static + reserve > budget_bytes:
-        return command, (f"{name}: {flag} {share:g} takes {static / gib:.1f} GiB up front; with ~{reserve / gib:.1f} "
-                         f"GiB beside it the peak may pass the {budget_bytes / gib:.1f} GiB budget (a small excess is "
-                         f"a caveat in the verdict): {fits:g} fits")  # fmt: skip
+        return command, (
+            f"{name}: {flag} {share:g} takes {static / gib:.1f} GiB up front; with ~{reserve / gib:.1f} GiB beside "
+            f"it the peak may pass the {budget_bytes / gib:.1f} GiB budget (a small excess is a caveat in the "
+            f"verdict): {fits:g} fits"
+        )
     return command, f"{name}: {flag} {share:g} checked: {static / gib:.1f} GiB up front fits the budget on {card}"

@@ -29,7 +29,8 @@ from fakes.fault_engine import EOS_ID, PIECES, FaultEngineConfig, Knobs
 from fakes.fault_engine import run_in_thread as run_engine
 from fakes.sglang_emulator import EmulatorConfig
 from fakes.sglang_emulator import run_in_thread as run_emulator
-from tests.helpers import free_port, wait_until
+from proxy.procs.process import free_port
+from tests.helpers import wait_until
 
 if TYPE_CHECKING:
     from proxy.embedded import LlamaServer

@@ -1,7 +1,7 @@
 """The proxy in front of a real llama-server: relay, alias round trip, usage, timing agreement, disconnects.
 
 Everything runs over real sockets: llama-server processes from tests/conftest.py and the proxy under a real
-uvicorn server (tests/helpers.run_uvicorn_app). Clients are the official ``openai`` SDK and raw httpx.
+uvicorn server (tests/helpers.py:run_uvicorn_app). Clients are the official ``openai`` SDK and raw httpx.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_engine_4xx_passes_through(llama_server_factory: Any, proxy_factory: Pro
 
 
 def test_engine_down_is_a_marked_502(proxy_factory: ProxyFactory) -> None:
-    from tests.helpers import free_port
+    from proxy.procs.process import free_port
 
     p = proxy_factory(settings_for(f"http://127.0.0.1:{free_port()}"))
     r = httpx.post(f"{p.url}/v1/chat/completions", json={"model": ALIAS, "messages": MSGS, "stream": True})

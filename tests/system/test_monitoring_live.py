@@ -35,7 +35,8 @@ import yaml
 from fakes import vllm_metrics as vllm_metrics_fake
 from proxy.configfile import load
 from proxy.gpu.nvml import DeviceReading, ProcReading
-from tests.helpers import free_port, start_proxy, uncommented, wait_until
+from proxy.procs.process import free_port
+from tests.helpers import start_proxy, uncommented, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))

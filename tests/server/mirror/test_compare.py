@@ -1,4 +1,4 @@
-"""proxy/compare.py: the pair -> Comparison rules, its metrics, and the rotating JSONL log."""
+"""proxy/server/mirror/compare.py: the pair -> Comparison rules, its metrics, and the rotating JSONL log."""
 
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from fakes.sglang_emulator import EmulatorConfig
 from fakes.sglang_emulator import run_in_thread as run_emulator
 from proxy.embedded import LlamaServer
+from proxy.procs.process import free_port
 from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
-from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, ProxyUnderTest, free_port, wait_until
+from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, ProxyUnderTest, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 ADMIN = {"authorization": "Bearer admin-secret"}

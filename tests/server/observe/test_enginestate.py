@@ -18,11 +18,12 @@ from prometheus_client import CollectorRegistry
 
 from proxy import engines
 from proxy.embedded import LlamaServer
+from proxy.procs.process import free_port
 from proxy.server.observe import enginestate
 from proxy.server.observe.enginestate import EngineStatePoller
 from proxy.server.request.upstream import Engine
 from proxy.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
-from tests.helpers import LlamaServerFactory, ProxyFactory, free_port, wait_until
+from tests.helpers import LlamaServerFactory, ProxyFactory, wait_until
 
 
 def settings(

@@ -16,10 +16,11 @@ from proxy.configfile import load
 from proxy.embedded import LlamaServer
 from proxy.embedded.gguf_meta import read_gguf
 from proxy.gpu.nvml import DeviceReading, ProcReading
+from proxy.procs.process import free_port
 from proxy.server.app import make_engines
 from proxy.server.observe.livediagnosis import LiveDiagnosis
 from proxy.settings import Settings
-from tests.helpers import LlamaServerFactory, ProxyFactory, free_port, wait_until
+from tests.helpers import LlamaServerFactory, ProxyFactory, wait_until
 from tests.system.test_metrics_doc import documented
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"

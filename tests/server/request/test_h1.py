@@ -12,8 +12,9 @@ import pytest
 
 from proxy.configfile import load
 from proxy.errors import UpstreamConnectError, from_transport_error
+from proxy.procs.process import free_port
 from proxy.server.request.h1 import H1Streams, _peer_closed
-from tests.helpers import ProcessServer, free_port
+from tests.helpers import ProcessServer
 
 BODY = b'{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}'
 PATH = "/v1/chat/completions"
