@@ -90,13 +90,13 @@ def main() -> None:
     import orjson
     from prometheus_client import CollectorRegistry
 
+    from proxy.config.settings import EngineSettings
     from proxy.normalize import normalize_request
     from proxy.server.record.metrics import Metrics, observe
     from proxy.server.record.result import Result
     from proxy.server.request.output import SocketOutput
     from proxy.server.request.relay import Attempt
     from proxy.server.request.upstream import Engine
-    from proxy.settings import EngineSettings
     from proxy.sse import SSEFramer
     from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
 

@@ -118,8 +118,8 @@ def full_collection() -> None:
     """A full collection of the start-up heap of ``enginemeter serve``, as it is and frozen (``settle_process``)."""
     import gc
 
+    from proxy.config.settings import EngineSettings, RouteSettings, Settings
     from proxy.server.compose import build_app
-    from proxy.settings import EngineSettings, RouteSettings, Settings
 
     settings = Settings(
         engines=(EngineSettings(name="e", url="http://127.0.0.1:9"),),

@@ -58,9 +58,16 @@ def serve(port: int, primary: str, shadow: str) -> None:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import GaugeMetricFamily
 
+    from proxy.config.settings import (
+        CollectorSettings,
+        EngineSettings,
+        MirrorSettings,
+        RouteSettings,
+        Settings,
+        Timeouts,
+    )
     from proxy.server.compose import build_app
     from proxy.server.workers.guard import server_options
-    from proxy.settings import CollectorSettings, EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 
     lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=1000)
 

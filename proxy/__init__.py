@@ -8,12 +8,11 @@ Three wings over one shared base (each wing's ``__init__`` maps its own modules)
     gpu/          GPU reading behind one NVML seam: devices, attribution, memory now and over time
     engines/      the engine dialects: one module per engine kind
     embedded/     the demo's own llama-server, built from source, and generated models
+    config/       the one frozen ``Settings`` type, the YAML file that makes it, its cross-checks and schema
     procs/        engines as processes: started from their command lines, ready, stopped, their memory moments
 
 The base, used by every wing:
 
-    configfile    the YAML config file -> ``Settings`` (strict, one line per problem)
-    settings      the one frozen ``Settings`` type, its environment variables and its JSON Schema
     types         the small closed sets (engine kinds, roles, endpoints, request outcomes)
     errors        the proxy's error tree, the transport tree, the OpenAI-style envelope
     normalize     a client body -> each engine's body (model name, sampling made explicit), the changes counted

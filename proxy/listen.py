@@ -8,7 +8,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from proxy.settings import EngineSettings, Settings
+from proxy.config.settings import EngineSettings, Settings
 
 
 class BindError(OSError):

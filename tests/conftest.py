@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from proxy.config.settings import Settings
 from proxy.embedded import LlamaServer, build_llama_server, cache_root, make_model, server_dir
-from proxy.settings import Settings
 from tests import helpers
 from tests.helpers import LlamaServerFactory, ProxyFactory, ProxyUnderTest
 

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar
 import httpx
 from prometheus_client import CollectorRegistry
 
+from proxy.config.settings import Settings
 from proxy.procs.process import EngineProcess, free_port, http_status
 from proxy.server.record.result import Result
-from proxy.settings import Settings
 
 if TYPE_CHECKING:
     from proxy.embedded import LlamaServer

@@ -12,8 +12,8 @@ from typing import Any
 
 from proxy.bench.outdir import refusal
 from proxy.bench.report.document import write_report
+from proxy.bench.run.benchconfig import Target
 from proxy.bench.run.benchfile import read_bench_file
-from proxy.bench.run.config import Target
 from proxy.bench.run.options import Targets, UsageError, add_workload, build_config, fail_on_of, pairs
 from proxy.bench.run.prepare import PreflightError
 from proxy.bench.verdict.data import load_bench
@@ -27,8 +27,8 @@ from proxy.cli.reporting import (
     with_random,
     with_traffic,
 )
+from proxy.config.settings import SettingsError
 from proxy.procs.launch import parse_launch
-from proxy.settings import SettingsError
 
 
 def add_command(b: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from proxy.configfile import parse_file
-from proxy.settings import SettingsError, json_schema
+from proxy.config.configfile import parse_file
+from proxy.config.settings import SettingsError, json_schema
 
 DESCRIPTION = """\
 Validate a config file the way "serve --config" would (types, unknown keys, references between engines,

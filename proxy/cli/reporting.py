@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.live.trafficsource import traffic_from
-from proxy.bench.run.config import BenchConfig
+from proxy.bench.run.benchconfig import BenchConfig
 from proxy.bench.run.options import EXIT_VERDICT
 from proxy.bench.run.prepare import PreflightError
 from proxy.bench.run.runner import run_bench

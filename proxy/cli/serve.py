@@ -25,7 +25,9 @@ import httpx
 
 from proxy import embedded as emb
 from proxy.cli.common import LOG_LEVELS
-from proxy.configfile import load
+from proxy.config.configfile import load
+from proxy.config.fields import DEFAULT_LISTEN, split_listen
+from proxy.config.settings import Settings, SettingsError
 from proxy.errors import redact_url
 from proxy.levels import representative
 from proxy.listen import BindError, bind_socket, engine_at_listen_address
@@ -35,7 +37,6 @@ from proxy.server.request.upstream import detect_kind
 from proxy.server.workers.guard import SHUTDOWN_TIMEOUT_S, Server, server_config
 from proxy.server.workers.lifetimes import remove_stale_directories
 from proxy.server.workers.supervisor import default_workers, serve_workers
-from proxy.settings import DEFAULT_LISTEN, Settings, SettingsError, split_listen
 from proxy.types import EngineKind
 
 DESCRIPTION = """\

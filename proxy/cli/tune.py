@@ -23,14 +23,14 @@ from typing import Any
 from proxy.bench.outdir import refusal
 from proxy.bench.report.document import write_report
 from proxy.bench.report.tuning import summarize
+from proxy.bench.run.benchconfig import Target
 from proxy.bench.run.benchfile import read_bench_file
-from proxy.bench.run.config import Target
 from proxy.bench.run.options import UsageError, add_workload, build_config, fail_on_of
 from proxy.bench.run.sweep import SLOT_FLAGS, slot_sweep, variants
 from proxy.bench.verdict.data import load_bench
 from proxy.cli.reporting import run_to_report
+from proxy.config.settings import SettingsError
 from proxy.procs.launch import parse_launch
-from proxy.settings import SettingsError
 
 DESCRIPTION = """\
 Sweep one llama-server flag: each value launched alone, measured with the same workload (single-request decode

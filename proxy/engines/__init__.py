@@ -13,7 +13,7 @@
 Each dialect knows how to recognize its engine, its cheap health check, its state poll (model, context
 length, slots, busy slots, quantization, build), how it counts prompt tokens without generating, how its prompt
 cache is emptied, and its error shape. Adding an engine kind: a module with a ``Dialect`` subclass and its
-``DIALECT``, a line in ``DIALECTS`` (detection order), the kind in ``proxy.settings.EngineKind``, its tests in
+``DIALECT``, a line in ``DIALECTS`` (detection order), the kind in ``proxy.config.settings.EngineKind``, its tests in
 ``tests/engines/test_engines.py``.
 
 Docs: docs/engines.md.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from proxy.settings import EngineSettings
+from proxy.config.settings import EngineSettings
 
 PROC = Path("/proc")
 #: how often a port-based attribution is looked up again even when its pids are still alive

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.config.settings import EngineSettings
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.monitor import sample
 from proxy.gpu.nvml import NvmlReader, NvmlUnavailable, Opener, PynvmlReader
-from proxy.settings import EngineSettings
 
 
 @dataclass(frozen=True)

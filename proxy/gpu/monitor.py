@@ -26,9 +26,9 @@ from typing import Any
 import anyio.to_thread
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from proxy.config.settings import EngineSettings
 from proxy.gpu.attribution import PROC, Attributor
 from proxy.gpu.nvml import DeviceReading, NvmlReader, NvmlUnavailable, Opener, PynvmlReader
-from proxy.settings import EngineSettings
 
 log = logging.getLogger("enginemeter.gpu")
 

@@ -21,8 +21,8 @@ import hmac
 
 from starlette.requests import Request
 
+from proxy.config.settings import Settings
 from proxy.errors import Unauthorized
-from proxy.settings import Settings
 
 #: what ``/health`` says to a request without a key when the detail needs one
 LIVENESS_KEYS = ("status", "version")

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from proxy.config.settings import Settings
 from proxy.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -56,7 +57,6 @@ from proxy.server.request.responses import RelayResponse, error_response, scope_
 from proxy.server.request.routing import Dispatch, Router
 from proxy.server.request.upstream import Engine, make_client
 from proxy.server.switch.rollouts import Rollouts
-from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Outcome
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
+from proxy.config.settings import Settings, SettingsError
 from proxy.gpu.monitor import GpuMonitor
 from proxy.gpu.nvml import Opener, PynvmlReader
 from proxy.server.app import Gateway, make_engines
@@ -30,7 +31,6 @@ from proxy.server.request.routing import Router
 from proxy.server.request.upstream import Engine
 from proxy.server.switch.rollouts import Rollouts
 from proxy.server.workers.role import WorkerRole, snapshot_health
-from proxy.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter

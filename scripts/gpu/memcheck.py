@@ -272,7 +272,7 @@ def fake_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from proxy.configfile import load
+    from proxy.config.configfile import load
     from proxy.gpu import nvml
     from proxy.server import compose
 

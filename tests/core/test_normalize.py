@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
+from proxy.config.settings import DEFAULT_SAMPLING
 from proxy.normalize import ParamChange, normalize_request
-from proxy.settings import DEFAULT_SAMPLING
 from proxy.types import EngineKind
 
 MSGS = [{"role": "user", "content": "hi"}]

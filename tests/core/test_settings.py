@@ -1,4 +1,4 @@
-"""proxy/settings.py: the file's validation (real files), ${ENV} references, the quick form, precedence."""
+"""proxy/config/settings.py: the file's validation (real files), ${ENV} references, the quick form, precedence."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from proxy import normalize
-from proxy.configfile import load, parse_file
-from proxy.settings import (
+from proxy.config.configfile import load, parse_file
+from proxy.config.settings import (
     ConfigFile,
     EngineSettings,
     MirrorSettings,
@@ -142,7 +142,7 @@ BAD = [
     (ENGINE + "routes:\n  - {primary: b}\n", "bad.yaml:3: routes[0].primary: unknown engine 'b' (engines: a)"),
     (ENGINE + "routes:\n  - {primary: a, shadow: a}\n",
      "bad.yaml:3: routes[0].shadow: unknown key (did you mean 'shadows'?); expected one of: models, primary, "
-     "shadows, split, sticky_header, pinnable, fallback, sample_rate, rollout"),
+     "shadows, split, sticky_header, pinnable, fallback, sample_rate, rollout, swap"),
     (ENGINE + "routes:\n  - {models: [x]}\n", "bad.yaml:3: routes[0].primary: required key missing"),
     (ENGINE + "routes:\n  - {primary: a, sample_rate: 1.5}\n",
      "bad.yaml:3: routes[0].sample_rate: expected a value less than or equal to 1, got 1.5"),
@@ -156,8 +156,8 @@ BAD = [
     ("engines: [{name: a, url: 'http://x:1'}, {name: a, url: 'http://x:2'}]\n",
      "bad.yaml:1: engines[1].name: duplicate engine name 'a'"),
     ("engines: [{name: a, url: 'http://x:1', colour: red}]\n",
-     "bad.yaml:1: engines[0].colour: unknown key; expected one of: name, url, kind, model, api_key, timeouts, "
-     "max_connections, pid, pid_file, add_timings"),
+     "bad.yaml:1: engines[0].colour: unknown key; expected one of: name, url, launch, kind, model, api_key, "
+     "timeouts, max_connections, pid, pid_file, add_timings"),
     (ENGINE + "mirrors: {}\n", "bad.yaml:2: mirrors: unknown key (did you mean 'mirror'?); expected one of: listen, "
      "api_keys, admin_key, health, max_body_bytes, engines, models, routes, default_route, sampling_defaults, pin_header, "
      "mirror, collectors, metrics, request_log, tracing, add_timings"),

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.settings import CollectorSettings, EngineSettings, RouteSettings, Settings, Timeouts
+from proxy.config.settings import CollectorSettings, EngineSettings, RouteSettings, Settings, Timeouts
 from tests import captured
 from tests.captured import GPU
 from tests.helpers import ProxyFactory, wait_until

@@ -20,13 +20,13 @@ import httpx
 import pytest
 
 from proxy import engines
-from proxy.bench.run import config as bench_config
+from proxy.bench.run import benchconfig
 from proxy.bench.run import targets as bench_engines
+from proxy.config.settings import EngineSettings
 from proxy.engines import quant_from_name, quant_key
 from proxy.engines.sglang import HEALTH_GENERATE_TIMEOUT_S
 from proxy.errors import normalize_engine_error
 from proxy.server.request.upstream import Engine
-from proxy.settings import EngineSettings
 from proxy.stream import read_event
 from proxy.types import ENGINE_KINDS, EngineKind
 from tests import captured as captures
@@ -550,7 +550,7 @@ def test_bench_probe_reads_slots_and_quantization_through_the_dialects() -> None
     sg.table[("POST", "/v1/tokenize")] = ok({"tokens": [1] * 9, "count": 9, "max_model_len": 4096})
     sg.table[("POST", "/flush_cache")] = httpx.Response(200, text="Cache flushed.\n")
     with serve(sg) as url:
-        t = bench_config.Target("sglang", url)
+        t = benchconfig.Target("sglang", url)
         asyncio.run(bench_engines.probe(t))
         assert (t.kind, t.model, t.slots) == ("sglang", "tiny", 4096)
         assert (t.quantization, t.quantization_source) == ("bfloat16", "engine info")
@@ -563,7 +563,7 @@ def test_bench_probe_reads_slots_and_quantization_through_the_dialects() -> None
         assert asyncio.run(bench_engines.count_prompt_tokens(t, "tiny", MSGS)) == (9, "v1/tokenize")
         assert asyncio.run(bench_engines.flush_cache(t)) == "flush_cache HTTP 200"
     with serve(vllm_0260()) as url:
-        t = bench_config.Target("vllm", url, quantization="BF16", quantization_source="declared")
+        t = benchconfig.Target("vllm", url, quantization="BF16", quantization_source="declared")
         asyncio.run(bench_engines.probe(t))
         assert (t.kind, t.model, t.slots, t.info["build"]) == ("vllm", "tinyllama", None, "0.26.0")
         assert (t.quantization, t.quantization_source) == ("BF16", "declared")  # a declaration wins
@@ -571,7 +571,7 @@ def test_bench_probe_reads_slots_and_quantization_through_the_dialects() -> None
     llama.table[("GET", "/props")] = ok({k: v for k, v in LLAMA_PROPS.items() if k != "model_ftype"})
     llama.table[("GET", "/v1/models")] = ok({"data": [{"id": "tiny"}]})
     with serve(llama) as url:
-        t = bench_config.Target("llama", url)
+        t = benchconfig.Target("llama", url)
         asyncio.run(bench_engines.probe(t))
         # no ftype reported: the model file's name says Q4_K_M
         assert (t.kind, t.slots, t.quantization, t.quantization_source) == ("llamacpp", 2, "Q4_K_M", "model name")

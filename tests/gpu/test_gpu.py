@@ -22,10 +22,10 @@ import pynvml
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from proxy.config.settings import CollectorSettings, EngineSettings, MirrorSettings, RouteSettings, Settings
 from proxy.gpu import attribution, nvml
 from proxy.gpu.monitor import GpuMonitor
 from proxy.gpu.nvml import DeviceReading, NvmlUnavailable, ProcReading
-from proxy.settings import CollectorSettings, EngineSettings, MirrorSettings, RouteSettings, Settings
 from tests.helpers import start_proxy, wait_until
 
 GB = 10**9

@@ -28,10 +28,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fakes.fault_engine import FaultEngineConfig, run_in_thread
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
 from proxy.procs.process import free_port
 from proxy.server.passthrough import endpoint_of
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import LlamaServerFactory, ProxyFactory, run_uvicorn_app, wait_until
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -16,9 +16,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.configfile import load
+from proxy.config.configfile import load
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import ProxyFactory, wait_until
 from tests.helpers import ProxyUnderTest as Proxy
 

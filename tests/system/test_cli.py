@@ -23,8 +23,8 @@ import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from proxy import __version__
+from proxy.config.settings import EngineSettings, RouteSettings, Settings, json_schema
 from proxy.listen import engine_at_listen_address
-from proxy.settings import EngineSettings, RouteSettings, Settings, json_schema
 from tests.helpers import REPO, LlamaServerFactory, wait_until
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")

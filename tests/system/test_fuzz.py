@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import ProcessServer, ProxyUnderTest, start_proxy, wait_until
 
 ALIAS = "team-model"

@@ -24,10 +24,8 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.configfile import load, quick
-from proxy.server.compose import build_app
-from proxy.server.workers.guard import raise_fd_limit, server_options
-from proxy.settings import (
+from proxy.config.configfile import load, quick
+from proxy.config.settings import (
     EngineSettings,
     MirrorSettings,
     ModelAlias,
@@ -36,6 +34,8 @@ from proxy.settings import (
     SettingsError,
     Timeouts,
 )
+from proxy.server.compose import build_app
+from proxy.server.workers.guard import raise_fd_limit, server_options
 from tests.helpers import ProxyFactory, ProxyUnderTest, run_uvicorn_app, wait_until
 
 ALIAS = "team-model"

@@ -11,7 +11,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.configfile import load
+from proxy.config.configfile import load
 from tests.helpers import ProxyFactory, wait_until
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"

@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from fakes import vllm_metrics as vllm_metrics_fake
-from proxy.configfile import load
+from proxy.config.configfile import load
 from proxy.gpu.nvml import DeviceReading, ProcReading
 from proxy.procs.process import free_port
 from tests.helpers import start_proxy, uncommented, wait_until

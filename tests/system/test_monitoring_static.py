@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy.configfile import load
+from proxy.config.configfile import load
 from proxy.server.record.metrics import Metrics
 from tests.helpers import uncommented
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from proxy.bench.run import targets
-from proxy.bench.run.config import Target, canonical_sampling
+from proxy.bench.run.benchconfig import Target, canonical_sampling
 from proxy.bench.verdict.inputs import Reason
 from proxy.gpu.scraped import PER_ENGINE, MemReading, parse_metrics, read_memory
 from proxy.normalize import normalize_request

@@ -15,8 +15,10 @@ from urllib.parse import urlsplit
 
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Verdict
+from proxy.config.fields import DEFAULT_LISTEN
+from proxy.config.settings import DEFAULT_SAMPLING
+from proxy.config.switching import RolloutSettings
 from proxy.engines.startup import flag_value, subcommand
-from proxy.settings import DEFAULT_LISTEN, DEFAULT_SAMPLING, RolloutSettings
 
 KEY = "ENGINEMETER_ADMIN_KEY"
 COMPARISONS = "enginemeter-comparisons.jsonl"

@@ -16,8 +16,8 @@ from proxy.bench.report.rollback import launch_command, rollback_record, rollout
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Verdict
 from proxy.bench.verdict.inputs import FAILS, Sample
+from proxy.config.fields import DEFAULT_LISTEN
 from proxy.notation import gib
-from proxy.settings import DEFAULT_LISTEN
 
 FILE = "switch-plan.md"
 OK, NO, UNKNOWN = "✓", "✗", "?"

@@ -1,5 +1,5 @@
 """``enginemeter bench --config bench.yaml``: the bench's settings in a YAML file, read as strictly as the proxy's
-config (``proxy.configfile.read_document``: strict types, unknown keys refused with a "did you mean", one line
+config (``proxy.config.configfile.read_document``: strict types, unknown keys refused with a "did you mean", one line
 per problem naming the file and line, ``${NAME}`` from the environment).
 
 Every key is a bench flag with ``_`` for ``-`` and takes the flag's value (lists as YAML lists); a flag given on
@@ -22,8 +22,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 from pydantic.dataclasses import dataclass
 
-from proxy.configfile import read_document
-from proxy.settings import SettingsError
+from proxy.config.configfile import read_document
+from proxy.config.settings import SettingsError
 
 _STRICT = ConfigDict(extra="forbid")
 

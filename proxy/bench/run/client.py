@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import httpx
 
-from proxy.settings import MIRROR_HEADER
+from proxy.config.settings import MIRROR_HEADER
 from proxy.sse import SSEFramer
 from proxy.stream import error_text, loads, read_event
 from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage

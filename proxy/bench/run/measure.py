@@ -26,9 +26,9 @@ from typing import Any, cast
 
 import httpx
 
+from proxy.bench.run.benchconfig import BenchConfig, CellSpec, Target, build_body
 from proxy.bench.run.busy import BusyWatch, InFlight
 from proxy.bench.run.client import RequestOutcome, Writer, send_one
-from proxy.bench.run.config import BenchConfig, CellSpec, Target, build_body
 from proxy.bench.run.memprobe import MemorySource
 from proxy.bench.run.progress import Progress
 from proxy.bench.run.records import request_record, sample_record

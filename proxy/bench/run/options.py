@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.run.benchconfig import BenchConfig, Target
 from proxy.bench.run.benchfile import BenchFile, goodput_spec
-from proxy.bench.run.config import BenchConfig, Target
 from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT
 from proxy.bench.verdict.workload import parse_goodput
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import httpx
 
-from proxy.bench.run.client import send_one
-from proxy.bench.run.config import (
+from proxy.bench.run.benchconfig import (
     PIN_HEADER,
     BenchConfig,
     Target,
@@ -24,6 +23,7 @@ from proxy.bench.run.config import (
     effective_sampling,
     sampling,
 )
+from proxy.bench.run.client import send_one
 from proxy.bench.run.measure import real_engines
 from proxy.bench.run.schedule import Plan, prompt_digests
 from proxy.bench.run.targets import count_prompt_tokens

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, cast
 
+from proxy.bench.run.benchconfig import CellSpec, Target
 from proxy.bench.run.client import RequestOutcome
-from proxy.bench.run.config import CellSpec, Target
 from proxy.bench.run.memprobe import MemorySource
 from proxy.bench.verdict.workload import meets_slo, percentile
 

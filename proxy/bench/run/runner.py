@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 
 from proxy.bench import suite
+from proxy.bench.run.benchconfig import BenchConfig
 from proxy.bench.run.client import Writer
-from proxy.bench.run.config import BenchConfig
 from proxy.bench.run.measure import Ctx, measure, real_engines
 from proxy.bench.run.memprobe import MemoryProbe
 from proxy.bench.run.prepare import (

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.bench.run.config import BenchConfig, CellSpec, plan
+from proxy.bench.run.benchconfig import BenchConfig, CellSpec, plan
 from proxy.bench.suite import TARGET_TOKENS, Prompt, length_rank
 from proxy.bench.verdict.workload import arrivals
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from proxy import engines
-from proxy.bench.run.config import Target
+from proxy.bench.run.benchconfig import Target
 from proxy.embedded.gguf_meta import read_gguf_metadata
 from proxy.engines import quant_from_name
 from proxy.engines.llamacpp import ftype_name

@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 
 from proxy.bench import suite
+from proxy.bench.run.benchconfig import BenchConfig, CellSpec, Target
 from proxy.bench.run.client import Writer
-from proxy.bench.run.config import BenchConfig, CellSpec, Target
 from proxy.bench.run.measure import Ctx, measure
 from proxy.bench.run.memprobe import MemoryProbe, MemorySource, ProcessMemory
 from proxy.bench.run.prepare import client_for, count_tokens, engine_record, headers_for, preflight, run_record

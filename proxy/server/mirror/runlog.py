@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from proxy import __version__
+from proxy.config.settings import Settings
 from proxy.server.mirror.compare import engine_record, run_record
 from proxy.server.request.upstream import Engine
-from proxy.settings import Settings
 
 #: what an ``engine`` record carries of the engine-state poller's facts
 FACT_FIELDS = ("kind", "model", "model_path", "context_length", "slots", "quantization", "weights_format", "kv_pool_tokens", "build")  # fmt: skip

@@ -54,6 +54,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from proxy.config.settings import Settings
 from proxy.errors import BadRequest
 from proxy.sequential import LiveVerdict, Regime, regime_of
 from proxy.server.mirror.compare import (
@@ -74,7 +75,6 @@ from proxy.server.request.h1 import H1Streams
 from proxy.server.request.relay import Attempt
 from proxy.server.request.routing import Dispatch
 from proxy.server.request.upstream import Engine, StreamClient
-from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint
 

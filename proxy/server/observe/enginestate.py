@@ -26,10 +26,10 @@ import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from proxy import engines
+from proxy.config.settings import Settings
 from proxy.engines import Facts, PollError, quant_key
 from proxy.server.record.tasks import held
 from proxy.server.request.upstream import Engine
-from proxy.settings import Settings
 
 log = logging.getLogger("enginemeter.enginestate")
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from proxy.config.settings import RequestLogSettings
 from proxy.errors import NotFound
 from proxy.server.mirror.compare import ComparisonLog
 from proxy.server.record.context import current
 from proxy.server.record.result import Result
 from proxy.server.request.relay import Attempt
 from proxy.server.request.routing import Router
-from proxy.settings import RequestLogSettings
 
 RECORD_VERSION = 1
 #: engine error messages are cut to this many characters (they are the engine's text, not the client's)

@@ -42,11 +42,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy import __version__
+from proxy.config.settings import TracingSettings
 from proxy.server.record.context import RequestContext, current
 from proxy.server.record.result import Result
 from proxy.server.request.relay import Attempt
 from proxy.server.request.upstream import Engine
-from proxy.settings import TracingSettings
 from proxy.timing import StreamTimer
 from proxy.types import EngineKind
 

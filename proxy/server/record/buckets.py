@@ -6,7 +6,7 @@ Dense where typical values sit; the keys of ``DEFAULT_BUCKETS`` are ``settings.B
 
 from __future__ import annotations
 
-from proxy.settings import BUCKET_KEYS
+from proxy.config.settings import BUCKET_KEYS
 
 #: 1 ms .. 10 min; 50 ms steps from 0.1 to 0.3 s and 0.5 s steps from 1 to 3 s, where 7B-70B TTFTs sit
 TTFT_BUCKETS = (

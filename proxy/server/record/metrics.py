@@ -32,11 +32,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from proxy import __version__
+from proxy.config.settings import MetricsSettings, RouteSettings
 from proxy.sequential import DECISIONS, STREAMS, Interval, Stream
 from proxy.server.record.buckets import DEFAULT_BUCKETS
 from proxy.server.record.families import FAMILIES, HELP, PREFIX, Family
 from proxy.server.record.result import Result
-from proxy.settings import MetricsSettings, RouteSettings
 from proxy.types import ENDPOINTS
 from proxy.types import OUTCOMES as _OUTCOMES
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.config.settings import Settings
 from proxy.errors import UpstreamError
 from proxy.normalize import ParamChange, normalize_request, param_label
 from proxy.server.record.metrics import Metrics, child, observe
@@ -28,7 +29,6 @@ from proxy.server.record.result import Result
 from proxy.server.request.output import DISCARD
 from proxy.server.request.relay import Attempt
 from proxy.server.request.upstream import Engine, StreamClient
-from proxy.settings import Settings
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Role
 

@@ -34,9 +34,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
+from proxy.config.settings import EngineSettings
 from proxy.errors import EngineUnreachable
 from proxy.server.request.h1conn import Conn
-from proxy.settings import EngineSettings
 
 if TYPE_CHECKING:
     from proxy.server.request.output import Output

@@ -32,8 +32,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from proxy.config.settings import Settings
 from proxy.server.request.upstream import Engine
-from proxy.settings import Settings
 from proxy.timing import StreamTimer, Usage
 from proxy.types import Role
 

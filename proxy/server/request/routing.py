@@ -23,8 +23,8 @@ import random
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
+from proxy.config.settings import MIRROR_HEADER, RouteSettings, Settings
 from proxy.errors import BadRequest, NotFound
-from proxy.settings import MIRROR_HEADER, RouteSettings, Settings
 
 
 class Ticket(Protocol):

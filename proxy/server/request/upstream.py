@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from proxy import engines
+from proxy.config.settings import EngineSettings
 from proxy.errors import redact_url
 from proxy.server.request.h1 import H1Streams, authorization
-from proxy.settings import EngineSettings
 from proxy.types import EngineKind
 
 if TYPE_CHECKING:

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from proxy.config.switching import RolloutSettings
 from proxy.sequential import ALPHA, MIN_EFFECT, Interval, LiveVerdict, Regime, Stream, sentence
 from proxy.server.record.metrics import RolloutSample
 from proxy.server.record.result import Result
@@ -65,7 +66,6 @@ from proxy.server.switch.rolloutstate import (
     new_epoch,
     plan_,
 )
-from proxy.settings import RolloutSettings
 
 if TYPE_CHECKING:
     from proxy.server.mirror.compare import PairComparison

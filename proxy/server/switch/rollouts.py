@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
+from proxy.config.settings import Settings
 from proxy.errors import BadRequest, NotFound
 from proxy.sequential import Regime
 from proxy.server.record.context import current
@@ -23,7 +24,6 @@ from proxy.server.record.result import Result
 from proxy.server.record.tasks import held
 from proxy.server.switch.rollout import Rollout
 from proxy.server.switch.rolloutstate import ACTIONS, TICK_S, StateUnavailable, Ticket, default_state_file
-from proxy.settings import Settings
 
 if TYPE_CHECKING:
     from proxy.server.mirror.compare import PairComparison

@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from proxy.config.switching import RolloutSettings
 from proxy.errors import ProxyError
 from proxy.sequential import Interval, LiveVerdict, Stream
 from proxy.server.record.metrics import ROLLBACK_CAUSES
-from proxy.settings import RolloutSettings
 
 if TYPE_CHECKING:
     from proxy.server.mirror.compare import Side

@@ -68,11 +68,11 @@ from pathlib import Path
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import mark_process_dead
 
+from proxy.config.settings import Settings
 from proxy.server.observe.inflight import TRAFFIC_FILE, TrafficProfile
 from proxy.server.record.families import HELP, PREFIX
 from proxy.server.workers.lifetimes import claim_directory, make_directory, remove_stale_directories
 from proxy.server.workers.worker import READY, AppFactory, WorkerSpec, reuseport_socket, worker_main
-from proxy.settings import Settings
 
 log = logging.getLogger("enginemeter.workers")
 

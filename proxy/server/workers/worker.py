@@ -16,10 +16,10 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 
+from proxy.config.settings import Settings
 from proxy.server.workers.guard import Server, server_config
 from proxy.server.workers.lifetimes import die_with_parent, hold_directory, watch_parent
 from proxy.server.workers.role import WorkerRole
-from proxy.settings import Settings
 
 #: what a worker writes to its start-up pipe once it serves
 READY = b"ready"

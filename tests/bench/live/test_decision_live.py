@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from proxy.bench.live.trafficsource import traffic_from
-from proxy.bench.run.config import BenchConfig, Target
+from proxy.bench.run.benchconfig import BenchConfig, Target
 from proxy.bench.run.runner import run_bench
 from proxy.cli import main
+from proxy.config.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from proxy.gpu.memory import GpuMemory
 from proxy.procs.launch import Launcher
 from proxy.server.mirror.compare import new_run_id
-from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests.bench.run.test_bench import SMALL, verdict
 from tests.helpers import REPO, LlamaServerFactory, start_proxy, wait_until
 from tests.procs.test_launch import TOTAL, FollowingReader

@@ -26,12 +26,12 @@ from fakes.sglang_emulator import run_in_thread as run_emulator
 from proxy.bench.live.livedata import load_live
 from proxy.bench.live.log import cause, outcomes, parse_time, read_log, select
 from proxy.bench.report.document import write_report
-from proxy.bench.run.config import Target
+from proxy.bench.run.benchconfig import Target
 from proxy.bench.run.targets import probe
 from proxy.cli import main
+from proxy.config.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from proxy.sequential import MIN_PAIRS
 from proxy.server.mirror.compare import new_run_id
-from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests.helpers import LlamaServerFactory, ProxyUnderTest, start_proxy, wait_until
 
 

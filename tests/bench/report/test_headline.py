@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from proxy.cli import main
+from proxy.config.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from proxy.server.mirror.compare import new_run_id
-from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests.helpers import REPO, LlamaServerFactory, start_proxy, wait_until
 
 

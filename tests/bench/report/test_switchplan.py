@@ -22,16 +22,16 @@ import pytest
 
 from proxy.bench.report import rollback, switchplan
 from proxy.bench.report.agreement import agreement
-from proxy.bench.run.config import BenchConfig, Target
+from proxy.bench.run.benchconfig import BenchConfig, Target
 from proxy.bench.run.runner import run_bench
 from proxy.bench.verdict.data import Data, load_bench
 from proxy.bench.verdict.decide import decide_all
 from proxy.bench.verdict.merge import load_runs
 from proxy.cli import main
-from proxy.configfile import parse_file
+from proxy.config.configfile import parse_file
+from proxy.config.settings import RouteSettings
 from proxy.gpu.memory import GpuMemory
 from proxy.procs.launch import Launcher
-from proxy.settings import RouteSettings
 from tests.bench.live.test_logreport import chat, eng, paired, proxy, settings
 from tests.bench.run.test_bench import SMALL
 from tests.bench.run.test_bench_launch import PY, LaunchedReader, llama

@@ -30,12 +30,12 @@ from proxy.bench import suite
 from proxy.bench.live import livedata
 from proxy.bench.live.livedata import expand, load_log
 from proxy.bench.report.document import write_report
-from proxy.bench.run import config, memprobe
+from proxy.bench.run import benchconfig, memprobe
 from proxy.bench.run.client import cached_tokens
 from proxy.bench.verdict import workload
 from proxy.bench.verdict.data import load_bench, read_jsonl
 from proxy.cli import main
-from proxy.configfile import load
+from proxy.config.configfile import load
 from proxy.gpu import scraped
 from proxy.gpu.nvml import NvmlUnavailable, ProcReading
 from proxy.procs.process import free_port
@@ -542,34 +542,34 @@ def test_user_suites(tmp_path: Path) -> None:
 
 
 def test_plan_is_single_variable_sweeps_without_duplicates() -> None:
-    cfg = config.BenchConfig(engines=[], concurrency=(1, 2, 4), output_lengths=(32, 128), prompt_lengths=("short", "medium", "long"), max_tokens=128, cache="both")  # fmt: skip
-    cells = config.plan(cfg)
+    cfg = benchconfig.BenchConfig(engines=[], concurrency=(1, 2, 4), output_lengths=(32, 128), prompt_lengths=("short", "medium", "long"), max_tokens=128, cache="both")  # fmt: skip
+    cells = benchconfig.plan(cfg)
     cold = [(c.concurrency, c.max_tokens, c.prompt_len) for c in cells if c.cache == "cold"]
     assert cold == [(1, 128, "medium"), (2, 128, "medium"), (4, 128, "medium"), (1, 32, "medium"),
                     (1, 128, "short"), (1, 128, "long")]  # fmt: skip
     base = next(c for c in cells if (c.cache, c.concurrency, c.max_tokens, c.prompt_len) == ("cold", 1, 128, "medium"))
     assert base.sweeps == ("concurrency", "output", "prompt")
     assert len(cells) == 2 * len(cold)
-    rated = config.plan(dataclasses.replace(cfg, request_rates=(2.0, 8.0), cache="cold"))
+    rated = benchconfig.plan(dataclasses.replace(cfg, request_rates=(2.0, 8.0), cache="cold"))
     assert [(c.concurrency, c.rate) for c in rated if "rate" in c.sweeps] == [(4, 2.0), (4, 8.0)]
     assert rated[0].requests(dataclasses.replace(cfg, requests=10)) == 10
 
 
 def test_bodies_are_explicit_and_mapped_per_kind() -> None:
-    cfg = config.BenchConfig(engines=[], seed=7, no_prompt_cache=True)
+    cfg = benchconfig.BenchConfig(engines=[], seed=7, no_prompt_cache=True)
     msgs = ({"role": "user", "content": "x"},)
-    llama_t = config.Target("l", "http://l", kind="llamacpp", model="m")
-    sgl_t = config.Target("s", "http://s", kind="sglang", model="m")
-    llama = config.build_body(cfg, llama_t, msgs, 64, cold=True)
-    sgl = config.build_body(cfg, sgl_t, msgs, 64, cold=True)
+    llama_t = benchconfig.Target("l", "http://l", kind="llamacpp", model="m")
+    sgl_t = benchconfig.Target("s", "http://s", kind="sglang", model="m")
+    llama = benchconfig.build_body(cfg, llama_t, msgs, 64, cold=True)
+    sgl = benchconfig.build_body(cfg, sgl_t, msgs, 64, cold=True)
     assert llama["top_k"] == 0 and sgl["top_k"] == -1
     assert llama["repeat_penalty"] == 1.0 and "repetition_penalty" not in llama
     assert llama["cache_prompt"] is False and "cache_prompt" not in sgl
     for b in (llama, sgl):
         assert (b["temperature"], b["top_p"], b["seed"], b["max_tokens"], b["ignore_eos"]) == (0, 1.0, 7, 64, True)
-    assert config.canonical_sampling(llama) == config.canonical_sampling(sgl)
-    assert config.effective_sampling(cfg, llama_t) == config.effective_sampling(cfg, sgl_t)
-    eff, dropped = config.effective_sampling(cfg, config.Target("o", "http://o", kind="openai", model="m"))
+    assert benchconfig.canonical_sampling(llama) == benchconfig.canonical_sampling(sgl)
+    assert benchconfig.effective_sampling(cfg, llama_t) == benchconfig.effective_sampling(cfg, sgl_t)
+    eff, dropped = benchconfig.effective_sampling(cfg, benchconfig.Target("o", "http://o", kind="openai", model="m"))
     assert dropped == ["ignore_eos", "min_p", "repetition_penalty", "top_k"] and "top_k" not in eff
 
 

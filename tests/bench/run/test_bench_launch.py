@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from proxy.bench.run.config import BenchConfig, Target
+from proxy.bench.run.benchconfig import BenchConfig, Target
 from proxy.bench.run.runner import run_bench
 from proxy.bench.run.timeshare import MemoryNotBack
 from proxy.cli import main

@@ -8,7 +8,7 @@ import pytest
 
 from proxy.bench.run.benchfile import read_bench_file
 from proxy.cli import main
-from proxy.settings import SettingsError
+from proxy.config.settings import SettingsError
 
 
 def test_a_bench_file_with_launched_and_resident_engines(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from proxy.bench.live.trafficsource import from_records
 from proxy.bench.report.document import make_headline
-from proxy.bench.run.config import Target
+from proxy.bench.run.benchconfig import Target
 from proxy.bench.run.targets import probe
 from proxy.bench.verdict.comparison import Comparison
 from proxy.bench.verdict.decide import decide, decide_all

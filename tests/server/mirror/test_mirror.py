@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from fakes.sglang_emulator import EmulatorConfig
 from fakes.sglang_emulator import run_in_thread as run_emulator
+from proxy.config.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
 from proxy.procs.process import free_port
-from proxy.settings import EngineSettings, MirrorSettings, RouteSettings, Settings, Timeouts
 from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, ProxyUnderTest, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
@@ -505,7 +505,7 @@ def test_a_lost_half_expires_as_unpaired() -> None:
 
 
 def test_quick_flags_mirror_every_request(proxy_factory: ProxyFactory) -> None:
-    from proxy.configfile import load
+    from proxy.config.configfile import load
 
     with (
         run_in_thread(FaultEngineConfig(knobs=Knobs(tokens=2))) as primary,

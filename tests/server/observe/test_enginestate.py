@@ -17,12 +17,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy import engines
+from proxy.config.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
 from proxy.procs.process import free_port
 from proxy.server.observe import enginestate
 from proxy.server.observe.enginestate import EngineStatePoller
 from proxy.server.request.upstream import Engine
-from proxy.settings import CollectorSettings, EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import LlamaServerFactory, ProxyFactory, wait_until
 
 

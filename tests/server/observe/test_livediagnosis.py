@@ -12,14 +12,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.configfile import load
+from proxy.config.configfile import load
+from proxy.config.settings import Settings
 from proxy.embedded import LlamaServer
 from proxy.embedded.gguf_meta import read_gguf
 from proxy.gpu.nvml import DeviceReading, ProcReading
 from proxy.procs.process import free_port
 from proxy.server.app import make_engines
 from proxy.server.observe.livediagnosis import LiveDiagnosis
-from proxy.settings import Settings
 from tests.helpers import LlamaServerFactory, ProxyFactory, wait_until
 from tests.system.test_metrics_doc import documented
 

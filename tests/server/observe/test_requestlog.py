@@ -16,10 +16,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.configfile import parse_file
+from proxy.config.configfile import parse_file
+from proxy.config.settings import EngineSettings, RequestLogSettings, RouteSettings, Settings, SettingsError, Timeouts
 from proxy.server.compose import build_app
 from proxy.server.observe.requestlog import RequestLog
-from proxy.settings import EngineSettings, RequestLogSettings, RouteSettings, Settings, SettingsError, Timeouts
 from tests.helpers import run_uvicorn_app, wait_until
 
 MSGS = [{"role": "user", "content": "a secret prompt"}]

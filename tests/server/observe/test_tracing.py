@@ -17,8 +17,8 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.config.settings import EngineSettings, RouteSettings, Settings, Timeouts, TracingSettings
 from proxy.server.compose import build_app
-from proxy.settings import EngineSettings, RouteSettings, Settings, Timeouts, TracingSettings
 from tests.helpers import run_uvicorn_app, wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

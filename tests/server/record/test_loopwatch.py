@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import ProcessServer, ProxyFactory, ProxyUnderTest, wait_until
 
 ALIAS = "tiny-alias"

@@ -8,11 +8,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy.configfile import load
+from proxy.config.configfile import load
+from proxy.config.settings import BUCKET_KEYS, SettingsError
 from proxy.server.record.buckets import DEFAULT_BUCKETS
 from proxy.server.record.metrics import Metrics, configured_pairs, finish_label, observe, observe_many
 from proxy.server.record.result import Result
-from proxy.settings import BUCKET_KEYS, SettingsError
 from proxy.timing import EngineTimings, StreamTiming, Usage
 from proxy.types import Outcome
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import ProxyFactory, ProxyUnderTest, wait_until
 
 ALIAS = "team-model"

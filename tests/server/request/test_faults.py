@@ -20,8 +20,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.server.record.result import Result
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from tests.helpers import ProxyFactory, ProxyUnderTest, wait_until
 
 ALIAS = "team-model"

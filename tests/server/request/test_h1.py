@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.configfile import load
+from proxy.config.configfile import load
 from proxy.errors import UpstreamConnectError, from_transport_error
 from proxy.procs.process import free_port
 from proxy.server.request.h1 import H1Streams, _peer_closed

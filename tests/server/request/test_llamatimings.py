@@ -16,9 +16,9 @@ import pytest
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
 from fakes.sglang_emulator import EmulatorConfig
 from fakes.sglang_emulator import run_in_thread as run_emulator
+from proxy.config.settings import EngineSettings, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
 from proxy.server.request.llamatimings import timings_block
-from proxy.settings import EngineSettings, RouteSettings, Settings, Timeouts
 from proxy.timing import StreamTimer, Usage
 from tests.helpers import ProxyFactory, ProxyUnderTest
 

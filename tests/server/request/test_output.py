@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.config.settings import EngineSettings, RouteSettings, Settings
 from proxy.server.request import responses
 from proxy.server.request.output import Output, SendOutput, SocketOutput, socket_output, start
 from proxy.server.workers.guard import server_options
-from proxy.settings import EngineSettings, RouteSettings, Settings
 from tests.helpers import ProxyFactory, run_uvicorn_app
 
 CHUNKS = [b"data: one\n\n", b"data: two\n\n", b"x" * 70_000, b"data: [DONE]\n\n"]

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from proxy.config.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.embedded import LlamaServer
 from proxy.server.observe.requestlog import to_record
 from proxy.server.request.responses import server_timing
-from proxy.settings import EngineSettings, ModelAlias, RouteSettings, Settings, Timeouts
 from proxy.timing import StreamTimer
 from tests.helpers import ProxyFactory, ProxyUnderTest
 

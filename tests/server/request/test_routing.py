@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from fakes.fault_engine import FaultEngineConfig, Knobs, run_in_thread
+from proxy.config.settings import EngineSettings, RouteSettings, Settings, Timeouts
 from proxy.procs.process import free_port
 from proxy.server.record.result import Result
-from proxy.settings import EngineSettings, RouteSettings, Settings, Timeouts
 from tests.helpers import ProxyUnderTest, start_proxy, wait_until
 
 MSGS = [{"role": "user", "content": "route me somewhere"}]

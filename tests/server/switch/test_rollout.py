@@ -32,8 +32,8 @@ import yaml
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.configfile import parse_file
-from proxy.settings import EngineSettings, RouteSettings, Settings, SettingsError
+from proxy.config.configfile import parse_file
+from proxy.config.settings import EngineSettings, RouteSettings, Settings, SettingsError
 from tests.helpers import LlamaServerFactory, ProcessServer, ProxyFactory, wait_until
 
 ADMIN_KEY = "rollout-admin"

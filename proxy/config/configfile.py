@@ -1,13 +1,12 @@
-"""Reading the configuration: a YAML file (validated against ``proxy.settings.ConfigFile``, every mistake one
+"""Reading the configuration: a YAML file (validated against ``proxy.config.settings.ConfigFile``, every mistake one
 line ``FILE:LINE: key.path: what was expected``), ``${NAME}`` references, ``ENGINEMETER_*`` environment and CLI
-flags, into one frozen :class:`proxy.settings.Settings`. Runs once at start, never on the request path.
+flags, into one frozen :class:`proxy.config.settings.Settings`. Runs once at start, never on the request path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import os
 import re
@@ -20,22 +19,20 @@ from typing import Annotated, Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.settings import (
+from proxy.config.crosscheck import Loc, cross_check
+from proxy.config.fields import check_url, split_listen
+from proxy.config.settings import (
     CONFIG_ADAPTER,
     ConfigFile,
     EngineSettings,
     RouteSettings,
     Settings,
     SettingsError,
-    check_url,
     from_config_file,
-    split_listen,
 )
 from proxy.types import EngineKind
 
 # --------------------------------------------------------------------------------------------- reading a file
-
-Loc = tuple[str | int, ...]
 
 
 class _Problems:
@@ -258,63 +255,9 @@ def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Set
     """Read, substitute, validate and cross-check one YAML file. Raises SettingsError with every problem."""
     doc, problems = read_document(path, CONFIG_ADAPTER, ConfigFile, env=env)
     settings = from_config_file(doc)
-    _cross_check(settings, problems)
+    cross_check(settings, problems.add)
     problems.raise_if_any()
     return settings
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # its parent package is missing
-        return False
-
-
-def _cross_check(s: Settings, problems: _Problems) -> None:
-    """What one key's type cannot say: references between sections, duplicates."""
-    names = [e.name for e in s.engines]
-    known = ", ".join(names) or "none"
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            problems.add(("engines", i, "name"), f"duplicate engine name {name!r}")
-    for i, r in enumerate(s.routes):
-        refs: list[tuple[str, tuple[str, ...]]] = [("primary", (r.primary,)), ("shadows", r.shadows)]
-        refs += [("split", tuple(r.split)), ("pinnable", r.pinnable), ("fallback", r.fallback)]
-        for key, values in refs:
-            for ref in values:
-                if ref not in names:
-                    problems.add(("routes", i, key), f"unknown engine {ref!r} (engines: {known})")
-        if r.split and sum(r.split.values()) <= 0:
-            problems.add(("routes", i, "split"), "expected at least one weight above 0")
-        if r.rollout is not None:
-            _check_rollout(s, i, problems)
-    aliases = [m.alias for m in s.models]
-    for i, m in enumerate(s.models):
-        if m.alias in aliases[:i]:
-            problems.add(("models", i, "alias"), f"duplicate alias {m.alias!r}")
-        for ref in m.engines:
-            if ref not in names:
-                problems.add(("models", i, "engines", ref), f"unknown engine {ref!r} (engines: {known})")
-    if s.tracing.enabled and not _installed("opentelemetry.sdk"):
-        problems.add(("tracing", "enabled"), "needs the OpenTelemetry packages: pip install 'enginemeter[otel]'")
-    if s.default_route is not None and s.default_route >= len(s.routes):
-        problems.add(("default_route",), f"expected an index below {len(s.routes)} (the number of routes)")
-
-
-def _check_rollout(s: Settings, i: int, problems: _Problems) -> None:
-    r = s.routes[i]
-    assert r.rollout is not None
-    where = ("routes", i, "rollout", "candidate")
-    candidate = r.rollout.candidate
-    if candidate not in [e.name for e in s.engines]:
-        problems.add(where, f"unknown engine {candidate!r} (engines: {', '.join(e.name for e in s.engines) or 'none'})")
-    elif candidate == r.primary:
-        problems.add(where, f"the candidate {candidate!r} is the route's primary: a rollout moves to another engine")
-    if r.split:  # the rollout sets the candidate's share
-        problems.add(("routes", i, "split"), "a route with a rollout has no split: the rollout sets the share")
-    files = [x.rollout.state_file for x in s.routes[:i] if x.rollout is not None]
-    if r.rollout.state_file is not None and r.rollout.state_file in files:
-        problems.add(("routes", i, "rollout", "state_file"), "another route's rollout uses this state file")
 
 
 # --------------------------------------------------------------------------------------------- load

@@ -5,7 +5,7 @@ request path: the server reads plain attributes of frozen objects.
 
 The classes below are the file's schema, validated by pydantic against :class:`ConfigFile` with strict types and
 unknown keys refused: ``read: abc``, ``max_in_flight: "3"``, ``gpu: "no"`` or a misspelt ``temprature`` are
-errors, not guesses. ``proxy.configfile`` reads a file (``${NAME}`` references; each mistake a line
+errors, not guesses. ``proxy.config.configfile`` reads a file (``${NAME}`` references; each mistake a line
 ``FILE:LINE: key.path: what was expected`` of a :class:`SettingsError`), the environment and the flags into a
 ``Settings``. The file's JSON Schema (``docs/config.schema.json``) and reference (``docs/config.md``) are
 generated from these classes by ``scripts/config_docs.py``; a test fails when either is stale.
@@ -24,12 +24,22 @@ import math
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, Field, TypeAdapter
 from pydantic.dataclasses import dataclass
 
-from proxy.errors import redact_url
+from proxy.config.fields import (
+    DEFAULT_LISTEN,
+    SECTION,
+    HeaderName,
+    Key,
+    Listen,
+    Name,
+    Seconds,
+    Url,
+    split_listen,
+)
+from proxy.config.switching import RolloutSettings, SwapSettings
 from proxy.types import EngineKind
 
 #: llama-server's own hidden defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Using them as the
@@ -37,15 +47,9 @@ from proxy.types import EngineKind
 #: while every other engine now receives the same explicit values instead of its generation_config.
 DEFAULT_SAMPLING: Mapping[str, float] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
-DEFAULT_LISTEN = "127.0.0.1:8080"
-
 #: a request header the proxy honours: ``off`` = serve this request but send no copy to the shadows (the bench
 #: sends it through a proxy, so its own requests never reach a shadow or the comparison log)
 MIRROR_HEADER = "x-enginemeter-mirror"
-
-#: unknown keys are refused; types are strict when a file is read (``CONFIG_ADAPTER.validate_json(strict=True)``),
-#: lax for Python callers (tests build these with tuples or lists alike)
-_SECTION = ConfigDict(extra="forbid")
 
 
 class SettingsError(ValueError):
@@ -61,45 +65,10 @@ class SettingsError(ValueError):
         return self.problems[0] + (f" (and {more} more problem{'s' * (more > 1)})" if more > 0 else "")
 
 
-def check_url(value: str) -> str:
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        # the URL may hold a password (engines[].url, tracing.endpoint): never in an error message
-        raise ValueError(f"expected a URL like http://host:port, got {redact_url(value)!r}")
-    return value.rstrip("/")
-
-
-def _non_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("expected a non-blank key (a blank key is no way to turn authentication off)")
-    return value
-
-
-def split_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:8080`` for IPv6; an empty host is 127.0.0.1) -> (host, port)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected HOST:PORT (e.g. {DEFAULT_LISTEN}), got {value!r}")
-    return (host or "127.0.0.1").strip("[]"), int(port)
-
-
-def _listen(value: str) -> str:
-    split_listen(value)
-    return value
-
-
-Url = Annotated[str, AfterValidator(check_url)]
-Listen = Annotated[str, AfterValidator(_listen)]
-HeaderName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"), AfterValidator(str.lower)]
-Name = Annotated[str, Field(min_length=1)]
-Key = Annotated[str, Field(min_length=1), AfterValidator(_non_blank)]
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-
 # --------------------------------------------------------------------------------------------- sections
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class Timeouts:
     """Per-engine timeouts in seconds (httpx's four)."""
 
@@ -109,12 +78,21 @@ class Timeouts:
     pool: Seconds = Field(default=10.0, description="wait for a free connection from the engine's pool")
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class EngineSettings:
     """An engine behind the proxy."""
 
     name: Name = Field(description="the engine's name: metric label, route target, pin header value")
-    url: Url = Field(description="base URL, e.g. http://127.0.0.1:8081 (no /v1)")
+    url: Url = Field(
+        default="",
+        description="base URL, e.g. http://127.0.0.1:8081 (no /v1); for a launched engine, serve sets it from the "
+        "port it gives the command",
+    )
+    launch: str | None = Field(
+        default=None,
+        description="start the engine from this command (verbatim; {port}: a free port), as bench --launch does; "
+        "serve owns it: started when a route needs it, stopped with the proxy",
+    )
     kind: EngineKind | None = Field(
         default=None, description="probed when omitted: /props → llamacpp, /server_info → sglang, /version → vllm"
     )
@@ -135,7 +113,7 @@ class EngineSettings:
     )
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class ModelAlias:
     """A client-facing model name and what each engine calls it."""
 
@@ -145,63 +123,7 @@ class ModelAlias:
     )
 
 
-#: the rollout's default steps: the candidate's share of the route's live traffic, shadow first
-DEFAULT_STEPS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0)
-RolloutState = Literal["running", "paused", "aborted"]
-RolloutGate = Literal["not_slower", "not_worse"]
-
-
-def _steps(value: tuple[float, ...]) -> tuple[float, ...]:
-    if not value:
-        raise ValueError("expected a non-empty list of shares")
-    if any(not 0.0 <= v <= 1.0 for v in value) or any(a >= b for a, b in itertools.pairwise(value)):
-        raise ValueError("shares must be within [0, 1] and strictly increasing")
-    if value[-1] != 1.0:
-        raise ValueError("the last step must be 1 (a rollout ends with the candidate serving the whole route)")
-    return value
-
-
-@dataclass(frozen=True, config=_SECTION)
-class RolloutSettings:
-    """A guarded switch of the route from its primary to a candidate engine, step by step; docs/routing.md#rollout."""
-
-    candidate: Name = Field(description="the engine the route moves to (the primary is the baseline)")
-    steps: Annotated[tuple[float, ...], AfterValidator(_steps)] = Field(
-        default=DEFAULT_STEPS, description="the candidate's share of the route's traffic at each step; 0 = shadow only"
-    )
-    state: RolloutState = Field(
-        default="running",
-        description="running, paused or aborted; applied at start when it differs from what the last start applied",
-    )
-    gate: RolloutGate = Field(
-        default="not_slower",
-        description="what a step needs to advance, with its pairs: not_slower (no stream decided slower) or "
-        "not_worse (every stream's interval below +mirror.min_effect: shown, not only not refuted)",
-    )
-    min_pairs: int = Field(
-        default=30, ge=30, description="paired requests a regime needs at a step before it can pass (30 at least)"
-    )
-    min_requests: int = Field(
-        default=20,
-        ge=0,
-        description="requests the candidate must serve at a step (share above 0) before it may advance",
-    )
-    min_dwell_s: float = Field(default=60.0, ge=0, allow_inf_nan=False, description="seconds at a step, at least")
-    regime_share: float = Field(
-        default=0.1, gt=0, le=1, description="a regime with this share of a step's pairs must be not worse to advance"
-    )
-    error_budget: float = Field(
-        default=0.02, ge=0, lt=1, description="share of the candidate's requests at a step that may fail"
-    )
-    min_errors: int = Field(default=3, ge=1, description="failures before the error budget can roll back")
-    state_file: str | None = Field(
-        default=None,
-        description="the rollout's state, shared by workers and restarts; "
-        "none = $XDG_STATE_HOME/enginemeter/rollout-route<N>.json",
-    )
-
-
-@dataclass(frozen=True, config=_SECTION, kw_only=True)
+@dataclass(frozen=True, config=SECTION, kw_only=True)
 class RouteSettings:
     """Which engine serves which model aliases; see docs/routing.md."""
 
@@ -222,9 +144,14 @@ class RouteSettings:
     rollout: RolloutSettings | None = Field(
         default=None, description="move the route to a candidate engine step by step, rolling back by itself"
     )
+    swap: SwapSettings | None = Field(
+        default=None,
+        description="move the route to a candidate engine on one GPU: stop the primary, launch the candidate, hold "
+        "the traffic meanwhile, watch, swap back by itself",
+    )
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class MirrorSettings:
     """Shadow copies and the comparison log."""
 
@@ -240,7 +167,7 @@ class MirrorSettings:
     )
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class RequestLogSettings:
     """The per-request log: one JSON line per attempt, mode 0600 (docs/requests.md#request-log)."""
 
@@ -252,7 +179,7 @@ class RequestLogSettings:
     )
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class TracingSettings:
     """OpenTelemetry traces over OTLP/HTTP; needs ``pip install 'enginemeter[otel]'`` (docs/requests.md#traces)."""
 
@@ -264,7 +191,7 @@ class TracingSettings:
     service_name: Name = Field(default="enginemeter", description="the service.name resource attribute")
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class CollectorSettings:
     """Background pollers."""
 
@@ -273,7 +200,7 @@ class CollectorSettings:
     engine_interval: Seconds = Field(default=10.0, description="seconds between engine-state polls")
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class SamplingDefaults:
     """Values filled in for every sampling param a client omits, for every engine (counted as ``defaulted``).
     Giving this section replaces the built-in set; ``null`` leaves a param unset."""
@@ -311,7 +238,7 @@ def _bounds(value: tuple[float, ...]) -> tuple[float, ...]:
 Bounds = Annotated[tuple[float, ...], AfterValidator(_bounds)]
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class MetricsSettings:
     """Who may scrape ``/metrics``, and the Prometheus histogram boundaries (docs/metrics.md#buckets)."""
 
@@ -326,7 +253,7 @@ class MetricsSettings:
     )
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class ConfigFile:
     """The YAML file. Every key is optional except ``engines`` when no ``--primary`` flag is given."""
 
