@@ -8,6 +8,10 @@
     ├── Conflict              409  a rollout command its state refuses (both in ``proxy.server.switch.rolloutstate``)
     ├── PayloadTooLarge       413  body over max_body_bytes
     ├── StateUnavailable      503  the rollout's state file unwritable, or replaced by another proxy's
+    ├── SwapUnavailable       503  no engine of a swapping route can take the request (``Retry-After``;
+    │   │                          ``proxy.server.switch.swapqueue``)
+    │   ├── SwapQueueFull          the hold queue is full, or the request waited its longest
+    │   └── SwapFailed             the baseline did not start again after a swap back; an admin retries
     └── UpstreamError               the engine could not be used
         ├── UpstreamConnectError   502  connection refused / reset before the response
         ├── UpstreamTimeout        504  connect/read/pool timeout
@@ -32,12 +36,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 
 import httpx
 
 from proxy import engines
+from proxy.redact import redact_url as redact_url  # where the proxy's callers import it from
 from proxy.types import EngineKind, Outcome
 
 
@@ -127,17 +131,6 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBroken(UpstreamError):
     pass
-
-
-#: a password in a URL's userinfo (``user:PASSWORD@``), also where the URL is malformed (no scheme, one slash)
-_PASSWORD = re.compile(r"([^\s/:@]*):[^\s/@]*@")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (``http://user:***@host``): engine URLs appear in
-    ``/health``, the start banner, logs and configuration errors, none of which may show a secret. Works on
-    malformed URLs too (``htp://user:pw@host``, ``user:pw@host``): anything shaped ``name:secret@``."""
-    return _PASSWORD.sub(r"\1:***@", url) if "@" in url else url
 
 
 def error_body(message: str, type_: str, code: int, *, param: str | None = None) -> dict[str, object]:

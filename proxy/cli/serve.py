@@ -31,9 +31,11 @@ from proxy.config.settings import Settings, SettingsError
 from proxy.errors import redact_url
 from proxy.levels import representative
 from proxy.listen import BindError, bind_socket, engine_at_listen_address
+from proxy.procs.launch import LaunchSpec
 from proxy.server.compose import build_app
 from proxy.server.mirror.compare import new_run_id
 from proxy.server.request.upstream import detect_kind
+from proxy.server.switch.enginehost import EngineHost, launch_specs, with_urls
 from proxy.server.workers.guard import SHUTDOWN_TIMEOUT_S, Server, server_config
 from proxy.server.workers.lifetimes import remove_stale_directories
 from proxy.server.workers.supervisor import default_workers, serve_workers
@@ -123,6 +125,7 @@ def _probe_kind(url: str) -> EngineKind | None:
 
 def _serve(args: argparse.Namespace) -> int:
     embedded: list[object] = []
+    specs: dict[str, LaunchSpec] = {}
     try:
         if not (args.primary or args.config or _env_configured()):
             if args.shadow:
@@ -144,6 +147,8 @@ def _serve(args: argparse.Namespace) -> int:
                     f"listen address {settings.host}:{settings.port} is the address of engine {clash.name!r} "
                     f"({redact_url(clash.url)}): the proxy would send requests to itself; pick another with --listen HOST:PORT"
                 )
+            specs = _launch_specs(settings)
+            settings = with_urls(settings, specs)
             sock = bind_socket(settings.host, settings.port)
     except SettingsError as exc:
         print(f"enginemeter: {exc}", file=sys.stderr)
@@ -154,11 +159,46 @@ def _serve(args: argparse.Namespace) -> int:
         _stop(embedded)
         return 1
     # one id for this run, shared by every worker: its records in the comparison log, the banner's report command
-    settings = dataclasses.replace(settings, run_id=new_run_id())
+    settings = dataclasses.replace(settings, run_id=new_run_id(), port=sock.getsockname()[1])
     workers = args.workers if args.workers is not None else default_workers()
+    owned: list[object] = []
+    if specs and (status := _launch_engines(settings, specs, workers, owned)) is not None:
+        sock.close()
+        return status
     if workers > 1:
-        return _run_workers(settings, sock, embedded, args.log_level, workers, args.shutdown_timeout)
-    return _run(settings, sock, embedded, args.log_level, args.shutdown_timeout)
+        return _run_workers(settings, sock, [*embedded, *owned], args.log_level, workers, args.shutdown_timeout)
+    return _run(settings, sock, [*embedded, *owned], args.log_level, args.shutdown_timeout)
+
+
+def _launch_specs(settings: Settings) -> dict[str, LaunchSpec]:
+    """Each launched engine's command parsed, its port chosen (``{port}``); a bad command is a ``SettingsError``."""
+    try:
+        return launch_specs(settings)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def _launch_engines(settings: Settings, specs: dict[str, LaunchSpec], workers: int, owned: list[object]) -> int | None:
+    """Start the launched engines and the swaps' owners (``proxy.server.switch.enginehost``) in this process,
+    the one that outlives every worker; None once they are ready, else the exit status (2: an engine did not
+    start; 0: SIGTERM/Ctrl-C while they started). ``owned`` gets the host, to stop at the end."""
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "enginemeter"
+    where = f"serve-{settings.host}-{settings.port}".replace(":", "_")
+    host = EngineHost(settings, specs, log_dir=state / where, reporters=workers)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        host.start()
+    except (KeyboardInterrupt, _Terminated):
+        host.stop()
+        return 0
+    except Exception as exc:  # LaunchError, or a state file that cannot be opened
+        host.stop()
+        print(f"enginemeter: {str(exc).splitlines()[0] if str(exc) else exc!r}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    owned.append(host)
+    return None
 
 
 def _run_workers(
@@ -315,11 +355,14 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
     base = f"http://{host}:{s.port}"
     lines = [f"enginemeter listening on {base}" + (f" ({workers} worker processes)" if workers > 1 else "")]
     for e in s.engines:
-        lines.append(f"  engine {e.name:<10} {redact_url(e.url)}")
+        lines.append(f"  engine {e.name:<10} {redact_url(e.url)}" + (" (launched by serve)" if e.launch else ""))
     for r in s.routes:
         shadow = f" (shadow: {', '.join(r.shadows)} @ {r.sample_rate:g})" if r.shadows else ""
-        lines.append(f"  route {','.join(r.models)} -> {r.primary}{shadow}")
-    model = "tiny" if embedded else (s.models[0].alias if s.models else "any")
+        swap = f" (swap to {r.swap.candidate}: POST /admin/rollout start|abort)" if r.swap else ""
+        lines.append(f"  route {','.join(r.models)} -> {r.primary}{shadow}{swap}")
+    model = (
+        "tiny" if any(not isinstance(e, EngineHost) for e in embedded) else (s.models[0].alias if s.models else "any")
+    )
     lines += [
         f"  OpenAI base_url: {base}/v1",
         f"  metrics:         {base}/metrics",
@@ -337,7 +380,7 @@ def _banner(s: Settings, embedded: Sequence[object], workers: int = 1) -> None:
         f"  try: curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f"""-d '{{"model":"{model}","stream":true,"max_tokens":32,"messages":[{{"role":"user","content":"hello"}}]}}'"""
     )
-    if embedded:
+    if any(not isinstance(e, EngineHost) for e in embedded):
         lines.append("  (embedded llama-server engines stop with Ctrl-C)")
     print("\n".join(lines), flush=True)
 

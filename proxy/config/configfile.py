@@ -221,7 +221,11 @@ def _substitute(data: Any, env: Mapping[str, str], problems: _Problems, loc: Loc
             return ""
         return env[name]
 
-    return _REF.sub(one, data)
+    out = _REF.sub(one, data)
+    if out != out.strip() and SECRET_KEYS.intersection(str(part) for part in loc):
+        # a variable read from a file often ends in a newline: kept, it would be part of the key
+        problems.add(loc, "the value has leading or trailing whitespace after ${...} substitution; a key keeps none")
+    return out
 
 
 def read_document(
@@ -256,6 +260,7 @@ def parse_file(path: str | Path, *, env: Mapping[str, str] | None = None) -> Set
     doc, problems = read_document(path, CONFIG_ADAPTER, ConfigFile, env=env)
     settings = from_config_file(doc)
     cross_check(settings, problems.add)
+    _state_file_problems(settings, problems.add)
     problems.raise_if_any()
     return settings
 
@@ -320,6 +325,31 @@ def load(
             "ENGINEMETER_API_KEYS) or admin_key"
         )
     return s
+
+
+def _state_file_problems(s: Settings, add: Callable[[Loc, str], None]) -> None:
+    """A rollout's state file that could not be opened (a directory, under a file, not writable), checked without
+    creating anything: the proxy would otherwise fail at its start with a traceback."""
+    for i, route in enumerate(s.routes):
+        state_file = route.rollout.state_file if route.rollout is not None else None
+        if state_file and (problem := _unopenable(Path(state_file).expanduser())):
+            add(("routes", i, "rollout", "state_file"), problem)
+
+
+def _unopenable(path: Path) -> str | None:
+    for p in (path, path.with_name(f"{path.name}.shm")):
+        if p.is_dir():
+            return f"{p} is a directory"
+        if p.exists() and not os.access(p, os.R_OK | os.W_OK):
+            return f"{p} cannot be read and written by this user"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory: {path} cannot be created"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the directory {parent} is not writable by this user: {path} cannot be created"
+    return None
 
 
 def _env_keys(value: str) -> frozenset[str]:

@@ -90,3 +90,17 @@ def _check_swap(s: Settings, i: int, add: Add) -> None:
     files = [x.swap.state_file for x in s.routes[:i] if x.swap is not None]
     if r.swap.state_file is not None and r.swap.state_file in files:
         add(("routes", i, "swap", "state_file"), "another route's swap uses this state file")
+    for j, other in enumerate(s.routes):
+        if j == i:
+            continue
+        used = {other.primary, *other.shadows, *other.split, *other.fallback}
+        if other.swap is not None:
+            used.add(other.swap.candidate)
+        if other.rollout is not None:
+            used.add(other.rollout.candidate)
+        for name in sorted(used & {r.primary, candidate}):
+            add(
+                ("routes", i, "swap"),
+                f"{name!r} also serves route {j}: a swap stops and starts its engines, so "
+                "they belong to its route alone",
+            )

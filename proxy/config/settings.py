@@ -259,7 +259,9 @@ class ConfigFile:
 
     listen: Listen = Field(default=DEFAULT_LISTEN, description="HOST:PORT the proxy binds ([::1]:8080 for IPv6)")
     api_keys: tuple[Key, ...] = Field(default=(), description="client bearer keys (each non-blank); none = no auth")
-    admin_key: str | None = Field(default=None, description="bearer key for /admin/*; none = admin endpoints off")
+    admin_key: Key | None = Field(
+        default=None, description="bearer key for /admin/* (non-blank); none = admin endpoints off"
+    )
     health: Literal["key", "public"] = Field(
         default="key",
         description="key: with api_keys set, /health without a key (client or admin) answers only status and "

@@ -4,8 +4,8 @@
   mirrored to the other engine, rolled back by itself (``proxy.server.switch.rollout``; docs/routing.md#rollout).
 - ``swap``: one engine resident at a time (one GPU too small for both): the proxy stops the baseline, launches the
   candidate, holds the traffic meanwhile, watches the candidate against the baseline's figures from before and
-  swaps back by itself (``proxy.server.switch``; docs/routing.md). Both engines are launched by ``serve``
-  (``engines[].launch``).
+  swaps back by itself (``proxy.server.switch.swapper``; docs/routing.md#swap). Both engines are launched by
+  ``serve`` (``engines[].launch``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class RolloutSettings:
     state_file: str | None = Field(
         default=None,
         description="the rollout's state, shared by workers and restarts; "
-        "none = $XDG_STATE_HOME/enginemeter/rollout-route<N>.json",
+        "none = $XDG_STATE_HOME/enginemeter/rollout-<host>-<port>-route<N>.json",
     )
 
 
@@ -81,7 +81,7 @@ SwapGate = Literal["not_slower", "not_worse"]
 @dataclass(frozen=True, config=SECTION)
 class SwapSettings:
     """A switch on one GPU: the baseline (the route's primary) is stopped and the candidate launched in its place,
-    the traffic held meanwhile, then watched and swapped back by itself; docs/routing.md. Both engines are
+    the traffic held meanwhile, then watched and swapped back by itself; docs/routing.md#swap. Both engines are
     launched by ``serve`` (``engines[].launch``)."""
 
     candidate: Name = Field(
@@ -94,7 +94,9 @@ class SwapSettings:
         "applied",
     )
     queue_max_requests: int = Field(
-        default=256, ge=0, description="requests held while no engine can take them; more get 503 with Retry-After"
+        default=256,
+        ge=0,
+        description="requests held (per serving process) while no engine can take them; more get 503 with Retry-After",
     )
     queue_max_wait_s: Seconds = Field(
         default=300.0,
@@ -139,6 +141,6 @@ class SwapSettings:
     min_errors: int = Field(default=3, ge=1, description="failures before the error budget can swap back")
     state_file: str | None = Field(
         default=None,
-        description="the swap's state, shared by workers and restarts; none = under $XDG_STATE_HOME/enginemeter, "
-        "keyed by the listen address and the route",
+        description="the swap's state, shared by workers and restarts; "
+        "none = $XDG_STATE_HOME/enginemeter/swap-<host>-<port>-route<N>.json",
     )

@@ -42,6 +42,7 @@ import httpx
 from proxy import engines
 from proxy.gpu.memory import GpuMemory, MemoryReading
 from proxy.procs.process import EngineProcess, LaunchError, free_port
+from proxy.redact import redact_command
 from proxy.types import EngineKind
 
 PORT_PLACEHOLDER = "{port}"
@@ -152,7 +153,7 @@ class Launched:
         """The launch as JSON (a results line, the report's engine table)."""
         return {
             "name": self.spec.name,
-            "command": self.spec.command,
+            "command": redact_command(self.spec.command),
             "url": self.url,
             "kind": self.kind,
             "log": str(self.log_path),

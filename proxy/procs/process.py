@@ -19,6 +19,8 @@ Invariants:
   ends a wait — an error, KeyboardInterrupt, a cancelled task — the callers here stop the process before it
   propagates, and an ``atexit`` hook kills the group of any engine still running when the interpreter exits.
 - A process group is the engine's identity for cleanup: ``group_members(pgid)`` (``/proc``) tells what is left.
+- No engine outlives this process, however it ends (``proxy.procs.leftovers``): each is started with a
+  parent-death signal and recorded while it runs; each start first ends what a killed run left behind.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-PROC = Path("/proc")
+from proxy.procs import leftovers
+from proxy.procs.members import group_members
+from proxy.redact import private_file, redact_command
+
 #: how much of the log an error message carries
 TAIL_LINES = 40
 
@@ -81,31 +86,6 @@ def http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
-def group_members(pgid: int, proc: Path = PROC) -> list[int]:
-    """Pids of the live (non-zombie) processes in process group ``pgid``."""
-    found = []
-    try:
-        entries = list(os.scandir(proc))
-    except OSError:  # no /proc: ask the kernel whether the group has any member at all
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            found.append(int(entry.name))
-    return found
-
-
 class EngineProcess:
     """One command run as an engine: spawned in its own session, output appended to ``log_path``.
 
@@ -136,6 +116,7 @@ class EngineProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._owner = os.getpid()
+        self._record: Path | None = None  # proxy.procs.leftovers: this engine's record while it runs
 
     # ---- what callers read ----------------------------------------------------------------------------
 
@@ -172,31 +153,27 @@ class EngineProcess:
     # ---- start ----------------------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        """Start the command. A Ctrl-C that arrives while the child is being forked is held until this object
-        knows the child's pid, then raised: the caller's cleanup can always reach the child."""
+        """Start the command, after ending what a killed run left (``proxy.procs.leftovers.sweep``); the engine
+        dies with this process (parent-death signal, record). A Ctrl-C that arrives while the child is being
+        forked is held until this object knows the child's pid, then raised: the caller's cleanup can always reach
+        the child. The log is 0600 and its header shows the command with its secrets masked."""
         if self._proc is not None:
             raise LaunchError(f"{self.name}: already started")
+        leftovers.sweep()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by this object, closed in stop()
+        log = private_file(self.log_path).open("ab")  # owned by this object, closed in stop()
         self._log = log
-        log.write(f"\n+ {self.command}\n".encode())
+        log.write(f"\n+ {redact_command(self.command)}\n".encode())
         log.flush()
         held: list[int] = []
         previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
         if previous is not None:  # a Python-level handler that can be put back (a handler resets to default at exec)
             signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
         try:
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own session and process group: stop() signals the group
-                env={**os.environ, **self.env} if self.env is not None else None,
-                cwd=self.cwd,
-            )
+            self._proc = leftovers.on_long_lived_thread(lambda: self._popen(log))
             self.t_spawn = time.monotonic()
             _LIVE.add(self)
+            self._record = leftovers.record(self._proc.pid, self.name)
         except OSError as exc:
             self._close_log()
             raise EngineExited(f"{self.name}: cannot run {self.argv[0]!r}: {exc}") from exc
@@ -205,6 +182,18 @@ class EngineProcess:
                 signal.signal(signal.SIGINT, previous)
         if held:
             os.kill(os.getpid(), signal.SIGINT)  # the held Ctrl-C, delivered to the handler it was meant for
+
+    def _popen(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own session and process group: stop() signals the group
+            env={**os.environ, **self.env} if self.env is not None else None,
+            cwd=self.cwd,
+            preexec_fn=leftovers.die_with_starter(),  # only prctl runs in the child
+        )
 
     # ---- wait until ready -----------------------------------------------------------------------------
 
@@ -284,6 +273,7 @@ class EngineProcess:
                 while group_members(pgid) and time.monotonic() < kill_deadline:
                     time.sleep(0.02)  # SIGKILL is delivered; the kernel tears the processes down
         _LIVE.discard(self)
+        leftovers.forget(self._record)
         self._close_log()
         return proc.returncode
 
@@ -301,6 +291,7 @@ class EngineProcess:
         if self._proc is not None and self._owner == os.getpid():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
+            leftovers.forget(self._record)
 
 
 #: engines started by this interpreter and not stopped yet (held here until ``stop``, so one whose owner dropped

@@ -8,6 +8,7 @@ The app and its routes sit on top; the sub-packages below import only downwards
     app           the gateway: one generation request, top to bottom like its life
     asgi          the ASGI shell: routes, the generation routes served before Starlette, health, metrics, lifespan
     admin         the admin endpoints (the admin key): the mirror's switch and rate, a route's rollout
+    adminbody     an admin body read bounded (413 before reading it whole) and parsed bounded (deep JSON: 400)
     access        who may read /health's detail and /metrics (api_keys, health: public, metrics.access)
     passthrough   every other ``/v1/*`` route and ``/tokenize``, unbuffered, never mirrored
     record/       what every stage writes into: a request's result, the metrics, its context, the loop's health

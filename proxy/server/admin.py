@@ -10,15 +10,18 @@
   shared state (every worker follows at its next request) and answers with that route's rollout. ``route`` may be
   left out when one route has a rollout. A command the state does not allow (``resume`` a rolled-back rollout)
   is a 409.
+- On a route with a ``swap`` (``proxy.server.switch.swaps``), the same route takes ``{"action": "start"|"abort",
+  "route": int?}``: written for the owner of the engines to carry out at its next tick (the answer says the
+  ``command``; GET or /health then show the phases). GET lists the swaps under ``swaps``.
 
 No admin key configured -> 404 (the endpoints do not exist); a wrong or missing key -> 401. Every error is the
-OpenAI-style envelope marked ``"enginemeter": true``.
+OpenAI-style envelope marked ``"enginemeter": true``. Bodies are read and parsed bounded (``adminbody``: 413 past
+64 KiB before reading it whole, 400 for deep or invalid JSON).
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -26,11 +29,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
+from proxy.server.adminbody import admin_object, read_admin_body
 from proxy.server.mirror.shadows import Mirror
 from proxy.server.request.responses import error_response
 from proxy.server.switch.rollouts import Rollouts
-
-MAX_ADMIN_BODY = 64 * 1024
+from proxy.server.switch.swaps import Swaps
 
 
 def _authorize(key: object, request: Request) -> None:
@@ -42,23 +45,8 @@ def _authorize(key: object, request: Request) -> None:
         raise Unauthorized("missing or invalid admin key")
 
 
-def _object(raw: bytes, fields: set[str]) -> dict[str, Any]:
-    if len(raw) > MAX_ADMIN_BODY:
-        raise BadRequest("request body too large")
-    try:
-        doc = json.loads(raw or b"{}")
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise BadRequest("request body must be a JSON object")
-    unknown = set(doc) - fields
-    if unknown:
-        raise BadRequest(f"unknown field(s) {sorted(unknown)}", param=sorted(unknown)[0])
-    return doc
-
-
 def _parse_rollout(raw: bytes) -> tuple[int | None, str]:
-    doc = _object(raw, {"action", "route"})
+    doc = admin_object(raw, {"action", "route"})
     action, route = doc.get("action"), doc.get("route")
     if not isinstance(action, str):
         raise BadRequest("`action` is required: start, pause, resume or abort", param="action")
@@ -68,7 +56,7 @@ def _parse_rollout(raw: bytes) -> tuple[int | None, str]:
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
-    doc = _object(raw, {"enabled", "sample_rate", "route"})
+    doc = admin_object(raw, {"enabled", "sample_rate", "route"})
     enabled, rate, route = doc.get("enabled"), doc.get("sample_rate"), doc.get("route")
     if enabled is not None and not isinstance(enabled, bool):
         raise BadRequest("`enabled` must be a boolean", param="enabled")
@@ -79,14 +67,16 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return doc
 
 
-def admin_routes(admin_key: str | None, mirror: Mirror | None, rollouts: Rollouts | None = None) -> list[Route]:
+def admin_routes(
+    admin_key: str | None, mirror: Mirror | None, rollouts: Rollouts | None = None, swaps: Swaps | None = None
+) -> list[Route]:
     async def mirror_state(request: Request) -> Response:
         try:
             _authorize(admin_key, request)
             if mirror is None:
                 raise NotFound("mirroring is not installed")
             if request.method == "POST":
-                doc = _parse(await request.body())
+                doc = _parse(await read_admin_body(request))
                 rate = doc.get("sample_rate")
                 mirror.set(
                     enabled=doc.get("enabled"),
@@ -100,14 +90,21 @@ def admin_routes(admin_key: str | None, mirror: Mirror | None, rollouts: Rollout
     async def rollout_state(request: Request) -> Response:
         try:
             _authorize(admin_key, request)
-            if rollouts is None:
-                raise NotFound("no route has a rollout (routes[].rollout in the config)")
+            if rollouts is None and swaps is None:
+                raise NotFound("no route has a rollout or a swap (routes[].rollout, routes[].swap in the config)")
             if request.method == "POST":
-                route, action = _parse_rollout(await request.body())
+                route, action = _parse_rollout(await read_admin_body(request))
+                if swaps is not None and (route in swaps.by_route or (route is None and rollouts is None)):
+                    return JSONResponse(swaps.command(route, action))
+                if rollouts is None:
+                    raise BadRequest(f"route {route} has no swap or rollout", param="route")
                 return JSONResponse(rollouts.command(route, action))
         except ProxyError as exc:
             return error_response(exc, "")
-        return JSONResponse({"rollouts": rollouts.state()})
+        out: dict[str, Any] = {"rollouts": rollouts.state() if rollouts is not None else []}
+        if swaps is not None:
+            out["swaps"] = swaps.state()
+        return JSONResponse(out)
 
     return [
         Route("/admin/mirror", mirror_state, methods=["GET", "POST"]),

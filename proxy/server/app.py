@@ -57,6 +57,8 @@ from proxy.server.request.responses import RelayResponse, error_response, scope_
 from proxy.server.request.routing import Dispatch, Router
 from proxy.server.request.upstream import Engine, make_client
 from proxy.server.switch.rollouts import Rollouts
+from proxy.server.switch.swapqueue import Mark, SwapUnavailable
+from proxy.server.switch.swaps import Swaps
 from proxy.timing import StreamTimer
 from proxy.types import Endpoint, Outcome
 
@@ -108,6 +110,8 @@ class Gateway:
     mirror: Mirror | None = None
     #: the routes' rollouts (``proxy.server.switch.rollouts``); None: no route has one, /admin/rollout answers 404
     rollouts: Rollouts | None = None
+    #: the routes' swaps (``proxy.server.switch.swaps``): the hold queue, the phase; None: no route has one
+    swaps: Swaps | None = None
     gpu: GpuMonitor | None = None
     engine_state: EngineStatePoller | None = None
     #: the live diagnosis of local llama.cpp engines (``proxy.server.observe.livediagnosis``)
@@ -241,6 +245,7 @@ class Gateway:
         prefill, streaming, a non-stream wait) cancels the attempt at once, which closes the upstream connection
         so the engine stops working for nobody (counted ``client_disconnect``)."""
         response: Response | RelayResponse | None = None
+        mark: Mark | None = None
         if self.traffic is not None:
             self.traffic.enter()
         try:
@@ -255,6 +260,19 @@ class Gateway:
                 timer=timer,
             )
             async with guard as watch:
+                if decision.swap is not None and self.swaps is not None:  # once per request: the swap's phase
+                    try:
+                        mark = await self.swaps.admit(decision.route, decision.engine if decision.pinned else None)
+                    except asyncio.CancelledError:  # the client hung up while held: its one outcome
+                        self.rejected(endpoint, body, "client_disconnect")
+                        raise
+                    except SwapUnavailable as exc:  # held past the bounds, or no engine (failed): the proxy's 503
+                        self.rejected(endpoint, body, "rejected")
+                        watch.disarm()
+                        headers = {**({"x-request-id": client_id} if client_id else {}), **exc.headers}
+                        await error_response(exc, request_id, headers=headers, timer=timer)(scope, receive, send)
+                        return
+                    decision = decision._replace(engines=(mark.engine,))
                 response = await self.serve(
                     request_id, endpoint, decision, body, timer, collect_text=mirrored, client_id=client_id
                 )
@@ -265,6 +283,8 @@ class Gateway:
                 await response(scope, receive, send)
                 watch.answered = True
         finally:
+            if mark is not None and self.swaps is not None:
+                self.swaps.done(mark)
             if self.traffic is not None:
                 self.traffic.leave()
 

@@ -83,7 +83,7 @@ def asgi_app(gw: Gateway) -> ProxyApp:
             Route("/v1/models", own.models, methods=["GET"]),
             Route("/health", own.health, methods=["GET"]),
             Route("/metrics", own.metrics, methods=["GET"]),
-            *admin_routes(gw.settings.admin_key, gw.mirror, gw.rollouts),
+            *admin_routes(gw.settings.admin_key, gw.mirror, gw.rollouts, gw.swaps),
         ],
         lifespan=lambda app: lifespan(gw),
         exception_handlers={HTTPException: http_error},
@@ -127,8 +127,13 @@ class Endpoints:
     async def health(self, request: Request) -> Response:
         gw = self.gw
         checks = await asyncio.gather(*(e.check() for e in gw.engines.values()))
+        standby = gw.swaps.standby() if gw.swaps is not None else set()
+        for c in checks:
+            if c["name"] in standby:
+                c["standby"] = True
         status: dict[str, Any] = {
-            "status": "ok" if all(c["up"] for c in checks) else "degraded",
+            # an engine a swap keeps stopped (the one not serving, or both mid-swap) is standby, not down
+            "status": "ok" if all(c["up"] or c["name"] in standby for c in checks) else "degraded",
             "version": __version__,
         }
         if not health_detail(gw.settings, request):
@@ -138,6 +143,8 @@ class Endpoints:
             status["mirror"] = gw.mirror.state()
         if gw.rollouts is not None:
             status["rollout"] = gw.rollouts.state()
+        if gw.swaps is not None:
+            status["swap"] = gw.swaps.state()
         if gw.traffic is not None:
             status.update(gw.traffic.health())
         if gw.gpu is not None:
@@ -204,6 +211,8 @@ async def run_stages(gw: Gateway, stages: AsyncExitStack) -> None:
         await stages.enter_async_context(gw.mirror.lifespan())
     if gw.rollouts is not None:  # before the first request: it routes by the rollout's state
         await stages.enter_async_context(gw.rollouts.running())
+    if gw.swaps is not None:  # before the first request: it routes by the swap's phase
+        await stages.enter_async_context(gw.swaps.running())
     if gw.gpu is not None:
         await stages.enter_async_context(gw.gpu.running())
     if gw.engine_state is not None:

@@ -30,6 +30,7 @@ from proxy.server.request.llamatimings import AddTimings
 from proxy.server.request.routing import Router
 from proxy.server.request.upstream import Engine
 from proxy.server.switch.rollouts import Rollouts
+from proxy.server.switch.swaps import Swaps
 from proxy.server.workers.role import WorkerRole, snapshot_health
 
 if TYPE_CHECKING:
@@ -61,7 +62,9 @@ def build_app(
     attempts = Attempts(settings, engines, metrics)
     # one run id for every worker of one `serve` (a restart of the proxy is a new run: the rollouts say so)
     rollouts = Rollouts.of(settings, settings.run_id or new_run_id())
-    router = Router(settings, rollouts=rollouts)
+    # every route's swap: its phase from the shared state the engines' owner writes (``serve``, the supervisor)
+    swaps = Swaps.of(settings, slot=worker.index if worker is not None else 0, metrics=metrics, engines=engines)
+    router = Router(settings, rollouts=rollouts, swaps=swaps)
     shutdown = list(on_shutdown)
     tracing, request_log = attempt_hooks(settings, attempts, router, shutdown, span_exporter)
     gpu, engine_state, diagnosis = collectors(settings, engines, registry, nvml, worker)
@@ -71,6 +74,9 @@ def build_app(
         attempts.observers.append(rollouts.on_result)
         mirror.pair_observers.append(rollouts.on_pair)
         registry.register(rollouts)  # reads the shared state file: every worker's scrape says the same
+    if swaps is not None:
+        attempts.observers.append(swaps.on_result)
+        registry.register(swaps)
     attempts.observers.append(mirror.on_result)
     if any(r.shadows or r.rollout is not None for r in settings.routes):
         attempts.on_new.append(mirror.on_attempt)
@@ -83,6 +89,7 @@ def build_app(
         attempts=attempts,
         mirror=mirror,
         rollouts=rollouts,
+        swaps=swaps,
         gpu=gpu,
         engine_state=engine_state,
         diagnosis=diagnosis,

@@ -26,7 +26,8 @@ import pytest
 from proxy.gpu.memory import GpuMemory
 from proxy.gpu.nvml import DeviceReading, NvmlUnavailable, ProcReading
 from proxy.procs.launch import Launched, Launcher, parse_launch, parse_launch_arg
-from proxy.procs.process import EngineExited, LaunchError, ReadyTimeout, group_members
+from proxy.procs.members import group_members
+from proxy.procs.process import EngineExited, LaunchError, ReadyTimeout
 from tests.helpers import REPO, LlamaServerFactory, wait_until
 
 GIB = 2**30

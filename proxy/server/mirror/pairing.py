@@ -6,11 +6,12 @@ to ``emit`` as soon as the final primary and a shadow are both in; entries expir
 request (tentative halves are paired then), and the table holds at most ``MAX_PENDING`` entries (the oldest is
 evicted). A lost half goes to ``lost(shadow)``.
 
-**Observed concurrency.** The table also counts, per engine, the mirrored requests in flight (an entry is in
-flight from ``add`` until its last shadow is paired or it expires) and the mirrored requests started so far. A
-pair's concurrency is (in flight at its start, overlapping): the second is the requests in flight at its start
-plus those started before it was paired — every mirrored request that shared an engine with it at some moment,
-itself included, so 1 means it ran alone. O(1) per request; counted over mirrored requests only.
+**Observed concurrency.** The table counts, per primary engine, the *client's* requests in flight there (an entry
+is in flight from ``add`` until its final primary Result, whatever its shadows still do) and the requests started so
+far. A pair's concurrency is (in flight at its start, overlapping): the first is the client's requests in flight at
+the primary when it started, itself included; the second adds those started before its primary finished — every
+client request that shared the primary with it at some moment, so 1 means it ran alone. Mirrored copies never
+count: a slow shadow still in flight does not make the next request "under load". O(1) per request.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ class Pending:
     primary_final: bool = False
     prompt: Any = None
     t_start: float = 0.0  # time.time() of the primary's receipt (its t_received_ns), as its e2e_s counts from
-    #: engine -> (mirrored requests in flight on it at the start, itself included; started count then)
+    #: the primary engine -> (client requests in flight on it at the start, itself included; started count then)
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: the primary engine whose in-flight count this request still holds (None once its primary is final)
+    serving: str | None = None
+    #: client requests that overlapped it at the primary, fixed when its primary finished (None: not yet)
+    overlap: int | None = None
     #: (role, engine) -> the normalized request that engine got (what sampling it really ran)
     norms: dict[tuple[str, str], Normalized] = field(default_factory=dict)
     #: the rollout state that routed the request (``proxy.server.switch.rolloutstate.Ticket``); None: no rollout
@@ -63,7 +68,7 @@ class PairTable:
         self._emit = emit
         self._lost = lost
         self._pending: dict[str, Pending] = {}
-        #: engine -> [mirrored requests in flight, mirrored requests started]
+        #: primary engine -> [client requests in flight there, client requests started there]
         self._load: dict[str, list[int]] = {}
 
     def __len__(self) -> int:
@@ -79,11 +84,12 @@ class PairTable:
         while len(self._pending) >= MAX_PENDING:
             key = next(iter(self._pending))
             self._expire(self._pending.pop(key))
-        for name in {entry.engines[0], *entry.expected}:
-            n = self._load.setdefault(name, [0, 0])
-            n[0] += 1
-            n[1] += 1
-            entry.load[name] = (n[0], n[1])
+        name = entry.engines[0]
+        n = self._load.setdefault(name, [0, 0])
+        n[0] += 1
+        n[1] += 1
+        entry.load = {name: (n[0], n[1])}
+        entry.serving = name
         self._pending[request_id] = entry
 
     def forget(self, request_id: str, shadow: str) -> None:
@@ -100,6 +106,8 @@ class PairTable:
         if r.role == "primary":
             e.primary = r
             e.primary_final = primary_is_final(r, e.engines)
+            if e.primary_final:
+                self._release(e)
         elif r.role == "shadow" and r.engine in e.expected:
             e.shadows[r.engine] = r
         else:
@@ -109,15 +117,27 @@ class PairTable:
             if not e.expected:
                 self._done(r.request_id, e)
 
-    def concurrency(self, e: Pending, engines: tuple[str, str]) -> tuple[int, int]:
-        at_start = overlapping = 0
-        for name in engines:
-            snap = e.load.get(name)
-            if snap is None:
-                continue
-            at_start = max(at_start, snap[0])
-            overlapping = max(overlapping, snap[0] + self._load[name][1] - snap[1])
-        return at_start, overlapping
+    def concurrency(self, e: Pending, engines: tuple[str, str] | None = None) -> tuple[int, int]:
+        """(client requests in flight at the primary at its start, those overlapping it there): the pair's
+        regime. ``engines`` is accepted for the caller's symmetry; only the primary's count is the client's."""
+        snap = next(iter(e.load.values()), None)
+        if snap is None:
+            return 1, 1
+        if e.overlap is None:
+            self._release(e)
+        return snap[0], e.overlap if e.overlap is not None else snap[0]
+
+    def _release(self, e: Pending) -> None:
+        """The request's primary is final: it stops counting as in flight there, and its overlap is fixed."""
+        name = e.serving
+        if name is None:
+            return
+        e.serving = None
+        n = self._load[name]
+        n[0] -= 1
+        snap = e.load.get(name)
+        if snap is not None:
+            e.overlap = snap[0] + n[1] - snap[1]
 
     def _pair(self, e: Pending) -> None:
         assert e.primary is not None
@@ -129,9 +149,7 @@ class PairTable:
     def _done(self, request_id: str, e: Pending) -> None:
         if self._pending.get(request_id) is e:
             del self._pending[request_id]
-        for name in e.load:
-            self._load[name][0] -= 1
-        e.load = {}
+        self._release(e)
 
     def _expire(self, e: Pending) -> None:
         if e.primary is not None:
@@ -139,9 +157,7 @@ class PairTable:
         for name in e.expected:
             self._lost(name)
         e.expected.clear()
-        for name in e.load:
-            self._load[name][0] -= 1
-        e.load = {}
+        self._release(e)
 
     def sweep(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

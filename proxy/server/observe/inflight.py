@@ -25,7 +25,8 @@ The prompt lengths and answer lengths of the same traffic are the request histog
 
 from __future__ import annotations
 
-import mmap
+import logging
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -47,6 +48,11 @@ _SLOTS_AT = 128
 SLOTS = 1024
 _SLOT = struct.Struct("<q")
 MAP_BYTES = _SLOTS_AT + SLOTS * _SLOT.size
+#: a count or a time beyond these is garbage, not traffic (a proxy does not hold a million requests, nor run 300 years)
+_MAX_COUNT = 1 << 20
+_MAX_SECONDS = 1e10
+
+log = logging.getLogger("enginemeter.traffic")
 
 
 class SharedTraffic(LockedMap):
@@ -54,21 +60,44 @@ class SharedTraffic(LockedMap):
 
     Every read and change holds the file's ``flock``. The first process to open the file lays it out
     (``LockedMap``; the supervisor removes an earlier run's file before it starts any worker); the time of the
-    last change starts at that moment."""
+    last change starts at that moment. A file found cut or garbled (a NaN, an infinite or negative count, a time
+    from the future) is laid out again from zero, logged once per process: the figures it held are lost, nothing
+    else (``damage``: how many times)."""
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        self.damage = 0
 
-        def layout(mm: mmap.mmap, fresh: bool) -> None:
-            if fresh or mm[:4] != _MAGIC:
-                _HEAD.pack_into(mm, 0, _MAGIC, 0, clock(), *([0.0] * len(LEVELS)))
+        def layout(shared: LockedMap, fresh: bool) -> None:
+            if fresh or self._head() is None:
+                self._fresh()
 
         super().__init__(path, MAP_BYTES, layout)
 
-    def read(self) -> tuple[int, float, list[float]]:
-        """Under ``locked()``: (number in flight, time of its last change, seconds at each level)."""
-        _, n, t, *seconds = _HEAD.unpack_from(self._mm, 0)
+    def _fresh(self) -> None:
+        self.pwrite(_HEAD.pack(_MAGIC, 0, self.clock(), *([0.0] * len(LEVELS))), 0)
+
+    def _head(self) -> tuple[int, float, list[float]] | None:
+        raw = self.pread(_HEAD.size, 0)
+        if len(raw) < _HEAD.size:
+            return None
+        magic, n, t, *seconds = _HEAD.unpack(raw)
+        sane = magic == _MAGIC and 0 <= n <= _MAX_COUNT and math.isfinite(t) and t <= self.clock() + 1
+        if not sane or not all(math.isfinite(s) and 0 <= s <= _MAX_SECONDS for s in seconds):
+            return None
         return n, t, seconds
+
+    def read(self) -> tuple[int, float, list[float]]:
+        """Under ``locked()``: (number in flight, time of its last change, seconds at each level); a damaged file
+        is laid out again first (its figures are lost)."""
+        head = self._head() if not self.damaged() else None
+        if head is None:
+            self.damage += 1
+            if self.damage == 1:
+                log.error("%s was cut or garbled: its traffic figures start again from zero", TRAFFIC_FILE)
+            self.relay()
+            return 0, self.clock(), [0.0] * len(LEVELS)
+        return head
 
     def tick(self, record: Callable[[int, float], None] | None) -> tuple[int, list[float]]:
         """Under ``locked()``: the time since the last change added to the level of the number in flight (and
@@ -81,21 +110,22 @@ class SharedTraffic(LockedMap):
             seconds[i] += dt
             if record is not None:
                 record(i, dt)
-            _HEAD.pack_into(self._mm, 0, _MAGIC, n, now, *seconds)
+            self.pwrite(_HEAD.pack(_MAGIC, n, now, *seconds), 0)
         return n, seconds
 
     def change(self, by: int, slot: int | None) -> None:
         """Under ``locked()``, after ``tick``: the number in flight (and ``slot``'s own) moved ``by``."""
         # two 8-byte stores: a process killed between them (nanoseconds) leaves the total off by one
         n = max(0, self.read()[0] + by)
-        struct.pack_into("<q", self._mm, 8, n)
+        self.pwrite(struct.pack("<q", n), 8)
         if slot is not None and 0 <= slot < SLOTS:
-            at = _SLOTS_AT + slot * _SLOT.size
-            _SLOT.pack_into(self._mm, at, max(0, _SLOT.unpack_from(self._mm, at)[0] + by))
+            self.pwrite(_SLOT.pack(max(0, self.slot(slot) + by)), _SLOTS_AT + slot * _SLOT.size)
 
     def slot(self, slot: int) -> int:
-        """Under ``locked()``: worker ``slot``'s own number in flight."""
-        return int(_SLOT.unpack_from(self._mm, _SLOTS_AT + slot * _SLOT.size)[0]) if 0 <= slot < SLOTS else 0
+        """Under ``locked()``: worker ``slot``'s own number in flight (0 when cut or garbled)."""
+        raw = self.pread(_SLOT.size, _SLOTS_AT + slot * _SLOT.size) if 0 <= slot < SLOTS else b""
+        n = int(_SLOT.unpack(raw)[0]) if len(raw) == _SLOT.size else 0
+        return n if 0 <= n <= _MAX_COUNT else 0
 
 
 class TrafficProfile:
@@ -123,6 +153,8 @@ class TrafficProfile:
         self._children = [counter.labels(name) for name, _, _ in LEVELS] if counter is not None else []
         self._record = record
         self._shared = SharedTraffic(shared, clock) if shared is not None else None
+        #: changes the shared file refused (a full disk): logged once
+        self.refused = 0
         self.slot = slot
 
     def _add(self, i: int, dt: float) -> None:
@@ -144,9 +176,12 @@ class TrafficProfile:
             self._tick()
             self.n = max(0, self.n + by)
             return
-        with self._shared.locked():
-            self._shared.tick(self._add)
-            self._shared.change(by, self.slot)
+        try:
+            with self._shared.locked():
+                self._shared.tick(self._add)
+                self._shared.change(by, self.slot)
+        except OSError as exc:  # a full or read-only disk: this change of the count is lost, the request is not
+            self._refused(exc)
 
     def enter(self) -> None:
         self._change(+1)
@@ -161,19 +196,32 @@ class TrafficProfile:
         supervisor sees the death, up to a few milliseconds after it."""
         if self._shared is None:
             return 0
-        with self._shared.locked():
-            self._shared.tick(self._add)
-            lost = self._shared.slot(slot)
-            if lost:
-                self._shared.change(-lost, slot)
+        try:
+            with self._shared.locked():
+                self._shared.tick(self._add)
+                lost = self._shared.slot(slot)
+                if lost:
+                    self._shared.change(-lost, slot)
+        except OSError as exc:
+            self._refused(exc)
+            return 0
         return lost
+
+    def _refused(self, exc: OSError) -> None:
+        self.refused += 1
+        if self.refused == 1:
+            log.error("%s cannot be written (%s): the traffic figures miss what happens meanwhile", TRAFFIC_FILE, exc)
 
     def _state(self) -> tuple[int, list[float]]:
         if self._shared is None:
             self._tick()
             return self.n, self.seconds
-        with self._shared.locked():
-            return self._shared.tick(self._add)
+        try:
+            with self._shared.locked():
+                return self._shared.tick(self._add)
+        except OSError as exc:  # /health still answers: with nothing, rather than with a 500
+            self._refused(exc)
+            return 0, [0.0] * len(LEVELS)
 
     def health(self) -> dict[str, Any]:
         """``/health``'s ``traffic`` section: the shares of the busy time per level, and idle time: this process's,

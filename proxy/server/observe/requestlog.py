@@ -17,9 +17,11 @@ Record (``v`` bumps when a field changes meaning or disappears; fields may be ad
      "ttft_s":0.081, "upstream_ttft_s":0.080, "tpot_s":0.0041, "decode_tps":243.9, "e2e_s":0.61,
      "overhead_s":0.0002, "queue_wait_s":0.00001, "proxy_delay_s":0.0003, "prompt_tokens":31,
      "completion_tokens":128, "cached_tokens":0,
-     "finish_reason":"length", "error":null, "rollout":null}
+     "finish_reason":"length", "error":null, "rollout":null, "swap":null}
 
 ``rollout``: on a route with a rollout, the state that routed the request: ``{"step", "share", "state"}``.
+``swap``: on a route with a swap, the phase the request arrived in, the seconds it was held, the engine and regime
+that served it: ``{"phase", "held_s", "engine", "regime"}`` (docs/routing.md#swap).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class RequestLog:
         ctx = current()
         ticket = ctx.rollout if ctx is not None else None
         rec["rollout"] = ticket.record() if ticket is not None else None
+        mark = ctx.swap if ctx is not None else None
+        rec["swap"] = mark.record() if mark is not None else None
         if self.settings.record_text:
             rec["prompt"] = ctx.prompt if ctx is not None else None
             rec["text"] = r.text

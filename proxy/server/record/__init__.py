@@ -7,5 +7,6 @@ buckets       the histograms' default boundaries (the settings may replace them)
 context       what one client request carries through every stage (trace headers, its span, its prompt)
 tasks         a background loop held for the app's lifetime
 loopwatch     the event loop's own health: lag, requests waiting for it, GC pauses
-sharedstate   one memory-mapped file under flock, shared by every worker (a rollout's state, the traffic)
+sharedstate   one file under flock, read and written at offsets by every worker (a rollout's state, the traffic)
+metricfiles   the --workers metric files written through pwrite (a cut file costs figures, not a SIGBUS)
 """

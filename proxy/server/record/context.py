@@ -11,6 +11,8 @@ context when they are made, so a shadow attempt sees its request's context too, 
 - ``prompt``: the client's messages / prompt, kept only while the request log records text.
 - ``rollout``: the rollout state that routed the request (``proxy.server.switch.rolloutstate.Ticket``), for the rollout's
   own count of the candidate's attempts and the request log.
+- ``swap``: on a swap route, the phase the request arrived in, how long it was held and where it went
+  (``proxy.server.switch.swapqueue.Mark``), for the swap's watch and the request log.
 
 Cost per request: one scan of the request headers; nothing per chunk.
 """
@@ -47,6 +49,7 @@ class RequestContext:
     span: Any = None
     prompt: Any = None
     rollout: Any = None
+    swap: Any = None
 
 
 _current: ContextVar[RequestContext | None] = ContextVar("enginemeter_request", default=None)

@@ -17,6 +17,8 @@ from proxy.server.record.buckets import DELTA_BUCKETS, LOOP_BUCKETS, RATIO_BUCKE
 PREFIX = "enginemeter"
 #: the labels of a request's figures
 REQ = ("engine", "model", "role", "stream")
+#: a held request's wait during a swap: from no wait to the longest a candidate may take to load
+SWAP_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 #: the labels of a mirrored pair's live verdict
 LIVE = ("primary", "shadow", "regime", "metric")
 
@@ -89,6 +91,8 @@ FAMILIES: dict[str, Family] = {
     "queued": Family("gauge", "requests_queued", (), mode="livesum"),
     "handler_wait": Family("histogram", "request_queue_seconds", (), LOOP_BUCKETS),
     "gc_pause": Family("histogram", "gc_pause_seconds", ("generation",), LOOP_BUCKETS),
+    # ---- a route's swap (proxy/server/switch/swaps.py): how long held requests waited for an engine
+    "swap_wait": Family("histogram", "swap_wait_seconds", ("route",), SWAP_WAIT_BUCKETS),
     # ---- serve --workers N: written by the supervisor when a worker dies (0 in one process)
     "worker_lost": Family("counter", "worker_lost_requests", ("engine", "role")),
     "worker_restarts": Family("counter", "worker_restarts", ()),
@@ -145,6 +149,7 @@ HELP = {
     # the two counters the --workers supervisor writes (proxy.server.workers.supervisor.SupervisorCounts)
     "worker_lost_requests": "Requests in flight in a worker process that died (serve --workers N), counted by the supervisor.",
     "worker_restarts": "Worker processes that died and were restarted (serve --workers N).",
+    "swap_wait_seconds": "Seconds a request was held while its route swapped engines (served or refused at the end).",
     "build_info": "Always 1; labels carry the version.",
     # ---- a route's rollout, built at scrape time from its state (metrics.rollout_families)
     "rollout_share": "Share of the route's traffic the rollout sends to its candidate (0 after a rollback or abort, 1 once complete).",
@@ -155,4 +160,13 @@ HELP = {
     "rollout_step_pairs": "Comparable pairs judged at the current step, per regime (decode|load|long).",
     "rollout_step_attempts": "The candidate's attempts (served and mirrored) at the current step, by result (ok|error).",
     "rollout_rollbacks": "Rollbacks of the rollout, by cause: slower|errors (by itself), admin|config (aborted). Kept in the state file across restarts.",
+    # ---- a route's swap, built at scrape time from its state (metrics.swap_families)
+    "swap_phase": "1 for the swap's current phase (baseline|draining|stopping|launching|warming|watching|complete|reverting|rolled_back), 0 for the others.",
+    "swap_phase_seconds": "Seconds since the swap's current phase began.",
+    "swap_held_requests": "Requests held now because no engine of the route can take them (the swap's queue, every worker).",
+    "swap_outage_seconds": "The last swap's outage: the baseline's last answer to the first answer of the engine that serves after it.",
+    "swap_rejected": "Requests answered 503 with Retry-After: the swap's queue was full or the request waited its longest.",
+    "swap_hung_up": "Held requests whose client hung up before an engine could take them.",
+    "swap_transitions": "Transitions of the swap, by the phase entered (every one also a serve console line and an event in the state). Kept in the state file across restarts.",
+    "swap_rollbacks": "Swaps back to the baseline, by cause: drain_timeout|memory_not_returned|start_failed|died|errors|slower|aborted|restarted|damaged. Kept in the state file across restarts.",
 }

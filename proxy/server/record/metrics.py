@@ -36,6 +36,7 @@ from proxy.config.settings import MetricsSettings, RouteSettings
 from proxy.sequential import DECISIONS, STREAMS, Interval, Stream
 from proxy.server.record.buckets import DEFAULT_BUCKETS
 from proxy.server.record.families import FAMILIES, HELP, PREFIX, Family
+from proxy.server.record.metricfiles import batch
 from proxy.server.record.result import Result
 from proxy.types import ENDPOINTS
 from proxy.types import OUTCOMES as _OUTCOMES
@@ -56,6 +57,11 @@ ROLLOUT_STATES = ("running", "paused", "rolled_back", "aborted", "complete")
 ROLLOUT_CAUSES = ("none", "pairs", "not_yet", "requests", "dwell", "slower", "errors", "admin", "config")
 ROLLBACK_CAUSES = ("slower", "errors", "admin", "config")
 ROLLOUT_REGIMES = ("decode", "load", "long")
+#: a route's swap (proxy/server/switch/swapstate.py): its phases, and why it went back to the baseline
+SWAP_PHASES = ("baseline", "draining", "stopping", "launching", "warming", "watching", "complete", "reverting",
+               "rolled_back", "failed")  # fmt: skip
+SWAP_CAUSES = ("drain_timeout", "memory_not_returned", "start_failed", "died", "errors", "slower", "aborted",
+               "restarted", "damaged")  # fmt: skip
 
 
 def finish_label(reason: str | None) -> str:
@@ -129,6 +135,49 @@ def rollout_families(samples: Iterable[RolloutSample]) -> list[Metric]:
     return [share, step, state, cause, seconds, pairs, attempts, rollbacks]
 
 
+@dataclass(frozen=True)
+class SwapSample:
+    """One route's swap as a scrape shows it (read from its shared state file)."""
+
+    route: str
+    phase: str
+    phase_seconds: float
+    held: int
+    outage_seconds: float | None
+    rollbacks: Mapping[str, int]
+    transitions: Mapping[str, int]
+    rejected: float
+    hung_up: float
+
+
+def swap_families(samples: Iterable[SwapSample]) -> list[Metric]:
+    """The swaps' metrics, built at scrape time from their state (every worker reads the same file)."""
+    phase = _rollout_gauge(f"{PREFIX}_swap_phase", "phase")
+    seconds = _rollout_gauge(f"{PREFIX}_swap_phase_seconds")
+    held = _rollout_gauge(f"{PREFIX}_swap_held_requests")
+    outage = _rollout_gauge(f"{PREFIX}_swap_outage_seconds")
+    counters = {
+        name: CounterMetricFamily(f"{PREFIX}_{name}", HELP[name], labels=("route",))
+        for name in ("swap_rejected", "swap_hung_up")
+    }
+    rollbacks = CounterMetricFamily(f"{PREFIX}_swap_rollbacks", HELP["swap_rollbacks"], labels=("route", "cause"))
+    entered = CounterMetricFamily(f"{PREFIX}_swap_transitions", HELP["swap_transitions"], labels=("route", "phase"))
+    for s in samples:
+        for p in SWAP_PHASES:
+            phase.add_metric((s.route, p), 1 if p == s.phase else 0)
+        seconds.add_metric((s.route,), s.phase_seconds)
+        held.add_metric((s.route,), s.held)
+        if s.outage_seconds is not None:
+            outage.add_metric((s.route,), s.outage_seconds)
+        counters["swap_rejected"].add_metric((s.route,), s.rejected)
+        counters["swap_hung_up"].add_metric((s.route,), s.hung_up)
+        for c in SWAP_CAUSES:
+            rollbacks.add_metric((s.route, c), s.rollbacks.get(c, 0))
+        for p in SWAP_PHASES:
+            entered.add_metric((s.route, p), s.transitions.get(p, 0))
+    return [phase, seconds, held, outage, *counters.values(), rollbacks, entered]
+
+
 def make_metric(
     family: Family, registry: CollectorRegistry, bounds: Mapping[str, Sequence[float]]
 ) -> Counter | Gauge | Histogram:
@@ -190,6 +239,7 @@ class Metrics:
     queued: Gauge
     handler_wait: Histogram
     gc_pause: Histogram
+    swap_wait: Histogram
     worker_lost: Counter
     worker_restarts: Counter
     build: Gauge
@@ -292,7 +342,13 @@ def observe_one(h: Histogram, v: float) -> None:
 
 
 def observe(m: Metrics, r: Result) -> None:
-    """Record one finished attempt. Called once per attempt, never per chunk."""
+    """Record one finished attempt. Called once per attempt, never per chunk; under ``--workers`` its values reach
+    the metric files in one write per file (``metricfiles.batch``)."""
+    with batch():
+        _observe(m, r)
+
+
+def _observe(m: Metrics, r: Result) -> None:
     stream = "true" if r.stream else "false"
     child(m, m.requests, r.engine, r.model, r.role, stream, r.endpoint, r.outcome).inc()
     if r.endpoint not in ENDPOINTS:  # pass-through: counted and timed end to end, no token figures

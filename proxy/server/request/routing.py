@@ -4,12 +4,17 @@ Order of decisions for one request:
 1. the client ``model`` picks a route (its alias is listed, or the route lists ``*``); none matches ->
    the ``default_route`` or 404;
 2. a pin header naming an engine allowed on that route wins (primary, split, pinnable and fallback
-   engines are allowed); a pin to any other engine is a 400;
+   engines are allowed, and a rollout's or swap's candidate); a pin to any other engine is a 400; on a swap
+   route a pinned request passes the swap's gate too (held, counted; the proxy's 503 when it names the engine
+   the swap keeps stopped);
 3. otherwise a route's ``rollout`` (``proxy.server.switch.rollout``) sends its current share to the candidate, the
    rest to the primary, sticky the same way; the other engine of the two gets a mirrored copy while the rollout
    runs, and a candidate-served request falls back to the primary (``Dispatch.rollout`` says which state routed
    it); otherwise a weighted ``split`` picks, sticky by hashing the sticky header or the OpenAI ``user`` field
    (random when neither is present); without a split the route's primary serves;
+   a route's ``swap`` (``proxy.server.switch.swaps``) sends it to the engine its phase says serves (the baseline,
+   or the candidate once it serves), or marks it held (``Dispatch.held``: no engine can take it now; the gateway
+   waits in the swap's bounded queue, then sends it where the phase ends); the state is read once per request;
 4. ``fallback`` engines follow the chosen one, used only when it fails before the first byte;
 5. shadows are the route's shadow engines other than the serving one; a request that says
    ``x-enginemeter-mirror: off`` is not mirrored (``Dispatch.mirror``; the bench sends it, so its requests
@@ -46,6 +51,21 @@ class Tickets(Protocol):
     def ticket(self, route: int) -> Ticket | None: ...
 
 
+class Gate(Protocol):
+    """The swap phase a request on a swapping route was routed under (``proxy.server.switch.swapstate.SwapTicket``)."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def serving(self) -> str | None: ...
+
+
+class Gates(Protocol):
+    """The swaps' state per route (``proxy.server.switch.swaps.Swaps``)."""
+
+    def gate(self, route: int) -> Gate | None: ...
+
+
 class Dispatch(NamedTuple):
     route: int
     engines: tuple[str, ...]  # the serving engine first, then fallbacks in order
@@ -56,10 +76,17 @@ class Dispatch(NamedTuple):
     mirror: bool = True
     #: the rollout state that routed the request (None: no rollout on the route, or the request was pinned)
     rollout: Ticket | None = None
+    #: the swap phase that routed the request (None: no swap on the route)
+    swap: Gate | None = None
 
     @property
     def engine(self) -> str:
         return self.engines[0]
+
+    @property
+    def held(self) -> bool:
+        """No engine can take the request now: it waits in the swap's queue."""
+        return self.swap is not None and self.swap.serving is None
 
 
 def _unit(key: str) -> float:
@@ -84,10 +111,16 @@ def pick_weighted(split: Mapping[str, float], key: str | None, rng: random.Rando
 
 class Router:
     def __init__(
-        self, settings: Settings, *, rng: random.Random | None = None, rollouts: Tickets | None = None
+        self,
+        settings: Settings,
+        *,
+        rng: random.Random | None = None,
+        rollouts: Tickets | None = None,
+        swaps: Gates | None = None,
     ) -> None:
         self._settings = settings
         self._rollouts = rollouts
+        self._swaps = swaps
         self._rng = rng or random.Random()
         self._by_alias: dict[str, int] = {}
         self._wildcard: int | None = None
@@ -111,8 +144,11 @@ class Router:
         allowed = {route.primary, *route.split, *route.pinnable, *route.fallback}
         if route.rollout is not None:
             allowed.add(route.rollout.candidate)
+        ticket = gate = None
+        if route.swap is not None and self._swaps is not None:
+            allowed.add(route.swap.candidate)
+            gate = self._swaps.gate(i)  # every request on a swap route, pinned or not: held, counted
         pin = headers.get(self._settings.pin_header)
-        ticket = None
         if pin:
             if pin not in allowed:
                 raise BadRequest(
@@ -124,6 +160,8 @@ class Router:
             sticky = headers.get(route.sticky_header) or user
             x = _unit(sticky) if sticky else self._rng.random()
             chosen, pinned = (ticket.candidate if x < ticket.share else ticket.baseline), False
+        elif gate is not None:
+            chosen, pinned = gate.serving or route.primary, False
         elif route.split:
             sticky = headers.get(route.sticky_header) or user
             chosen, pinned = pick_weighted(route.split, sticky, self._rng), False
@@ -145,6 +183,7 @@ class Router:
             pinned=pinned,
             mirror=mirror_wanted(headers),
             rollout=ticket,
+            swap=gate,
         )
 
 

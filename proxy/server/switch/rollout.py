@@ -19,15 +19,22 @@ the chance of rolling back a candidate that is not slower is at most ``ALPHA`` o
   ``complete`` (the candidate serves the route);
 - **hold** otherwise; the cause says what the step waits for (``pairs``, ``not_yet``, ``requests``, ``dwell``).
 
-**One truth for every worker and every restart.** The state lives in a memory-mapped file beside
-``rollout.state_file`` (``proxy.server.record.sharedstate.StateFile``): every process of the proxy maps it, writes it under an ``flock`` and bumps
-its generation. A request reads the 8-byte generation and parses the state only after it changed, so a rollback
+**One truth for every worker and every restart.** The state lives in a shared file beside
+``rollout.state_file`` (``proxy.server.record.sharedstate.StateFile``): every process of the proxy reads it, writes
+it under an ``flock`` and bumps its generation. A request reads the 8-byte generation and parses the state only after it changed, so a rollback
 made by any worker routes the next request of every worker to the baseline. Pairs and failures update it where
 they are recorded (once per pair, ~50 µs, never per chunk); successful attempts are counted locally and written
 with the next update or once a second. Each transition also replaces ``state_file`` itself, a JSON copy for people
 (and for a lost map). A worker that restarts maps the current state; a proxy that restarts finds it too, carries
 on at the step it was at (the step's test and dwell start again) and records ``restored``; a changed plan
 (candidate, baseline, steps) starts from step 0.
+
+**Damage starts it safe.** What the file says is checked (``rolloutstate.checked``: every field's type and range,
+the share the one its state and step mean); a state that fails — cut, NUL-filled, edited — starts the route
+aborted, all to the baseline, logged (``rolloutstate.safe``), never re-armed. A shared file found damaged while
+serving is laid out again from the JSON copy when that is sound. The file belongs to one proxy run (``run``): a
+proxy started later takes it; the earlier one then routes all to the baseline and its updates fail
+(``StateUnavailable``, 503), said once.
 
 Commands (``POST /admin/rollout`` or ``rollout.state`` in the config at start): ``start`` (from step 0),
 ``pause`` (the share holds; a rollback still happens), ``resume``, ``abort`` (share 0). Requests pinned to an
@@ -56,6 +63,7 @@ from proxy.server.switch.rolloutstate import (
     Conflict,
     StateUnavailable,
     Ticket,
+    checked,
     command_,
     cs_dump,
     cs_load,
@@ -65,7 +73,9 @@ from proxy.server.switch.rolloutstate import (
     fresh,
     new_epoch,
     plan_,
+    safe,
 )
+from proxy.server.switch.statedoc import read_state
 
 if TYPE_CHECKING:
     from proxy.server.mirror.compare import PairComparison
@@ -98,6 +108,8 @@ class Rollout:
         self.file: StateFile | None = None
         self._gen = b""
         self._ticket: Ticket | None = None
+        #: why this proxy no longer holds the state file (another proxy's rollout took it); None: it holds it
+        self.lost: str | None = None
         self._doc: dict[str, Any] | None = None
         #: candidate attempts ended here and not yet written: [attempts, served]
         self._unwritten = [0, 0]
@@ -105,25 +117,81 @@ class Rollout:
     # ------------------------------------------------------------------------------- the request path
 
     def ticket(self) -> Ticket | None:
-        """The state to route this request under: an 8-byte compare; the file is read only after a change."""
+        """The state to route this request under: an 8-byte read; the file is read only after a change. A cut or
+        garbled file is recovered (``_recover``); a file another proxy took leaves this one routing to the baseline
+        alone (``_lose``)."""
         f = self.file
         if f is None:
             return None
-        gen = f.gen()
-        if gen != self._gen:
-            try:
-                self._gen, doc = f.read()
-            except ValueError as exc:
-                self._gen = gen
-                log.error("rollout of route %d: unreadable state (%s): keeping the last one", self.route, exc)
-                return self._ticket
-            if doc is not None and doc.get("plan") == self.plan:
-                self._seen(doc)
-            elif doc is not None and self._ticket is not None:
-                log.error(
-                    "rollout of route %d: %s.shm holds another plan: keeping the last state", self.route, self.path
-                )
+        try:
+            gen = f.gen()
+            if gen != self._gen:
+                self._reread(f, gen)
+        except OSError as exc:
+            self._recover(f"cannot read {self.path}.shm: {exc}")
         return self._ticket
+
+    def _reread(self, f: StateFile, gen: bytes) -> None:
+        self._gen = gen
+        try:
+            self._gen, doc = f.read()
+            doc = checked(doc, self.plan) if doc is not None else None
+        except ValueError as exc:  # StateDamaged too
+            self._recover(f"{self.path}.shm: {exc}")
+            return
+        if doc is None:
+            self._recover(f"{self.path}.shm was cut")
+        elif doc.get("plan") != self.plan or doc.get("run") != self.run:
+            self._lose(doc)
+        elif self.lost is None:
+            self._seen(doc)
+
+    def _recover(self, why: str) -> None:
+        """The shared file was found cut or garbled while serving: laid out again from the JSON copy when that is
+        sound and this proxy's (the step's counts start again), else aborted (``safe``); logged. If even that
+        cannot be written, this process routes everything to the baseline."""
+        f = self.file
+        if f is None or self.lost is not None:
+            return
+        log.error("rollout of route %d: %s: recovering", self.route, why)
+        try:
+            with f.locked():
+                found, got = read_state(f, lambda d: checked(d, self.plan))
+                if isinstance(got, dict):  # sound: this proxy's state, or another proxy's (then it is theirs)
+                    doc = got
+                    if doc.get("plan") != self.plan or doc.get("run") != self.run:
+                        self._lose(doc)
+                        return
+                    if doc["state"] in COUNTING:
+                        new_epoch(doc, time.time())
+                else:
+                    doc = safe(
+                        self.plan, self.run, self.settings.state, why if found == "none" else str(got), time.time()
+                    )
+                self._gen = f.write(doc, durable=True)
+        except OSError as exc:
+            log.error(
+                "rollout of route %d: cannot lay out %s.shm again (%s): all to the baseline", self.route, self.path, exc
+            )
+            self._ticket = self._safe_ticket()
+            return
+        self._seen(doc)
+
+    def _lose(self, doc: dict[str, Any]) -> None:
+        """Another proxy's rollout (another run, or another plan) holds the state file: this proxy stops routing to
+        the candidate and its updates fail (``StateUnavailable``), said once."""
+        if self.lost is None:
+            self.lost = f"{self.path} is held by another proxy (run {doc.get('run')}, plan {doc.get('plan')})"
+            log.error(
+                "rollout of route %d: %s: this proxy routes all to the baseline, its commands fail",
+                self.route,
+                self.lost,
+            )
+        self._ticket = self._safe_ticket()
+
+    def _safe_ticket(self) -> Ticket:
+        epoch = self._ticket.epoch if self._ticket is not None else 0
+        return Ticket(self.route, epoch, 0, 0.0, "aborted", self.baseline, self.settings.candidate)
 
     def _seen(self, doc: dict[str, Any]) -> None:
         self._doc = doc
@@ -142,6 +210,7 @@ class Rollout:
     def _update(self, change: Callable[[dict[str, Any], float], bool], *, now: float | None = None) -> dict[str, Any]:
         """Under the lock: read, ``change(doc, now)`` (True: it changed something), evaluate, and write if
         anything changed (a transition is flushed to disk)."""
+        self.ticket()  # a damaged file is recovered first
         f = self.file
         assert f is not None
         now = time.time() if now is None else now
@@ -149,7 +218,13 @@ class Rollout:
             gen = f.gen()
             # the document this process read or wrote last is current unless another one wrote since
             doc = self._doc if gen == self._gen and self._doc is not None else f.read()[1]
-            if doc is None or doc.get("plan") != self.plan:
+            if self.lost is not None:
+                raise StateUnavailable(self.lost)
+            if doc is not None:
+                doc = checked(doc, self.plan)
+            if doc is None or doc.get("plan") != self.plan or doc.get("run") != self.run:
+                if doc is not None:
+                    self._lose(doc)
                 raise StateUnavailable(f"{self.path} no longer holds this rollout (another proxy's?)")
             try:
                 before = (doc["state"], doc["step"], doc["cause"], doc["detail"])
@@ -255,11 +330,14 @@ class Rollout:
         now = time.time() if now is None else now
         self.file = f = StateFile(self.path)
         with f.locked():
-            doc = self._read_quietly(f)
-            if doc is None:
-                with contextlib.suppress(ValueError):
-                    doc = f.read_copy()
-            if doc is None or doc.get("v") != DOC_VERSION or doc.get("plan") != self.plan:
+            found, got = read_state(f, lambda d: checked(d, self.plan))
+            doc = got if isinstance(got, dict) else None
+            if isinstance(got, dict) and _started(str(got.get("run", ""))) > _started(self.run):
+                self._lose(got)  # a proxy started after this one holds the file: leave it to that one
+                return
+            if found == "damaged":
+                doc = safe(self.plan, self.run, config_state, str(got), now)
+            elif doc is None or doc.get("v") != DOC_VERSION or doc.get("plan") != self.plan:
                 old = doc.get("plan") if isinstance(doc, dict) else None
                 doc = fresh(self.plan, self.run, config_state, now)
                 why = "a new rollout" if old is None else f"the plan changed (was {old})"
@@ -301,14 +379,6 @@ class Rollout:
             self._gen = f.write(doc, durable=True)
         self._seen(doc)
 
-    @staticmethod
-    def _read_quietly(f: StateFile) -> dict[str, Any] | None:
-        try:
-            return f.read()[1]
-        except ValueError:
-            log.error("rollout state %s.shm is not valid: starting from the JSON copy", f.path)
-            return None
-
     def close(self) -> None:
         if self.file is not None:
             with contextlib.suppress(Exception):
@@ -345,6 +415,7 @@ class Rollout:
             ],
             "events": (doc.get("events") or [])[-10:],
             "state_file": str(self.path),
+            **({"state": "aborted", "share": 0.0, "cause": "config", "detail": self.lost} if self.lost else {}),
         }
 
     def sample(self) -> RolloutSample | None:
@@ -353,9 +424,10 @@ class Rollout:
         f = self.file
         try:
             doc = f.read()[1] if f is not None else None
-        except ValueError:
+            doc = checked(doc, self.plan) if doc is not None else None
+        except (ValueError, OSError):
             return None
-        if doc is None or doc.get("plan") != self.plan:
+        if doc is None or doc.get("plan") != self.plan or doc.get("run") != self.run:
             return None
         return RolloutSample(
             route=str(self.route),
@@ -371,3 +443,8 @@ class Rollout:
             errors=int(doc["errors"]),
             rollbacks=dict(doc["rollbacks"]),
         )
+
+
+def _started(run: str) -> str:
+    """A run id's start time (``20261203T101500Z`` of ``20261203T101500Z-3fa2``), which orders proxies' runs."""
+    return run.partition("-")[0]

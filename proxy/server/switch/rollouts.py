@@ -47,7 +47,11 @@ class Rollouts:
         for i, r in enumerate(settings.routes):
             if r.rollout is None:
                 continue
-            path = Path(r.rollout.state_file).expanduser() if r.rollout.state_file else default_state_file(i, env)
+            path = (
+                Path(r.rollout.state_file).expanduser()
+                if r.rollout.state_file
+                else default_state_file(settings.host, settings.port, i, env)
+            )
             by_route[i] = Rollout(i, r.primary, r.rollout, path, run=run, min_effect=settings.mirror.min_effect)
         return cls(settings, run, by_route) if by_route else None
 

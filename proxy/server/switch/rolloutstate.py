@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -20,6 +19,7 @@ from proxy.config.switching import RolloutSettings
 from proxy.errors import ProxyError
 from proxy.sequential import Interval, LiveVerdict, Stream
 from proxy.server.record.metrics import ROLLBACK_CAUSES
+from proxy.server.switch.statedoc import StateDamaged, default_state_path, need
 
 if TYPE_CHECKING:
     from proxy.server.mirror.compare import Side
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("enginemeter.rollout")
 
 State = Literal["running", "paused", "rolled_back", "aborted", "complete"]
+STATES: tuple[State, ...] = ("running", "paused", "rolled_back", "aborted", "complete")
 Action = Literal["start", "pause", "resume", "abort"]
 ACTIONS: tuple[Action, ...] = ("start", "pause", "resume", "abort")
 #: states in which the rollout mirrors both ways and judges the pairs
@@ -74,10 +75,54 @@ class Ticket(NamedTuple):
         return {"step": self.step, "share": self.share, "state": self.state}
 
 
-def default_state_file(route: int, env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "enginemeter" / f"rollout-route{route}.json"
+def default_state_file(host: str, port: int, route: int, env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_STATE_HOME/enginemeter/rollout-HOST-PORT-routeN.json``: keyed by the listen address and the route."""
+    return default_state_path("rollout", host, port, route, env)
+
+
+def share_of(state: str, step: int, steps: list[float]) -> float:
+    """The candidate's share that (state, step) means: the step's while running or paused, the last step's once
+    complete, 0 when aborted or rolled back."""
+    if state in COUNTING:
+        return float(steps[step])
+    return float(steps[-1]) if state == "complete" else 0.0
+
+
+def checked(doc: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` when it is a sound state document (``StateDamaged`` otherwise): every field the rollout reads of the
+    type and range it needs, the step within the plan's steps and the share the one (state, step) means — an edited
+    ``share`` is damage, not an order. A document of another plan or version is returned unchecked beyond its
+    plan (the caller starts the new plan)."""
+    if doc.get("v") != DOC_VERSION or doc.get("plan") != plan:
+        need(doc, "plan", dict)
+        return doc
+    steps = plan["steps"]
+    state = need(doc, "state", str, lambda v: v in STATES)
+    step = need(doc, "step", int, lambda v: 0 <= v < len(steps))
+    share = need(doc, "share", float)
+    if share != share_of(state, step, steps):
+        raise StateDamaged(f"share {share:g} does not follow state {state} at step {step} of {steps}")
+    for name in ("epoch", "attempts", "served", "errors"):
+        need(doc, name, int, lambda v: v >= 0)
+    need(doc, "since", float)
+    for name in ("run", "config_state", "cause", "detail"):
+        need(doc, name, str)
+    need(doc, "pairs", dict, lambda v: all(isinstance(n, int) and not isinstance(n, bool) for n in v.values()))
+    need(doc, "verdict", dict)
+    need(doc, "rollbacks", dict, lambda v: all(isinstance(n, int) for n in v.values()))
+    need(doc, "events", list)
+    return doc
+
+
+def safe(plan: dict[str, Any], run: str, config_state: str, why: str, now: float) -> dict[str, Any]:
+    """The state a rollout starts in when its file cannot be trusted: aborted, every request to the baseline, the
+    reason in its detail and events. ``start`` (admin) begins the plan again."""
+    doc = fresh(plan, run, config_state, now)
+    detail = f"state file damaged ({why[:200]}): aborted, all traffic to the baseline; `start` begins again"
+    doc.update(state="aborted", share=0.0, cause="config", detail=detail)
+    event_(doc, "aborted", "config", detail, now)
+    log.error("rollout of route %s: %s", plan["route"], detail)
+    return doc
 
 
 def plan_(route: int, baseline: str, s: RolloutSettings) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.server.record.metricfiles import SafeMultiProcessCollector, install
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
@@ -51,8 +52,9 @@ class WorkerRole:
     def registry(self) -> CollectorRegistry:
         """The registry a scrape reads: every worker's files merged, plus the collectors (worker 0 adds its own
         live ones; the others read worker 0's snapshot)."""
+        install()  # this worker's metric files written through pwrite: a cut file costs figures, not a SIGBUS
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(self.directory))  # type: ignore[no-untyped-call]
+        SafeMultiProcessCollector(registry, path=str(self.directory))  # type: ignore[no-untyped-call]
         if self.index != 0:
             registry.register(SnapshotCollector(self.directory / SNAPSHOT_FILE))
         return registry
@@ -115,10 +117,15 @@ def snapshot_health(directory: Path) -> dict[str, Any]:
     try:
         if time.time() - path.stat().st_mtime > SNAPSHOT_STALE_S:
             return {}
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        # NaN/Infinity refused: /health must stay JSON (a garbled file costs its sections, not a 500)
+        doc = json.loads(path.read_bytes(), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 class SnapshotCollector:

@@ -3,7 +3,8 @@
 The supervisor (the ``serve`` process) reserves the port, sets ``PROMETHEUS_MULTIPROC_DIR`` (a fresh directory
 unless the environment names one), starts N workers with multiprocessing's ``spawn`` (fresh interpreters, so
 the variable is set before any of them imports prometheus_client), restarts a worker that dies, forwards
-SIGTERM/SIGINT, and removes the directory it made when the last worker is gone.
+SIGTERM/SIGINT (a worker still running ``KILL_MARGIN_S`` after the shutdown timeout is killed: none outlives a
+stopped ``serve``), and removes the directory it made when the last worker is gone.
 
 A worker that dies (SIGKILL, the OOM killer, a crash) is restarted in its place; the others serve on meanwhile.
 Its requests in progress are lost with it (their clients see the connection reset), and the supervisor counts
@@ -71,6 +72,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from proxy.config.settings import Settings
 from proxy.server.observe.inflight import TRAFFIC_FILE, TrafficProfile
 from proxy.server.record.families import HELP, PREFIX
+from proxy.server.record.metricfiles import PwriteDict
 from proxy.server.workers.lifetimes import claim_directory, make_directory, remove_stale_directories
 from proxy.server.workers.worker import READY, AppFactory, WorkerSpec, reuseport_socket, worker_main
 
@@ -79,6 +81,10 @@ log = logging.getLogger("enginemeter.workers")
 #: a worker that dies this soon after its start, this many times in a row, stops the whole server
 CRASH_WINDOW_S = 5.0
 MAX_QUICK_CRASHES = 3
+#: after SIGTERM/SIGINT a worker has the shutdown timeout and this much more to exit; then it is killed
+KILL_MARGIN_S = 2.0
+#: how often the supervision loop wakes while nothing happens (a signal must not wait for a worker's exit)
+SUPERVISE_TICK_S = 0.5
 
 
 def default_workers() -> int:
@@ -117,13 +123,13 @@ class SupervisorCounts:
     objects cannot write there: the file is written directly, with the keys prometheus-client uses)."""
 
     def __init__(self, directory: Path) -> None:
-        self._file = MmapedDict(str(directory / f"counter_{os.getpid()}.db"))  # type: ignore[no-untyped-call]
+        self._file = PwriteDict(str(directory / f"counter_{os.getpid()}.db"))
         self._totals: dict[str, float] = {}
 
     def add(self, metric: str, help_text: str, labels: dict[str, str], n: float) -> None:
         key = mmap_key(metric, f"{metric}_total", list(labels), list(labels.values()), help_text)
         self._totals[key] = self._totals.get(key, 0.0) + n
-        self._file.write_value(key, self._totals[key], time.time())  # type: ignore[no-untyped-call]
+        self._file.write_value(key, self._totals[key], time.time())
 
     def worker_died(self, lost: dict[tuple[str, str], int]) -> None:
         for (engine, role), n in lost.items():
@@ -133,7 +139,7 @@ class SupervisorCounts:
         self.add(f"{PREFIX}_worker_restarts", HELP["worker_restarts"], {}, 1)
 
     def close(self) -> None:
-        self._file.close()  # type: ignore[no-untyped-call]
+        self._file.close()
 
 
 def serve_workers(
@@ -220,6 +226,8 @@ class Supervisor:
         self.spec = spec
         self.ctx = multiprocessing.get_context("spawn")
         self.stopping = threading.Event()
+        #: when the workers told to stop are killed (monotonic; None until told)
+        self.kill_at: float | None = None
         self.procs: dict[int, BaseProcess] = {}
         self.started: dict[int, float] = {}
         #: each worker's start-up pipe (the reading end): the worker writes READY once it serves. Not a
@@ -266,15 +274,20 @@ class Supervisor:
 
     def on_signal(self, signum: int, frame: object) -> None:
         self.stopping.set()
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.spec.shutdown_timeout_s + KILL_MARGIN_S
         for p in self.procs.values():
             if p.pid is not None and p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGTERM)
 
     def supervise(self) -> None:
-        """Until every worker has exited: each one that dies is counted and restarted (module docstring)."""
+        """Until every worker has exited: each one that dies is counted and restarted (module docstring). Told to
+        stop, the workers have the shutdown timeout (and ``KILL_MARGIN_S``) to exit; then they are killed."""
         while self.procs:
-            multiprocessing.connection.wait([p.sentinel for p in self.procs.values()])
+            if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                self.kill_left("did not finish within the shutdown timeout")
+            multiprocessing.connection.wait([p.sentinel for p in self.procs.values()], SUPERVISE_TICK_S)
             for i, p in list(self.procs.items()):
                 if p.exitcode is not None:
                     del self.procs[i]
@@ -315,7 +328,18 @@ class Supervisor:
         self.stopping.set()
         for p in self.procs.values():
             p.terminate()
-            p.join(10)
+        deadline = time.monotonic() + self.spec.shutdown_timeout_s + KILL_MARGIN_S
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        self.kill_left("did not stop within the shutdown timeout")
+
+    def kill_left(self, why: str) -> None:
+        """SIGKILL every worker still running (and wait for it): a worker never outlives a stopped ``serve``."""
+        for i, p in self.procs.items():
+            if p.exitcode is None and p.pid is not None:
+                log.warning("worker %d (pid %d) %s: killing it", i, p.pid, why)
+                p.kill()
+                p.join(5)
 
     def close_pipes(self) -> None:
         for r in self.readies.values():
