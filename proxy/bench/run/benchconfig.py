@@ -85,6 +85,10 @@ class BenchConfig:
     expected_differences: tuple[str, ...] = ()
     #: ``enginemeter tune``: the swept flag, its values and the variants' names
     tune: dict[str, Any] | None = None
+    #: ``--agreement PROMPTSxTOKENS``: the token-agreement phase after the timed cells (``proxy.bench.quality``)
+    agreement: str | None = None
+    #: ``--eval FILE.jsonl``: the task-accuracy phase after the timed cells
+    eval_file: str | None = None
 
     @property
     def time_shared(self) -> bool:

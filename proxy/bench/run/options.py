@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.quality.agreerun import DEFAULT_PROMPTS, DEFAULT_TOKENS, parse_size
+from proxy.bench.quality.evalset import EvalFileError, load_eval
 from proxy.bench.run.benchconfig import BenchConfig, Target
 from proxy.bench.run.benchfile import BenchFile, goodput_spec
 from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT
@@ -103,6 +105,15 @@ def pairs(items: Sequence[str] | None, what: str) -> dict[str, str]:
 
 
 _SIZE = re.compile(r"(?i)^\s*([0-9.]+)\s*([kmgt]i?b?)?\s*$")
+
+
+def agreement_arg(s: str) -> str:
+    """``--agreement PROMPTSxTOKENS``, checked."""
+    try:
+        parse_size(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return s
 
 
 def size_arg(s: str | int | None) -> int | None:
@@ -198,6 +209,28 @@ def add_workload(p: argparse.ArgumentParser) -> None:
         "buy shows only at c=4: add --concurrency 1,4)",
     )
     p.add_argument("--no-progress", action="store_true")
+    add_quality(p)
+
+
+def add_quality(p: argparse.ArgumentParser) -> None:
+    """The quality phases after the timed cells (``proxy.bench.quality``)."""
+    p.add_argument(
+        "--agreement",
+        nargs="?",
+        const=f"{DEFAULT_PROMPTS}x{DEFAULT_TOKENS}",
+        type=agreement_arg,
+        metavar="PROMPTSxTOKENS",
+        help="after the timed cells: each engine's top-20 next-token log-probabilities along the baseline's greedy "
+        f"path, compared with the baseline's (same top token, KL, where greedy outputs part; default "
+        f"{DEFAULT_PROMPTS}x{DEFAULT_TOKENS}; asks the engines for log-probabilities)",
+    )
+    p.add_argument(
+        "--eval",
+        dest="eval_file",
+        metavar="FILE.jsonl",
+        help="after the timed cells: your task file ({prompt, expected, matcher: exact|regex|number} a line) "
+        "answered by every engine with the same sampling, scored, with a paired interval of the difference",
+    )
 
 
 def _pick(args: argparse.Namespace, file: BenchFile | None, key: str, file_key: str | None = None) -> Any:
@@ -275,7 +308,19 @@ def build_config(
         argv=list(getattr(args, "argv", None) or ["enginemeter", *sys.argv[1:]]),
         accept_quantization_difference=bool(val("accept_quantization_difference", False)),
         launch_timeout_s=val("launch_timeout", 900.0),
+        agreement=val("agreement"),
+        eval_file=_eval_file(val("eval_file")),
     )
+
+
+def _eval_file(path: str | None) -> str | None:
+    """``--eval``: read (and checked) now, so a bad file stops the run before anything is measured."""
+    if path:
+        try:
+            load_eval(path)
+        except EvalFileError as exc:
+            raise UsageError(f"--eval: {exc}") from None
+    return path
 
 
 def _split(v: str | Sequence[str]) -> Sequence[str]:

@@ -1,19 +1,21 @@
 """What every bench run does before it measures, resident or time-shared: the preflight (every engine probed and sent
 one tiny request; ``PreflightError`` otherwise), the A/A pass's second name, the HTTP client and headers per engine,
-the prompts' token counts, and the ``run`` and ``engine`` records that open the results file."""
+the prompts' token counts, and the ``run`` and ``engine`` records that open the results file; and the quality
+phases it runs after (``quality_for``: ``--agreement``, ``--eval``; ``proxy.bench.quality``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from proxy.bench.quality.phases import QualityRun, quality_run
 from proxy.bench.run.benchconfig import (
     PIN_HEADER,
     BenchConfig,
@@ -29,6 +31,7 @@ from proxy.bench.run.schedule import Plan, prompt_digests
 from proxy.bench.run.targets import count_prompt_tokens
 from proxy.bench.suite import Prompt
 from proxy.gpu.device import gpu_facts
+from proxy.redact import redact_argv, redact_command, redact_optional
 
 #: 4: time-shared runs (``engine`` and ``launch`` records), each request's output text (hash and head), what
 #: makes two runs comparable (``comparable``: suite digest, sampling, max tokens, GPU model and driver)
@@ -39,6 +42,7 @@ class PreflightError(RuntimeError):
     """An engine did not answer the probe or the one tiny request: the bench stops before it starts."""
 
     def __init__(self, engine: str, url: str | None, cause: str) -> None:
+        url = redact_optional(url)
         super().__init__(f"engine {engine} ({url or 'via proxy'}): {cause}")
         self.engine, self.url, self.cause = engine, url, cause
 
@@ -127,7 +131,7 @@ def engine_record(cfg: BenchConfig, t: Target, max_tokens_all: list[int]) -> dic
         eff, dropped = canonical_sampling(body), None
     return {
         "name": t.name,
-        "url": t.url,
+        "url": redact_optional(t.url),
         "kind": t.kind,
         "model": t.model,
         "quantization": t.quantization,
@@ -135,7 +139,7 @@ def engine_record(cfg: BenchConfig, t: Target, max_tokens_all: list[int]) -> dic
         "slots": t.slots,
         "context_per_slot": t.context_per_slot,
         "aa_of": t.aa_of,
-        "launch": t.launch,
+        "launch": redact_optional(t.launch),
         "info": t.info,
         "sampling": eff,
         "dropped": dropped,
@@ -176,7 +180,8 @@ async def count_tokens(cfg: BenchConfig, engines: Sequence[Target], prompts: Seq
 def run_record(
     cfg: BenchConfig, run_id: str, t_start: float, pl: Plan, engines: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
-    cfg_rec = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "engines"}
+    cfg_rec = _masked({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "engines"})
+    cfg_rec["argv"] = redact_argv(cfg.argv)  # a secret flag's value is the word after it
     sent = {k: v for k, v in sampling(cfg, cfg.max_tokens).items() if k != "max_tokens"}
     return {
         "type": "run",
@@ -186,14 +191,14 @@ def run_record(
         "config": cfg_rec,
         "engines": list(engines),
         "baseline": cfg.baseline,
-        "through": cfg.through,
+        "through": redact_optional(cfg.through),
         "base": {"concurrency": 1, "max_tokens": cfg.max_tokens, "prompt_len": cfg.base_prompt_len},
         "cells": [asdict(c) for c in pl.cells],
         "prompts": [{"id": p.id, "lang": p.lang, "length": p.length} for p in pl.prompts],
         "memory_budget_bytes": cfg.memory_budget_bytes,
         "goodput": cfg.goodput,
         "python": sys.version.split()[0],
-        "argv": cfg.argv or None,
+        "argv": cfg_rec["argv"] or None,
         "min_effect": cfg.min_effect,
         "max_error_rate": cfg.max_error_rate,
         "time_shared": cfg.time_shared,
@@ -212,3 +217,44 @@ def run_record(
             "gpu": gpu_facts(),
         },
     }
+
+
+def _masked(v: Any) -> Any:
+    """``v`` (the run's settings as JSON) with every string's secrets masked (``proxy.redact``): the command line,
+    ``--through``, ``--metrics-url``, tune's command."""
+    if isinstance(v, str):
+        return redact_command(v)
+    if isinstance(v, Mapping):
+        return {k: _masked(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_masked(x) for x in v]
+    return v
+
+
+def quality_for(
+    cfg: BenchConfig, prompts: Sequence[Prompt], write: Callable[[dict[str, Any]], None], say: Callable[[str], None]
+) -> QualityRun | None:
+    """The run's quality phases (None without ``--agreement`` and ``--eval``). The eval sends each engine the body
+    the timed cells send it (the same sampling, mapped per kind), not streamed and free to stop at EOS."""
+
+    def body_for(name: str, messages: Sequence[Mapping[str, str]], max_tokens: int) -> tuple[str, dict[str, Any]]:
+        t = next(x for x in cfg.engines if x.name == name)
+        body = build_body(cfg, t, messages, max_tokens, cold=False)
+        for k in ("stream_options", "ignore_eos"):
+            body.pop(k, None)
+        return "/v1/chat/completions", {**body, "stream": False}
+
+    return quality_run(cfg.agreement, cfg.eval_file, [p.messages for p in prompts], body_for, write, say)
+
+
+async def quality_engine(
+    q: QualityRun | None, cfg: BenchConfig, t: Target, client: httpx.AsyncClient, headers: Mapping[str, str]
+) -> None:
+    """Both quality phases on one engine (the baseline first); the resident A/A pass (the same server) is skipped."""
+    base = next(x for x in cfg.engines if x.name == cfg.baseline)
+    if q is None or (t.aa_of and t.url == base.url and not cfg.time_shared):
+        return
+    model = cfg.model or t.model
+    await q.engine(
+        t.name, t.kind, model, t.url, client, headers, baseline=t.name == cfg.baseline, timeout_s=cfg.timeout_s
+    )

@@ -16,7 +16,9 @@ alone, baseline first, the baseline relaunched last as the A/A pass.
 
 JSONL record types: ``run`` (config, engines, cells, what makes two runs comparable), ``engine`` (a time-shared
 engine's facts, once it is up), ``launch`` (a launched engine's command, load time, memory moments),
-``prompt_tokens``, ``note``, ``request`` (one per request), ``sample`` (one per cell repeat per engine), ``end``.
+``prompt_tokens``, ``note``, ``request`` (one per request), ``sample`` (one per cell repeat per engine), then the
+quality phases' ``logprobs``, ``eval`` and ``quality_note`` (``--agreement``, ``--eval``: ``proxy.bench.quality``),
+``end``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from proxy.bench.run.prepare import (
     engine_record,
     headers_for,
     preflight,
+    quality_engine,
+    quality_for,
     run_record,
     setup_aa,
     shared_llamacpp_servers,
@@ -96,6 +100,9 @@ async def run_bench(
             w.write(rec)
         ctx = Ctx(cfg, w, run_id, time.perf_counter_ns(), clients, headers, metrics_client)
         await measure(ctx, cfg.engines, pl, MemoryProbe(cfg.metrics_url))
+        quality = quality_for(cfg, pl.prompts, w.write, say)
+        for t in sorted(real, key=lambda t: t.name != cfg.baseline):  # off the timed cells, one at a time
+            await quality_engine(quality, cfg, t, clients[t.name], headers[t.name])
     except (asyncio.CancelledError, KeyboardInterrupt):
         interrupted = True
         raise

@@ -16,6 +16,7 @@ from proxy.bench.run.benchconfig import Target
 from proxy.embedded.gguf_meta import read_gguf_metadata
 from proxy.engines import quant_from_name
 from proxy.engines.llamacpp import ftype_name
+from proxy.redact import redact_command
 
 
 def quantization(
@@ -88,7 +89,7 @@ async def probe(t: Target, timeout: float = 5.0, *, log: Path | None = None) -> 
         p = await engines.probe(c, timeout, kind=t.kind, model=t.model, full=True)
     t.kind, t.model = p.kind, p.model
     if p.error:
-        t.info["probe_error"] = p.error
+        t.info["probe_error"] = redact_command(p.error)
     if p.context_length is not None:
         t.context_per_slot = p.context_length  # the dialects report llama.cpp's per slot
     f = p.facts

@@ -36,16 +36,27 @@ from typing import Any
 import httpx
 
 from proxy.bench import suite
+from proxy.bench.quality.phases import QualityRun
 from proxy.bench.run.benchconfig import BenchConfig, CellSpec, Target
 from proxy.bench.run.client import Writer
 from proxy.bench.run.measure import Ctx, measure
 from proxy.bench.run.memprobe import MemoryProbe, MemorySource, ProcessMemory
-from proxy.bench.run.prepare import client_for, count_tokens, engine_record, headers_for, preflight, run_record
+from proxy.bench.run.prepare import (
+    client_for,
+    count_tokens,
+    engine_record,
+    headers_for,
+    preflight,
+    quality_engine,
+    quality_for,
+    run_record,
+)
 from proxy.bench.run.schedule import Plan, make_plan, unfit_cells
 from proxy.bench.run.targets import probe
 from proxy.bench.suite import Prompt
 from proxy.procs.launch import Launched, Launcher, fit_memory_share, parse_launch
 from proxy.procs.process import LaunchError
+from proxy.redact import redact_command
 
 
 class MemoryNotBack(LaunchError):
@@ -85,6 +96,8 @@ class _Run:
 
     #: what fitting the launched engines' memory shares to the budget did, in words (``_fit_shares``)
     share_notes: list[str] = field(default_factory=list)
+    #: the quality phases after each stint's cells (``--agreement``, ``--eval``), made at the first
+    quality: QualityRun | None = None
 
     @property
     def path(self) -> Path:
@@ -161,7 +174,7 @@ async def _stint(run: _Run, s: Stint, i: int, n: int, launcher: Launcher) -> Non
         _write(run, rec)
         return
     spec = parse_launch(t.name, t.launch)  # a fresh {port} for every launch
-    run.say(f"enginemeter bench: launching {t.name} ({s.role}): {t.launch}")
+    run.say(f"enginemeter bench: launching {t.name} ({s.role}): {redact_command(t.launch)}")
     try:
         eng = await launcher.start(spec)
     except LaunchError as exc:
@@ -172,7 +185,7 @@ async def _stint(run: _Run, s: Stint, i: int, n: int, launcher: Launcher) -> Non
                 "ended": time.time(),
                 "failed": str(exc).split("\n", 1)[0],
                 "log": str(launcher.log_path(spec)),
-                "command": t.launch,
+                "command": redact_command(t.launch),
             },
         )
         raise
@@ -258,5 +271,8 @@ async def _measure(run: _Run, s: Stint, mem: MemorySource, label: str, *, fresh:
     run.w.write({"type": "engine", **engine_record(cfg, t, mt), "role": s.role})
     try:
         await measure(run.ctx, [t], run.plan, mem, fresh_prefixes=lambda _: fresh, skip=skip, label=label)
+        if run.quality is None:
+            run.quality = quality_for(cfg, run.plan.prompts, run.w.write, run.say)
+        await quality_engine(run.quality, cfg, t, run.clients[t.name], run.headers[t.name])
     finally:
         await run.clients.pop(t.name).aclose()
