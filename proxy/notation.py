@@ -10,7 +10,8 @@ The rule (docs/bench.md, "Reading the numbers"):
   "12 % faster (95% CI 9–15 % faster)", "×1.9 faster (95% CI ×1.8–×2.0 faster)", "between 3 % slower and 5 %
   faster".
 - A band (what a tie stays inside, what a win must clear) is "±N %" and, from a factor of 2, "×N either way".
-- Figures carry their unit: decode in tok/s (with ms/token), times in ms below 10 s, else s.
+- Figures carry their unit: decode in tok/s (with ms/token), times in ms below 0.1 s, else s (``seconds``); counts
+  carry their noun, singular for one (``count``: "1 slot", "12 slots").
 """
 
 from __future__ import annotations
@@ -85,8 +86,18 @@ def num(x: float) -> str:
     return f"{x:.3g}"
 
 
+def count(n: float, noun: str, plural: str | None = None) -> str:
+    """A count with its noun, singular for one: "1 pair", "602 pairs", "1 slot", "12,288 tokens"."""
+    many = plural or f"{noun}s"
+    k = int(n) if float(n).is_integer() else n
+    return f"{k:,} {noun if k == 1 else many}"
+
+
 def seconds(v: float) -> str:
-    """A time: "35.6 ms", "841 ms", "8.53 s", "120 s"."""
+    """A time: "35.6 ms", "841 ms", "8.53 s", "120 s"; rounded so no float's tail shows ("1.94 s", never
+    "1.9385689999999998 s")."""
+    if not math.isfinite(v):
+        return "–"
     if v < 0.1:
         return f"{v * 1000:.1f} ms"
     if v < 1:

@@ -27,8 +27,9 @@ final (a confidence sequence is valid at a data-dependent time, so "decided afte
 
 The interval shown is always the current one (it contains the current estimate). Live traffic drifts — the
 mix of prompts changes, another client loads an engine, a shadow falls behind and queues — and then the mean
-the pairs estimate moves. When the current interval has left the decided region entirely, ``drift`` is set:
-the decision stands as what was true up to then, and the report says the traffic has changed since.
+the pairs estimate moves. While the current interval says something else than the decision (by the same rule),
+``drift`` is set: the decision stands as what was true up to then, and the sentence says what the current interval
+says ("was slower …; now … faster"), never the decision's direction beside an interval that contradicts it.
 
 ``m`` is the minimum effect (``MIN_EFFECT``, 5 %): below it a difference is not worth a switch, and a small
 systematic A/A bias (the shadow's copy starts a few microseconds after the primary) stays below it.
@@ -47,7 +48,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.notation import band, faster, faster_interval, unit
+from proxy.judge import judge
+from proxy.notation import band, count, faster, faster_interval, unit
 
 ALPHA = 0.05
 MIN_EFFECT = 0.05
@@ -160,22 +162,13 @@ class ConfidenceSequence:
         sd = math.sqrt(max(self._m2 / (self.n - 1), 1e-12))
         w = sd * margin(self.n, self.alpha, self._r2)
         lo, hi = self.lo, self.hi = self.mean - w, self.mean + w
-        e = math.log1p(self.min_effect)
+        now = current(lo, hi, self.min_effect)
         if self.decision == "not yet":
-            if hi < -e or (self.min_effect == 0 and hi < 0):
-                self.decision = "faster"
-            elif lo > e or (self.min_effect == 0 and lo > 0):
-                self.decision = "slower"
-            elif -e <= lo and hi <= e and self.min_effect > 0:
-                self.decision = "tie"
-            if self.decision != "not yet":
+            if now != "not yet":
+                self.decision = now
                 self.decided_after = self.n
-        elif not self.drift:
-            self.drift = (
-                (self.decision == "faster" and lo >= -e)
-                or (self.decision == "slower" and hi <= e)
-                or (self.decision == "tie" and (hi < -e or lo > e))
-            )
+        else:  # the sentence follows the current interval: drift while it says something else than the decision
+            self.drift = now != self.decision
 
     def state(self) -> Interval:
         bounded = math.isfinite(self.lo) and math.isfinite(self.hi)
@@ -188,6 +181,16 @@ class ConfidenceSequence:
             decided_after=self.decided_after,
             drift=self.drift,
         )
+
+
+_SAID: dict[str, Finding] = {"win": "faster", "loss": "slower", "tie": "tie", "unresolved": "not yet"}
+
+
+def current(lo: float, hi: float, min_effect: float) -> Finding:
+    """What an interval of ``log(shadow / primary)`` says, by ``proxy.judge`` (the bench's rule; + is slower, so the
+    gain is its negation): faster, slower, tie or not yet. With no minimum effect a tie is never said."""
+    said = _SAID[judge(-hi, -lo, math.log1p(min_effect))]
+    return "not yet" if said == "tie" and min_effect <= 0 else said
 
 
 def observation(stream: Stream, primary: Mapping[str, object], shadow: Mapping[str, object]) -> float | None:
@@ -262,24 +265,41 @@ class LiveVerdict:
 
 
 def sentence(shadow: str, primary: str, s: Stream, st: Interval, min_effect: float) -> str:
-    """One line a person reads, in the bench's notation (``proxy.notation``): "under load (TTFT): np4
-    is faster than np1 beyond the band ±5.0 %, decided after 30 pairs (37 now: 44 % faster, anytime-valid interval
-    21–71 % faster)"."""
+    """One line a person reads, in the bench's notation (``proxy.notation``), that follows the current interval:
+    "under load (TTFT): np4 is faster than np1 beyond the band ±5.0 %, decided after 30 pairs (37 now: 44 % faster,
+    anytime-valid interval 21–71 % faster)"; once the current interval says something else (``drift``): "… np4 was
+    slower than np1 beyond the band ±5.0 % after 30 pairs; now, after 602 pairs, it is ×2.7 faster (…)"."""
     where = f"{REGIME_LABEL[s.regime]} ({s.label})"
     if st.n == 0:
         return f"{where}: no pairs yet"
     m = band(min_effect)
-    tail = f" after {st.decided_after} pairs ({st.n} now: {speed(st)})"
-    if st.drift:
-        tail += " — the traffic has changed since: the current interval no longer supports the decision"
-    if st.decision == "faster":
-        return f"{where}: {shadow} is faster than {primary} beyond the band {m}, decided{tail}"
-    if st.decision == "slower":
-        return f"{where}: {shadow} is slower than {primary} beyond the band {m}, decided{tail}"
-    if st.decision == "tie":
-        return f"{where}: a tie between {shadow} and {primary}, inside the band {m}, decided{tail}"
+    said = {
+        "faster": f"{shadow} is faster than {primary} beyond the band {m}",
+        "slower": f"{shadow} is slower than {primary} beyond the band {m}",
+        "tie": f"a tie between {shadow} and {primary}, inside the band {m}",
+    }
+    now: Finding = "not yet"
+    if st.lo is not None and st.hi is not None:
+        now = current(math.log1p(st.lo), math.log1p(st.hi), min_effect)
+    if st.decision in said and now == st.decision:
+        return f"{where}: {said[st.decision]}, decided after {st.decided_after} pairs ({st.n} now: {speed(st)})"
+    if st.decision in said:
+        was = said[st.decision].replace(" is ", " was ", 1).replace("a tie between", "was a tie between", 1)
+        return (
+            f"{where}: {was} after {st.decided_after} pairs — the traffic has changed since: now, after {st.n} "
+            f"pairs, {_now(now, st, shadow, primary, m)}"
+        )
     need = f"; nothing is decided before {MIN_PAIRS} pairs" if st.n < MIN_PAIRS else ""
-    return f"{where}: not yet — {st.n} pairs ({shadow} {speed(st)}){need}"
+    return f"{where}: not yet — {count(st.n, 'pair')} ({shadow} {speed(st)}){need}"
+
+
+def _now(d: Finding, st: Interval, shadow: str, primary: str, m: str) -> str:
+    """What the current interval says (``d``), in words: its own answer, never the decision's."""
+    if d == "tie":
+        return f"a tie, inside the band {m} ({speed(st)})"
+    if d == "not yet":
+        return f"{shadow} and {primary} are not separated ({speed(st)})"
+    return f"{shadow} is {speed(st)}"
 
 
 def speed(st: Interval) -> str:

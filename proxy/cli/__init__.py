@@ -8,6 +8,7 @@
     diagnose      where a running engine's time goes, whether memory is its constraint
     common        what every command shares: the parser whose mistakes are one line, the log format
     reporting     what bench, tune and report share: the run skeleton, --traffic and --weights, the summary
+    screen        the first screen they print: a table per workload, the answer once, caveats, within 25 x 120
 
 Every mistake on the command line or in a file ends in one line on stderr naming what is wrong and where, and
 exit status 2.
@@ -58,7 +59,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(chosen: Collection[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(chosen: Collection[str] | None = None) -> Parser:
     """The ``enginemeter`` parser. Only the ``chosen`` commands' modules are imported and their options built
     (None: every command's); the others are listed by their one line, so ``enginemeter report`` loads no server."""
     parser = Parser(
@@ -98,7 +99,9 @@ def _join_dash_values(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     command = chosen_command(raw)
-    args = build_parser(() if command is None else (command,)).parse_args(_join_dash_values(raw))
+    parser = build_parser(() if command is None else (command,))
+    parser.refuse_unknown_flags(_join_dash_values(raw))  # "did you mean" before any other complaint
+    args = parser.parse_args(_join_dash_values(raw))
     args.argv = ["enginemeter", *raw]  # as typed: for the bench's rerun advice
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format=LOG_FORMAT)

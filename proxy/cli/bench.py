@@ -29,6 +29,7 @@ from proxy.cli.reporting import (
 )
 from proxy.config.settings import SettingsError
 from proxy.procs.launch import parse_launch
+from proxy.redact import write_private
 
 
 def add_command(b: argparse.ArgumentParser) -> None:
@@ -159,4 +160,4 @@ def _stopped_verdict(out: Path, gate: str, check: str, **facts: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stopped_at = {"gate": gate, "check": check}
     doc = {"version": 1, "decision": "inconclusive", "stopped_at": stopped_at, **facts, "verdicts": []}
-    (out / "verdict.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    write_private(out / "verdict.json", json.dumps(doc, indent=2) + "\n")

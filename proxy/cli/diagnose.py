@@ -95,6 +95,9 @@ def _diagnose(args: argparse.Namespace) -> int:
         for n in rest:
             print(f"  - {n}", file=sys.stderr)
         return 2
+    if why := not_an_engine(d):
+        print(f"enginemeter diagnose: {args.url} is not an LLM engine: {why}", file=sys.stderr)
+        return 2
     t = d.timing or {}
     failed = args.probes > 0 and not t.get("ok")
     if failed:  # the cause first; what could be read without a token still follows
@@ -106,6 +109,17 @@ def _diagnose(args: argparse.Namespace) -> int:
     else:
         print(render(d) + f"\n\nNext: {nxt}")
     return 1 if failed else 0
+
+
+def not_an_engine(d: Diagnosis) -> str | None:
+    """Why the server at ``d.url`` is no LLM engine (None: it may be one): no engine's own endpoint answered and
+    ``GET /v1/models``, which every OpenAI-compatible engine serves, did not answer with a model list."""
+    if d.kind != "openai":
+        return None
+    said = next((n.removeprefix("engine: ") for n in d.notes if n.startswith("engine: ") and "/v1/models" in n), None)
+    if said is None:
+        return None
+    return f"no engine's own endpoint answered, and {said} (an OpenAI-compatible engine lists its models there)"
 
 
 def base_url(raw: str) -> str:

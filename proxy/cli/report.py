@@ -27,6 +27,7 @@ from proxy.bench.verdict.merge import load_runs
 from proxy.cli.reporting import (
     ACCEPT_HELP,
     add_traffic,
+    print_files,
     print_summary,
     random_declared,
     traffic_of,
@@ -34,6 +35,7 @@ from proxy.cli.reporting import (
     with_random,
     with_traffic,
 )
+from proxy.cli.screen import wrapped
 
 RESULTS = ("results.jsonl", "results.jsonl.gz")
 
@@ -118,10 +120,14 @@ def _report(args: argparse.Namespace) -> int:
     if len(data.runs) == 1 and (data.runs[0].get("config") or {}).get("tune"):  # a tune run: its table first
         summary = summarize(data, Path(args.out))
         lead, extra = summary.blocks, {"tune": summary.to_json()}
-        for line in [summary.table_text(), *summary.lines]:
-            print(line)
+        print(summary.table_text())
+        for line in summary.lines:
+            print("\n".join(wrapped(line)))
     out = write_report(data, Path(args.out), lead=lead, extra=extra)
-    print_summary(out)
+    if lead:  # a tune run: its table and rule are the answer, as tune's own terminal prints them
+        print_files(out)
+    else:
+        print_summary(out)
     return verdict_status(out, args.fail_on)
 
 

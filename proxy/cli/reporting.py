@@ -20,6 +20,7 @@ from proxy.bench.run.prepare import PreflightError
 from proxy.bench.run.runner import run_bench
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.inputs import Traffic
+from proxy.cli.screen import first_screen
 from proxy.procs.process import LaunchError
 
 ACCEPT_HELP = (
@@ -140,20 +141,12 @@ def verdict_status(out: dict[str, Any], fail_on: frozenset[str] | None) -> int:
 
 
 def print_summary(out: dict[str, Any]) -> None:
-    """Each verdict in a line, then the answer — the headline, as the report's first screen has it — then the
-    files."""
-    for v in out["verdicts"]:
-        print(f"verdict {v.candidate} vs {v.baseline}: {v.decision.upper()}{v.tag} — {v.summary}")
-        if v.discounted:
-            print(f"  discounted: {v.discounted}")
-    for line in out.get("arms_lines", ()):
+    """The first screen (``proxy.cli.screen``): the table, the answer once, the caveats, the files."""
+    for line in first_screen(out):
         print(line)
-    h = out.get("headline")
-    if h is not None and out["verdicts"]:
-        print()
-        for line in h.lines():
-            print(line)
-    elif not out["verdicts"]:
-        print("one engine measured: nothing to compare here (join runs with: enginemeter report --results A B)")
-    files = [str(out[k]) for k in ("report_md", "report_html", "verdict_json", "switch_plan") if out.get(k)]
-    print(f"report: {', '.join(files[:-1])} and {files[-1]}")
+
+
+def print_files(out: dict[str, Any]) -> None:
+    """Only the files written (the answer was printed before them)."""
+    for line in first_screen({**out, "verdicts": [], "headline": None})[1:]:
+        print(line)

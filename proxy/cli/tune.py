@@ -29,8 +29,10 @@ from proxy.bench.run.options import UsageError, add_workload, build_config, fail
 from proxy.bench.run.sweep import SLOT_FLAGS, slot_sweep, variants
 from proxy.bench.verdict.data import load_bench
 from proxy.cli.reporting import run_to_report
+from proxy.cli.screen import wrapped
 from proxy.config.settings import SettingsError
 from proxy.procs.launch import parse_launch
+from proxy.redact import write_private
 
 DESCRIPTION = """\
 Sweep one llama-server flag: each value launched alone, measured with the same workload (single-request decode
@@ -94,10 +96,10 @@ def _tune(args: argparse.Namespace) -> int:
         data = load_bench(results)
         summary = summarize(data, cfg.out)
         out = write_report(data, cfg.out, lead=summary.blocks, extra={"tune": summary.to_json()})
-        (cfg.out / "tune.json").write_text(summary.json_text(), encoding="utf-8")
+        write_private(cfg.out / "tune.json", summary.json_text())
         print(summary.table_text())
         for line in summary.lines:
-            print(line)
+            print("\n".join(wrapped(line)))
         print(
             f"each setting against {flag} {vs[0].value} (the verdicts, their intervals and the noise floor): "
             f"{out['report_md']}, {out['report_html']}; tune.json and verdict.json beside them"

@@ -180,13 +180,18 @@ def test_a_sentence_for_each_decision() -> None:
         "(50 now: 30 % slower, anytime-valid interval 20–40 % slower)"
     )
     # the bench's notation: a speed ratio in words, never a signed Δ, the interval in the estimate's unit
-    fast = Interval(n=119, estimate=-0.7, lo=-0.8, hi=-0.5, decision="faster", decided_after=30, drift=True)
+    fast = Interval(n=119, estimate=-0.7, lo=-0.8, hi=-0.5, decision="faster", decided_after=30)
     assert sentence("b", "a", s, fast, 0.05) == (
         "single-request decode (TPOT): b is faster than a beyond the band ±5.0 %, decided after 30 pairs "
-        "(119 now: ×3.3 faster, anytime-valid interval ×2.0–×5.0 faster) — the traffic has changed since: the "
-        "current interval no longer supports the decision"
+        "(119 now: ×3.3 faster, anytime-valid interval ×2.0–×5.0 faster)"
+    )
+    # issue 45: the sentence follows the current interval — never "slower" beside an interval that says faster
+    moved = Interval(n=602, estimate=-0.63, lo=-0.7, hi=-0.55, decision="slower", decided_after=30, drift=True)
+    assert sentence("b", "a", s, moved, 0.05) == (
+        "single-request decode (TPOT): b was slower than a beyond the band ±5.0 % after 30 pairs — the traffic has "
+        "changed since: now, after 602 pairs, b is ×2.7 faster, anytime-valid interval ×2.2–×3.3 faster"
     )
     few = Interval(n=1, estimate=-0.407, lo=None, hi=None, decision="not yet", decided_after=None)
     assert sentence("b", "a", s, few, 0.05) == (
-        "single-request decode (TPOT): not yet — 1 pairs (b 69 % faster); nothing is decided before 30 pairs"
+        "single-request decode (TPOT): not yet — 1 pair (b 69 % faster); nothing is decided before 30 pairs"
     )

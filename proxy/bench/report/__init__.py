@@ -15,5 +15,5 @@
     tunetable       ``enginemeter tune``'s table: one row of figures per setting
     livereport      the live report: the anytime-valid verdict per regime, pairs by cause, sampling, live charts
     switchplan      ``switch-plan.md``: the checklist before a switch, each item checked from the measurements
-    rollback        the switch plan's rollback record and the guarded rollout's config and commands
+    rollback        the switch plan's rollback record and the switch's config and commands: rollout or swap
 """

@@ -20,11 +20,12 @@ from proxy.bench.report.render import render_html, render_md
 from proxy.bench.report.tables import cache_blocks, engine_blocks, parity_blocks, result_blocks
 from proxy.bench.report.timeshared import launches_json, timeshared_blocks
 from proxy.bench.report.verdictsection import next_block, verdict_section
-from proxy.bench.verdict import checks
+from proxy.bench.verdict import checks, switchway
 from proxy.bench.verdict.data import Data, load_bench, read_jsonl
 from proxy.bench.verdict.decide import Verdict, decide_all
-from proxy.bench.verdict.headline import Headline, headline
+from proxy.bench.verdict.headline import Headline, answer_table, extrapolated, headline
 from proxy.bench.verdict.regimes import weigh_next
+from proxy.redact import write_private
 
 __all__ = ["Block", "Data", "load_bench", "read_jsonl", "verdict_json", "write_report"]
 
@@ -51,9 +52,12 @@ def document(
     h: Headline | None = None,
 ) -> list[Block]:
     """The report's blocks: the answer first, the verdict, then the engines, protocol, parity, the results
-    tables, the charts and how to read them. ``lead``: blocks before the verdict (``tune``'s table)."""
-    out = [Block("h1", d.title), *_ended(d), *answer_blocks(h or make_headline(d, verdicts)), *lead]
+    tables, the charts and how to read them. ``lead``: a tune's answer (its table and rule), which is then the
+    answer: the same lines its terminal printed, never a second answer above them (issue 45)."""
+    answer = list(lead) if lead else answer_blocks(h or make_headline(d, verdicts), verdicts, d)
+    out = [Block("h1", d.title), *_ended(d), *answer]
     out += verdict_section(verdicts, agreements or {}, d.results.random_weights)
+    out += [Block("p", q.evidence(random_weights=_random(d, c))) for c, q in d.results.quality.items()]
     out += arms_blocks(engine_arms, d.engines_meta)
     out += engine_blocks(d)
     out += timeshared_blocks(d.stints, d.stopped)
@@ -95,19 +99,45 @@ def _chart_blocks(charts: Mapping[str, Path], note: str | None) -> list[Block]:
     return out
 
 
-def answer_blocks(h: Headline) -> list[Block]:
-    """The report's first screen: the decision in one sentence, the regimes with their figures, the trade-offs, the
-    caveats and what to run next — the same lines the console ends with (``Headline.lines``)."""
-    out = [Block("h2", "The answer"), Block("p", f"**{h.decision.upper()}**{h.tag} — {h.sentence}")]
+def answer_blocks(h: Headline, verdicts: Sequence[Verdict], d: Data | None = None) -> list[Block]:
+    """The report's top, as the terminal's first screen (``proxy.cli.screen``): the answer's table (``Table``: the
+    deciding figures, the ratios with their intervals, TTFT / TPOT p50 and p99), then the decision in one sentence
+    without the table's figures, the traffic and what it extrapolates, how each switch named would go (rollout or
+    swap, ``switchway``), notes, trade-offs, caveats, the other candidates and what to run next — no figure said
+    twice. ``d``: the data (its requests give the p50/p99 table, its memory and launches the way)."""
+    out = [Block("h2", "The answer")]
+    if verdicts:
+        t = answer_table(verdicts, d.results.requests if d is not None else ())
+        out.append(Block("table", header=list(t.header), rows=[list(r) for r in t.rows]))
+        if t.latency_rows:
+            rows = [[r[0], *r[2:]] for r in t.latency_rows]  # its empty "figure" column: the terminal's alignment
+            out.append(Block("table", header=[t.latency_header[0], *t.latency_header[2:]], rows=rows))
+    out.append(Block("p", f"**{h.decision.upper()}**{h.tag} — {h.brief}"))
     if h.traffic:
         out.append(Block("p", f"*For the traffic given:* {h.traffic}"))
-    items = [f"*note:* {n}" for n in h.notes] + list(h.regimes) + [f"*trade-off:* {t}" for t in h.tradeoffs]
-    items += [f"*caveat:* {c}" for c in h.caveats] + list(h.others)
+    items = [f"*{n.replace(': ', ':* ', 1)}" for n in extrapolated(verdicts)] + [f"*note:* {n}" for n in h.notes]
+    items += _ways(d, h) if d is not None else []
+    items += [f"*trade-off:* {t}" for t in h.tradeoffs] + [f"*caveat:* {c}" for c in h.caveats] + list(h.others)
     if items:
         out.append(Block("ul", items=items))
     if h.next_step:
         out.append(next_block(h.next_step))
     return out
+
+
+def _ways(d: Data, h: Headline) -> list[str]:
+    """How each switch the answer names would go (switch-plan.md holds its config and commands): a guarded rollout
+    when both engines fit at once, else a swap and its expected outage — the plan's own figures."""
+    ways = []
+    for c in h.candidates or ((h.candidate,) if h.candidate else ()):
+        r = switchway.resident(d, d.results.baseline, c)
+        if r.way == "swap":
+            o = switchway.outage(d, c).seconds
+            cost = f"about {o:.0f} s without service" if o is not None else "its outage not measured"
+            ways.append(f"{c} by a swap, {cost} ({r.why})")
+        elif r.way == "rollout":
+            ways.append(f"{c} by a guarded rollout, no outage ({r.why})")
+    return [f"*how to switch ({switchplan.FILE}):* {'; '.join(ways)}"] if ways else []
 
 
 def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:
@@ -125,8 +155,9 @@ def make_headline(d: Data, verdicts: Sequence[Verdict]) -> Headline:
 
 
 #: 3: the headline (the one answer every screen prints), each verdict's cells, traffic answer and caveats, the
-#: traffic profile used, decisions depends and not yet
-VERDICT_VERSION = 3
+#: traffic profile used, decisions depends and not yet; 4: the headline's ``candidates`` (every switch no other
+#: beats beyond the noise; ``candidate`` is null when they are several) and the traffic answer's ``outcome``
+VERDICT_VERSION = 4
 
 
 def verdict_json(verdicts: Sequence[Verdict], h: Headline | None = None, **extra: Any) -> dict[str, Any]:
@@ -148,12 +179,17 @@ def clear_charts(out: Path, names: Iterable[str]) -> None:
         (out / f"{name}.svg").unlink(missing_ok=True)
 
 
+def _random(d: Data, cand: str) -> bool:
+    return bool({d.results.baseline, cand} & set(d.results.random_weights))
+
+
 def write_files(out: Path, blocks: Sequence[Block], plan: str, vj: Mapping[str, Any]) -> dict[str, Any]:
     """Write the document as report.md and report.html, the switch plan and verdict.json; their paths."""
-    (out / "report.md").write_text(render_md(blocks), encoding="utf-8")
-    (out / "report.html").write_text(render_html(blocks, out), encoding="utf-8")
-    (out / switchplan.FILE).write_text(plan, encoding="utf-8")
-    (out / "verdict.json").write_text(json.dumps(vj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    # 0600: they hold the engines' (masked) commands and errors, like the logs
+    write_private(out / "report.md", render_md(blocks))
+    write_private(out / "report.html", render_html(blocks, out))
+    write_private(out / switchplan.FILE, plan)
+    write_private(out / "verdict.json", json.dumps(vj, indent=2, ensure_ascii=False) + "\n")
     return {
         "report_md": out / "report.md",
         "report_html": out / "report.html",
@@ -175,8 +211,7 @@ def write_report(
     engine_arms = arms(d.engines_meta, d.results.baseline, verdicts)
     h = make_headline(d, verdicts)
     blocks = document(d, charts, note, verdicts, lead, agreements, engine_arms, h)
-    plan = {c: switchplan.from_agreement(a, d.results.baseline, c) for c, a in agreements.items()}
-    plan_md = switchplan.markdown(d, verdicts, plan, random_weights=d.results.random_weights)
+    plan_md = switch_plan(d, verdicts, agreements)
     vj = _verdict_json(d, verdicts, h, agreements, engine_arms)
     vj.update(extra or {})
     return {
@@ -185,7 +220,18 @@ def write_report(
         "verdicts": verdicts,
         "arms_lines": [a.text for a in engine_arms],
         "headline": h,
+        "data": d,
     }
+
+
+def switch_plan(d: Data, verdicts: Sequence[Verdict], agreements: Mapping[str, Agreement] | None = None) -> str:
+    """``switch-plan.md`` of a bench's verdicts: each candidate's outputs from its agreement and quality figures."""
+    if agreements is None:
+        agreements = {v.candidate: agreement(d.requests, v.baseline, v.candidate) for v in verdicts}
+    plan = {
+        c: switchplan.from_agreement(a, d.results.baseline, c, d.results.quality.get(c)) for c, a in agreements.items()
+    }
+    return switchplan.markdown(d, verdicts, plan, random_weights=d.results.random_weights)
 
 
 def _verdict_json(

@@ -11,13 +11,15 @@ import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from proxy.bench.quality.readout import Quality
 from proxy.bench.report.agreement import Agreement
-from proxy.bench.report.rollback import launch_command, rollback_record, rollout_section
+from proxy.bench.report.rollback import launch_command, rollback_record, rollout_section, swap_section
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Verdict
 from proxy.bench.verdict.inputs import FAILS, Sample
+from proxy.bench.verdict.switchway import resident
 from proxy.config.fields import DEFAULT_LISTEN
-from proxy.notation import gib
+from proxy.notation import count, gib
 
 FILE = "switch-plan.md"
 OK, NO, UNKNOWN = "✓", "✗", "?"
@@ -40,16 +42,19 @@ TTFT_P95 = "engine_model_role:enginemeter_time_to_first_token_seconds:p95_5m"
 
 @dataclass(frozen=True)
 class Outputs:
-    """Greedy-output agreement of a candidate with the baseline, whatever measured it (bench or mirrored pairs)."""
+    """Greedy-output agreement of a candidate with the baseline, whatever measured it (bench or mirrored pairs);
+    ``quality``: its token agreement and task accuracy where measured (``bench --agreement``, ``--eval``), which
+    judge the item — on random weights too, with their caveat."""
 
     pairs: int
     identical: int
     text: str
     recorded: bool = True
+    quality: Quality | None = None
 
 
-def from_agreement(a: Agreement, base: str, cand: str) -> Outputs:
-    return Outputs(a.pairs, a.identical, a.text(base, cand), a.recorded)
+def from_agreement(a: Agreement, base: str, cand: str, quality: Quality | None = None) -> Outputs:
+    return Outputs(a.pairs, a.identical, a.text(base, cand), a.recorded, quality)
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,10 @@ def markdown(
         f"(baseline {d.results.baseline})",
         "",
         "The checklist before a long-term switch, each item checked from this report's measurements (✓ done, "
-        "✗ not met, ? not measured), the rollback record, and the enginemeter config that moves the traffic "
-        "step by step and rolls back by itself (docs/routing.md#rollout). The evidence is in `report.md`.",
+        "✗ not met, ? not measured), the rollback record, and the enginemeter config that switches the traffic "
+        "and goes back by itself: the mirrored rollout, step by step, when both engines fit at once "
+        "(docs/routing.md#rollout); the swap, one engine at a time, when they do not (docs/routing.md#swap). The "
+        "evidence is in `report.md`.",
         "",
     ]
     if not verdicts:
@@ -104,8 +111,16 @@ def markdown(
     names = [d.results.baseline, *(v.candidate for v in verdicts)]
     lines += rollback_record(d, names)
     for v in verdicts:
-        lines += rollout_section(d, v, at)
+        lines += switch_section(d, v, at)
     return "\n".join(lines)
+
+
+def switch_section(d: Data, v: Verdict, listen: str) -> list[str]:
+    """The way from the measurements (``proxy.bench.verdict.switchway``): the swap when both engines cannot be
+    resident at once, else the mirrored rollout."""
+    if resident(d, v.baseline, v.candidate).way == "swap":
+        return swap_section(d, v, listen)
+    return rollout_section(d, v, listen)
 
 
 def checklist(d: Data, v: Verdict, outputs: Outputs | None, random_weights: Collection[str] = ()) -> list[Item]:
@@ -153,6 +168,10 @@ def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> 
     unlike = [x for x in sampling if x.outcome in FAILS]
     text = o.text if o is not None else "greedy-output agreement not measured"
     random = [n for n in (v.baseline, v.candidate) if n in random_weights]
+    if o is not None and o.quality is not None and o.quality.measured and not unlike:
+        # measured next-token agreement / task accuracy judge it, against stated bounds (random weights: the
+        # figures then measure the engines' numerics, and say so)
+        return Item(name, NO if o.quality.differs else OK, o.quality.evidence(random_weights=bool(random)))
     if random:
         # only that: the agreement's own text judges it ("the same weights should agree"), which random weights
         # cannot be held to
@@ -230,7 +249,7 @@ def _queueing(d: Data, v: Verdict) -> Item:
         return Item(
             name,
             UNKNOWN,
-            f"{v.candidate}: TTFT measured at {len(cand)} concurrency level(s) without c=1 "
+            f"{v.candidate}: TTFT measured at {count(len(cand), 'concurrency level')} without c=1 "
             "beside a higher one (--concurrency 1,N)",
         )
     top = max(cand)
@@ -247,12 +266,12 @@ def _queueing(d: Data, v: Verdict) -> Item:
                 "for others to finish"
             )
         if n is not None and n < top:
-            why.append(f"{n} slot(s) for {top} concurrent requests: the rest wait inside the engine")
+            why.append(f"{count(n, 'slot')} for {top} concurrent requests: the rest wait inside the engine")
         figures = (
             f"{e}: TTFT {f[1] * 1000:.1f} ms at c=1 → {f[top] * 1000:.1f} ms at c={top} (×{f[top] / f[1]:.2f}; "
             "a whole request alone: "
             + (f"{alone * 1000:.1f} ms" if alone else "unknown")
-            + f"), {n or 'unknown'} slot(s)"
+            + f"), {count(n, 'slot') if n else 'slots unknown'}"
         )
         return (True if why else False if alone else None), figures + (f" — {'; '.join(why)}" if why else "")
 
@@ -270,30 +289,42 @@ def _queueing(d: Data, v: Verdict) -> Item:
 
 
 def _memory(d: Data, v: Verdict) -> Item:
-    name = "Memory peak leaves headroom"
+    """What will be resident at once: both engines for the mirrored rollout (their peaks summed), one at a time for
+    the swap (the candidate alone, as the verdict's memory gate judged it); ``proxy.bench.verdict.switchway``."""
+    name = "Memory: what is resident at once fits"
     gate = next((x for x in v.reasons if x.step == "memory"), None)
-    mine = [s for s in d.results.samples if s.engine == v.candidate and s.gpu_mem_peak_bytes is not None]
-    peak = max((s.gpu_mem_peak_bytes or 0 for s in mine), default=None)
-    total = max((s.gpu_mem_total_bytes or 0 for s in mine), default=0) or None
-    budget = d.results.memory_budget_bytes
+    at = resident(d, v.baseline, v.candidate)
+    peak = at.peaks[v.candidate]
+    total = max((s.gpu_mem_total_bytes or 0 for s in d.results.samples if s.engine == v.candidate), default=0)
     text = gate.text if gate is not None else "the verdict judged no memory"
     if gate is None or peak is None or gate.outcome == "note":
         return Item(
             name,
             UNKNOWN,
-            f"{text} (a GPU memory reading per engine: NVML, or bench --through the proxy; a budget: --memory-budget)",
+            f"{text} (a GPU memory reading per engine: NVML, or bench --through the proxy; a budget: --memory-budget)"
+            + (f"; at once: {at.why}" if at.way else ""),
         )
     if gate.outcome in FAILS:
         return Item(name, NO, text)
-    ref, what = (budget, "the budget") if budget else (total, "the card")
-    room = f"; headroom {gib(ref - peak)} ({(ref - peak) / ref:.0%} of {what})" if ref else ""
-    if total and peak > NEAR_FULL * total:
+    if at.way is None:
+        return Item(name, UNKNOWN, f"{v.candidate} alone: {text}; both at once: {at.why}")
+    together = at.way == "rollout" and not at.why.startswith(f"{v.baseline} and {v.candidate} run on different")
+    held = (at.together() or peak) if together else peak
+    ref = at.limit or total or None
+    room = f"; headroom {gib(ref - held)} ({(ref - held) / ref:.0%} of the {at.limit_what})" if ref else ""
+    lead = (
+        f"both at once (the mirrored rollout): {at.why}"
+        if together
+        else f"each on its own (the mirrored rollout): {at.why}"
+        if at.way == "rollout"
+        else f"one at a time (the swap): {at.why}, so never both; {v.candidate} alone"
+    )
+    said = f"{lead}{room}; {v.candidate} alone: {text}" if together else f"{lead}: {text}{room}"
+    if total and held > NEAR_FULL * total:
         return Item(
-            name,
-            NO,
-            f"{text}{room} — under the {1 - NEAR_FULL:.0%} of the card EnginemeterGPUMemoryNearFull leaves free",
+            name, NO, f"{said} — under the {1 - NEAR_FULL:.0%} of the card EnginemeterGPUMemoryNearFull leaves free"
         )
-    return Item(name, OK, text + room)
+    return Item(name, OK, said)
 
 
 def _monitoring(d: Data, v: Verdict) -> Item:

@@ -11,7 +11,7 @@ from typing import Any
 
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.inputs import Cell, Sample
-from proxy.notation import gib
+from proxy.notation import gib, seconds
 
 
 @dataclass
@@ -61,7 +61,8 @@ def _spread(vals: Sequence[float | None]) -> tuple[float, float, float] | None:
 
 
 def _ms(x: float | None) -> str:
-    return "–" if x is None else f"{x * 1000:.1f} ms" if x < 10 else f"{x:.1f} s"
+    """A time in the one notation (``proxy.notation.seconds``)."""
+    return "–" if x is None else seconds(x)
 
 
 def table(flag: str, settings: Sequence[Row]) -> tuple[list[str], list[list[str]]]:
@@ -75,8 +76,8 @@ def table(flag: str, settings: Sequence[Row]) -> tuple[list[str], list[list[str]
         "decode",
         "single tok/s",
         f"c={conc or '?'} tok/s",
-        "TTFT c=1",
-        f"TTFT c={conc or '?'}",
+        "TTFT c=1 (median)",  # a median of the repeats' medians: the verdict's tables show means, and say so
+        f"TTFT c={conc or '?'} (median)",
         "single request",
         "under load",
     ]
@@ -86,7 +87,7 @@ def table(flag: str, settings: Sequence[Row]) -> tuple[list[str], list[list[str]
             [
                 r.value,
                 gib(r.memory_peak_bytes) if r.memory_peak_bytes is not None else "unknown",
-                f"{r.load_s:.1f} s" if r.load_s is not None else "–",
+                seconds(r.load_s) if r.load_s is not None else "–",
                 f"{r.prompt_ms_per_token:.2f} ms/token" if r.prompt_ms_per_token is not None else "–",
                 f"{r.decode_ms_per_token:.2f} ms/token" if r.decode_ms_per_token is not None else "–",
                 f"{r.single_tps[0]:.0f}" if r.single_tps else "–",

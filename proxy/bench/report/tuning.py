@@ -62,7 +62,7 @@ class TuneSummary:
         header, rows = table(self.flag, self.rows)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        return "\n".join([fmt.format(*header), *(fmt.format(*r) for r in rows)])
+        return "\n".join(fmt.format(*r).rstrip() for r in (header, *rows))
 
 
 def _winning(v: Verdict, step: str) -> Comparison | None:

@@ -3,13 +3,25 @@
 Timing is the proxy's: ``SSEFramer`` + ``StreamTimer`` + ``StreamTiming.derive``, events read by
 ``proxy.stream.read_event`` (the one reader shared with the relay and the perf harness) — so TTFT/TPOT/decode
 tok/s mean the same here and in ``/metrics``.
+
+The client measures itself too (``LoopLag``, as the proxy's ``proxy.server.record.loopwatch`` does): a timer every
+``LAG_PROBE_S`` on the bench's event loop; how late it fires is how long the client could not read (its loop busy,
+its process descheduled on a loaded box). Each request gets the longest such stall while it ran
+(``client_lag_s``), and a burst — token events read together, ``proxy.timing.is_burst`` — is the *client's*
+(``client_burst``) when a stall of the client ended where the events piled up and lasted long enough to have held
+them (most of the time the engine took to make them, at the engine's cadence). A burst
+with no such stall is the engine's (or a buffering hop's): nothing the bench did explains it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import statistics
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -17,24 +29,33 @@ from typing import IO, Any
 import httpx
 
 from proxy.config.settings import MIRROR_HEADER
+from proxy.redact import private_file, redact_command
 from proxy.sse import SSEFramer
 from proxy.stream import error_text, loads, read_event
-from proxy.timing import EngineTimings, StreamTimer, StreamTiming, Usage
+from proxy.timing import BURST_GAP_S, EngineTimings, StreamTimer, StreamTiming, Usage
 
 CHAT_PATH = "/v1/chat/completions"
 #: every bench request says so: through a mirroring proxy it is then never copied to a shadow (a copy would
 #: pre-warm the shadow's cache with the "cold" prompts and land in the comparison log); engines ignore it
 NO_MIRROR = {MIRROR_HEADER: "off"}
 _NEVER_SEEN = "Server disconnected without sending a response"
+#: the client's lag probe: its period, the shortest lateness kept (an idle loop is 0-1 ms late), how many kept
+LAG_PROBE_S = 0.005
+LAG_KEPT_S = 0.001
+LAG_KEEP = 100_000
+#: how much of the time the piled events took to make a client's stall must cover for the burst to be its own
+HELD_SHARE = 0.75
+NS = 1_000_000_000
 
 
 class Writer:
-    """Appends one JSON object per line and flushes each: Ctrl-C keeps everything that finished."""
+    """Appends one JSON object per line and flushes each: Ctrl-C keeps everything that finished. The file is
+    0600 (it holds engine errors and the run's commands)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f: IO[str] = path.open("w", encoding="utf-8")
+        self._f: IO[str] = private_file(path).open("w", encoding="utf-8")  # engine errors, commands: 0600
 
     def write(self, rec: Mapping[str, Any]) -> None:
         self._f.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
@@ -59,6 +80,12 @@ class RequestOutcome:
     retried: bool = False
     #: the generated text (choice 0's content, reasoning first): greedy outputs are compared across engines
     text: str = ""
+    #: when the first token event was read (perf_counter ns; 0: none)
+    t_first_token_ns: int = 0
+    #: the client's longest stall while this request ran (``LoopLag``; None: not watched)
+    client_lag_s: float | None = None
+    #: the burst (``timing.burst``) is the client's: it stalled where the events piled up (module docstring)
+    client_burst: bool = False
 
     @property
     def cached_tokens(self) -> int | None:
@@ -127,7 +154,7 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
                         usage = info.usage or usage
                         engine_t = info.timings or engine_t
     except httpx.HTTPError as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
+        error = redact_command(f"{type(exc).__name__}: {exc}")[:200]
     timer.done()
     if error is None and timer.t_first_token_ns == 0:
         error = "no token received"
@@ -151,4 +178,75 @@ async def _send_once(client: httpx.AsyncClient, body: bytes, headers: Mapping[st
         t_start_ns=timer.t_received_ns,
         t_done_ns=timer.t_done_ns,
         text="".join(parts),
+        t_first_token_ns=timer.t_first_token_ns,
     )
+
+
+class LoopLag:
+    """The bench client's own scheduling delay (module docstring): ``watching`` runs the probe on the running
+    loop; ``annotate`` gives a finished request its ``client_lag_s`` and ``client_burst``."""
+
+    def __init__(self, probe_s: float = LAG_PROBE_S) -> None:
+        self.probe_s = probe_s
+        #: (end, lateness) of each stall: the loop could not run from ``end - lateness`` to ``end`` (perf ns)
+        self.stalls: deque[tuple[int, int]] = deque(maxlen=LAG_KEEP)
+
+    async def _probe(self) -> None:
+        step = int(self.probe_s * NS)
+        while True:
+            due = time.perf_counter_ns() + step
+            await asyncio.sleep(self.probe_s)
+            now = time.perf_counter_ns()
+            if now - due >= LAG_KEPT_S * NS:
+                self.stalls.append((now, now - due))
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[LoopLag]:
+        task = asyncio.get_running_loop().create_task(self._probe())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def worst(self, t_a_ns: int, t_b_ns: int) -> float:
+        """The longest stall that overlapped ``[t_a_ns, t_b_ns]``, in seconds (0: none)."""
+        return max((lag for end, lag in self.stalls if end > t_a_ns and end - lag < t_b_ns), default=0) / NS
+
+    def annotate(self, o: RequestOutcome) -> RequestOutcome:
+        o.client_lag_s = self.worst(o.t_start_ns, o.t_done_ns or time.perf_counter_ns())
+        o.client_burst = bool(o.timing.burst and o.client_lag_s and self._held(o))
+        return o
+
+    def _held(self, o: RequestOutcome) -> bool:
+        """Whether stalls of the client explain the burst: most of its piled events (those read under
+        ``BURST_GAP_S`` after the one before) are in runs that a stall of the client ended (within two probes)
+        after covering three quarters of the time the engine took to make the run, at its cadence (its own
+        per-token time where it reports one, else the stream's gaps between events not piled, two at least). A
+        stream with no cadence to read (every event in one read, no engine timings) is the engine's."""
+        gaps = [int(g * NS) for g in o.timing.gaps_s]
+        made = [g for g in gaps if g >= BURST_GAP_S * NS]
+        own = o.engine.predicted_per_second if o.engine is not None else None
+        cadence = NS / own if own else (statistics.median(made) if len(made) >= 2 else None)
+        if cadence is None or not o.t_first_token_ns:
+            return False
+        runs: list[list[int]] = []  # the read times of each run of piled events
+        t, short = o.t_first_token_ns, False
+        for g in gaps:
+            t += g
+            if g < BURST_GAP_S * NS:
+                if not short:
+                    runs.append([])
+                runs[-1].append(t)
+            short = g < BURST_GAP_S * NS
+        near = 2 * int(self.probe_s * NS)
+        stalls = [(end, lag) for end, lag in self.stalls if end > o.t_start_ns]
+        held = sum(
+            len(run)
+            for run in runs
+            if any(
+                lag >= HELD_SHARE * len(run) * cadence and run[0] - near <= end <= run[-1] + near for end, lag in stalls
+            )
+        )
+        return 2 * held >= sum(len(run) for run in runs) > 0

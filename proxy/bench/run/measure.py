@@ -28,13 +28,14 @@ import httpx
 
 from proxy.bench.run.benchconfig import BenchConfig, CellSpec, Target, build_body
 from proxy.bench.run.busy import BusyWatch, InFlight
-from proxy.bench.run.client import RequestOutcome, Writer, send_one
+from proxy.bench.run.client import LoopLag, RequestOutcome, Writer, send_one
 from proxy.bench.run.memprobe import MemorySource
 from proxy.bench.run.progress import Progress
 from proxy.bench.run.records import request_record, sample_record
 from proxy.bench.run.schedule import Job, Plan, prompts_for
 from proxy.bench.run.targets import flush_cache
 from proxy.bench.suite import Prompt
+from proxy.redact import redact_url
 
 Fire = Callable[[Target, Prompt, str, int, bool], Any]
 
@@ -110,53 +111,56 @@ async def measure(
     prog = Progress(total, cfg.progress)
     inflight = InFlight()
     busy = BusyWatch(servers, inflight)
+    lag = LoopLag()  # the client's own scheduling delay, given to every request (proxy.bench.run.client)
 
     async def fire(t: Target, prompt: Prompt, prefix: str, max_tokens: int, cold: bool) -> RequestOutcome:
         body = json.dumps(build_body(cfg, t, _with_prefix(prompt, prefix), max_tokens, cold=cold)).encode()
         server = t.url or ""
         inflight.up(server)
         try:
-            return await send_one(ctx.clients[t.name], body, ctx.headers[t.name])
+            return lag.annotate(await send_one(ctx.clients[t.name], body, ctx.headers[t.name]))
         finally:
             inflight.down(server)
 
-    try:
-        for t in real:  # warm-up: discarded from every figure (a second pass shares its engine's)
-            prog.label = f"{label}warm-up {t.name}"
-            for i in range(cfg.warmup):
-                p = prompts[i % len(prompts)]
-                o = await fire(t, p, f"[{secrets.token_hex(4)} warmup {ctx.run_id}] ", cfg.max_tokens, True)
-                w.write(request_record(t, o, ctx.t0_ns, phase="warmup", prompt=p.id))
-                prog.step()
-        for cache in ("cold", "warm"):
-            phase_cells = [c for c in cells if c.cache == cache]
-            if not phase_cells:
-                continue
-            for t in real:
-                note = await flush_cache(t)
-                if note:
-                    w.write({"type": "note", "engine": t.name, "phase": cache, "text": note})
-            if cache == "warm":  # prime every engine's prompt cache with each bare prompt once (discarded)
+    async with lag.watching():
+        try:
+            for t in real:  # warm-up: discarded from every figure (a second pass shares its engine's)
+                prog.label = f"{label}warm-up {t.name}"
+                for i in range(cfg.warmup):
+                    p = prompts[i % len(prompts)]
+                    o = await fire(t, p, f"[{secrets.token_hex(4)} warmup {ctx.run_id}] ", cfg.max_tokens, True)
+                    w.write(request_record(t, o, ctx.t0_ns, phase="warmup", prompt=p.id))
+                    prog.step()
+            for cache in ("cold", "warm"):
+                phase_cells = [c for c in cells if c.cache == cache]
+                if not phase_cells:
+                    continue
                 for t in real:
-                    prog.label = f"{label}priming {t.name}"
-                    for p in prompts:
-                        o = await fire(t, p, "", cfg.max_tokens, False)
-                        w.write(request_record(t, o, ctx.t0_ns, phase="prime", prompt=p.id))
-                        prog.step()
-            for j, cell in enumerate(phase_cells):
-                await _run_cell(ctx, engines, cell, j, pl, prog, mem, fire, busy, fresh_prefixes, label)
-        for server in sorted(busy.unwatched):
-            names = ", ".join(t.name for t in real if t.url == server)
-            w.write(
-                {
-                    "type": "note",
-                    "engine": names,
-                    "text": f"foreign load not watched: {server} does not say how many requests it is running",
-                }
-            )
-    finally:
-        prog.close()
-        await busy.aclose()
+                    note = await flush_cache(t)
+                    if note:
+                        w.write({"type": "note", "engine": t.name, "phase": cache, "text": note})
+                if cache == "warm":  # prime every engine's prompt cache with each bare prompt once (discarded)
+                    for t in real:
+                        prog.label = f"{label}priming {t.name}"
+                        for p in prompts:
+                            o = await fire(t, p, "", cfg.max_tokens, False)
+                            w.write(request_record(t, o, ctx.t0_ns, phase="prime", prompt=p.id))
+                            prog.step()
+                for j, cell in enumerate(phase_cells):
+                    await _run_cell(ctx, engines, cell, j, pl, prog, mem, fire, busy, fresh_prefixes, label)
+            for server in sorted(busy.unwatched):
+                names = ", ".join(t.name for t in real if t.url == server)
+                w.write(
+                    {
+                        "type": "note",
+                        "engine": names,
+                        "text": f"foreign load not watched: {redact_url(server)} does not say how many requests it is "
+                        "running",
+                    }
+                )
+        finally:
+            prog.close()
+            await busy.aclose()
 
 
 async def _run_repeat(

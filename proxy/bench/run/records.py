@@ -1,4 +1,9 @@
-"""The JSONL records of measured work: one ``request`` per request, one ``sample`` per cell repeat per engine."""
+"""The JSONL records of measured work: one ``request`` per request, one ``sample`` per cell repeat per engine.
+
+A burst (token events read together) is the engine's or the client's (``proxy.bench.run.client.LoopLag``): each
+request says which (``burst_cause``) and how long the client stalled while it ran (``client_lag_s``); a sample
+counts the engine's bursts (``bursts``, ``bursts_unrated``) apart from the client's (``bursts_client``,
+``bursts_client_unrated``), with the client's longest stall in the repeat (``client_lag_max_s``)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ def request_record(t: Target, o: RequestOutcome, t0_ns: int, **extra: Any) -> di
         "tpot_s": tm.tpot_s,
         "decode_tps": tm.decode_tps,
         "burst": tm.burst,  # the token events came in one read: tpot/decode are the engine's own, or None
+        "burst_cause": ("client" if o.client_burst else "engine") if tm.burst else None,
+        "client_lag_s": None if o.client_lag_s is None else round(o.client_lag_s, 6),
         "e2e_s": tm.e2e_s,
         "itl_s": [round(g, 6) for g in tm.gaps_s],
         "prompt_tokens": u.prompt_tokens if u else None,
@@ -97,8 +104,11 @@ def sample_record(
         "engine_decode_tps": _median(
             [o.engine.predicted_per_second for o in ok if o.engine and o.engine.predicted_per_second is not None]
         ),
-        "bursts": sum(1 for o in ok if o.timing.burst),
-        "bursts_unrated": sum(1 for o in ok if o.timing.burst and o.timing.decode_tps is None),
+        "bursts": sum(1 for o in ok if o.timing.burst and not o.client_burst),
+        "bursts_unrated": sum(1 for o in ok if o.timing.burst and not o.client_burst and o.timing.decode_tps is None),
+        "bursts_client": sum(1 for o in ok if o.client_burst),
+        "bursts_client_unrated": sum(1 for o in ok if o.client_burst and o.timing.decode_tps is None),
+        "client_lag_max_s": max((o.client_lag_s for o in outs if o.client_lag_s is not None), default=None),
         "gpu_mem_peak_bytes": mem_peak,
         "gpu_mem_source": mem.source,
         "gpus": list(mem.gpus.get(mem_engine, ())),

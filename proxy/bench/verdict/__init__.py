@@ -12,7 +12,8 @@ regimes     the comparisons -> one answer per regime, and what to run next
 conclusion  the regimes' answers -> the decision, its summary and what to run next
 decide      ``Results`` -> one ``Verdict`` per candidate: gates first, then the regimes
 weighting   a traffic profile (``--traffic``) and the decision for it: the cells weighted by its shares
-headline    the one answer every screen prints: the verdicts read together, the best switch first
+headline    the one answer every screen prints: its table (figures, ratios, p50/p99), the verdicts read together
+switchway   the way to switch from the measurements: rollout (both fit at once) or swap, its outage and timing
 checks      checks of the protocol itself (first repeat, order, foreign load)
 workload    arrivals, percentiles, goodput: per-cell figures
 """

@@ -10,6 +10,7 @@ from typing import Any
 
 from proxy.bench.verdict.inputs import Assessment, Cell
 from proxy.bench.verdict.stats import Paired
+from proxy.judge import judge
 from proxy.notation import band, faster, faster_interval, figure, unit
 
 #: more repeats than this is not a rerun anyone will make: "no feasible number resolves it"
@@ -69,18 +70,10 @@ class Comparison:
     def outcome(self) -> Assessment:
         if self.flagged:
             return "flagged"
+        # ``proxy.judge``: a tie is the whole interval inside the band shown: no difference as large as the minimum
+        # effect, or — when the run's noise floor (and a protocol bias) is wider — none this run could have seen
         _, lo, hi = self.log_gain
-        if lo > log_ratio(self.win_band):
-            return "win"
-        if hi < -log_ratio(self.win_band):
-            return "loss"
-        # a tie is the whole interval inside the band shown: no difference as large as the minimum effect, or —
-        # when the run's noise floor (and a protocol bias) is wider — none this run could have seen (the text says
-        # which band it is)
-        b = log_ratio(self.win_band)
-        if -b <= lo and hi <= b:
-            return "tie"
-        return "unresolved"
+        return judge(lo, hi, log_ratio(self.win_band))
 
     @property
     def speed(self) -> tuple[float, float, float]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy import engines
+from proxy.bench.quality.readout import quality_by_candidate
 from proxy.bench.suite import SHARED_PREFIX
 from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
 from proxy.bench.verdict.provenance import bench_command, protocol, report_command
@@ -249,6 +250,7 @@ def _results(
         time_shared=bool(run.get("time_shared")),
         memory_share=_memory_share(run),
         random_weights={e["name"]: why for e in run["engines"] if (why := weights_random(e))},
+        quality=quality_by_candidate(recs, baseline),
     )
 
 
@@ -274,6 +276,9 @@ def _sample(r: Mapping[str, Any]) -> Sample:
         goodput_rps=r.get("goodput_rps"),
         bursts=int(r.get("bursts") or 0),
         bursts_unrated=int(r.get("bursts_unrated") or 0),
+        bursts_client=int(r.get("bursts_client") or 0),
+        bursts_client_unrated=int(r.get("bursts_client_unrated") or 0),
+        client_lag_max_s=r.get("client_lag_max_s"),
         percentiles={k: v for k, v in r.items() if k.endswith(("_p50_s", "_p90_s", "_p99_s"))},
     )
 

@@ -64,10 +64,14 @@ __all__ = [
 ]
 
 
-def discounted_tag(discounted: str | None) -> str:
+def discounted_tag(discounted: str | None, differs: str | None = None) -> str:
     """``" (discounted)"`` after a decision whose answer includes more than the engines (a declared precision
-    difference), else ``""``."""
-    return " (discounted)" if discounted else ""
+    difference), else ``""``; ``differs``: a faster candidate answers differently (a quality bound crossed):
+    ``" (discounted; faster, but answers differently: same top token 80.6 % [77.4–83.6] < 90%)"``."""
+    tags = ["discounted"] if discounted else []
+    if differs:
+        tags.append(f"faster, but answers differently: {differs}")
+    return f" ({'; '.join(tags)})" if tags else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +97,14 @@ class Verdict:
     traffic: TrafficAnswer | None = None
     #: what stands beside the answer without changing it (a memory excess a setting makes, within 2 % of the budget)
     caveats: tuple[str, ...] = ()
+    #: a SWITCH whose candidate answers differently (``proxy.bench.quality``: a bound its agreement or accuracy
+    #: crosses, said in the tag: "faster, but answers differently: ..."); None: within the bounds or not measured
+    differs: str | None = None
 
     @property
     def tag(self) -> str:
         """What follows the decision wherever it is written: ``discounted_tag``."""
-        return discounted_tag(self.discounted)
+        return discounted_tag(self.discounted, self.differs)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,6 +132,7 @@ class Verdict:
             "regimes": [a.to_json() for a in self.regimes],
             "next_step": self.next_step,
             "discounted": self.discounted,
+            "answers_differently": self.differs,
             "reasons": [
                 {"gate": x.step, "check": x.check, "outcome": x.outcome, "decisive": x.decisive, "text": x.text}
                 for x in self.reasons
@@ -183,6 +191,7 @@ def decide(r: Results, candidate: str) -> Verdict:
     live = r.live_findings.get(candidate) if r.live else None
     c = conclude(r, base, candidate, reasons, comps, max(slots) if slots else None, cells, answer, live)
     b, k = infos[base], infos[candidate]
+    qual = r.quality.get(candidate)
     return Verdict(
         base,
         candidate,
@@ -195,10 +204,13 @@ def decide(r: Results, candidate: str) -> Verdict:
         "A/A pass" if aa else "run-to-run variation",
         c.regimes,
         c.next_step,
-        discount(b, k) if r.accept_quantization_difference and quant_differs(b, k) else None,
+        discount(b, k, qual.short() if qual else None)
+        if r.accept_quantization_difference and quant_differs(b, k)
+        else None,
         tuple(cells),
         answer,
         tuple(x.text for x in c.reasons if x.check == CAVEAT),
+        qual.differs if qual is not None and c.decision == "switch" else None,
     )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.bench.quality.readout import Quality
 from proxy.levels import by_level
 from proxy.sequential import MIN_EFFECT as SEQ_MIN_EFFECT
 
@@ -76,6 +77,11 @@ class Sample:
     #: those without engine timings (no decode rate at all)
     bursts: int = 0
     bursts_unrated: int = 0
+    #: bursts the bench's own client caused (it stalled where the events piled up: ``proxy.bench.run.client``), not
+    #: counted above; of them those without engine timings; the client's longest stall in the repeat (s)
+    bursts_client: int = 0
+    bursts_client_unrated: int = 0
+    client_lag_max_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +240,6 @@ class Results:
     #: engine -> why its weights are known to be random (dummy loads, generated models, ``--weights random``):
     #: outputs say nothing about correctness, and greedy agreement cannot be judged
     random_weights: Mapping[str, str] = field(default_factory=dict)
+    #: candidate -> its token agreement and task accuracy against the baseline (``bench --agreement``, ``--eval``;
+    #: ``proxy.bench.quality``): what the discount says was measured, and the bound a faster one may cross
+    quality: Mapping[str, Quality] = field(default_factory=dict)

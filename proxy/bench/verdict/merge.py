@@ -14,6 +14,10 @@ again, so it becomes that engine's A/A pass (``NAME-aa``, ``aa_of: NAME``). For 
 user's separate runs need (restart-to-restart and day-to-day noise), preferred over an A/A pass inside one run;
 the report says which floor it used, or that there is none. Nothing else changes: the requests pair by (cell,
 repeat, index) as within one run, so two files split from one run give that run's verdict.
+
+Each run's quality figures (token agreement, task accuracy: ``proxy.bench.quality``) are kept, their engines
+renamed, whatever the order of the files: those measured against the joined baseline or against its A/A pass (the
+same engine measured again in that run); a figure against another engine has no baseline here and is left out.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.quality.readout import Quality
 from proxy.bench.verdict.data import Data, load_bench
 from proxy.bench.verdict.inputs import Results
 from proxy.bench.verdict.provenance import report_command
@@ -234,7 +239,23 @@ def _joined(
         memory_share={ren[e]: v for d, ren in each for e, v in d.results.memory_share.items()},
         time_shared=True,
         random_weights={ren[e]: v for d, ren in each for e, v in d.results.random_weights.items()},
+        quality=_quality(each, aa_of, bl),
     )
+
+
+def _quality(each: Sequence[tuple[Data, dict[str, str]]], aa_of: Mapping[str, str], bl: str) -> dict[str, Quality]:
+    """Every run's quality figures against the joined baseline (or its A/A pass), renamed; in candidate order."""
+    out: dict[str, Quality] = {}
+    for d, ren in each:
+        base = ren.get(d.results.baseline, d.results.baseline)
+        if bl not in (base, aa_of.get(base)):
+            continue
+        for cand, q in d.results.quality.items():
+            new = ren.get(cand, cand)
+            agree = q.agreement and dataclasses.replace(q.agreement, base=bl, cand=new)
+            acc = q.accuracy and dataclasses.replace(q.accuracy, base=bl, cand=new)
+            out[new] = Quality(agree, acc)
+    return dict(sorted(out.items()))
 
 
 def _joined_role(engine: Any, bl: str, meta: Sequence[Mapping[str, Any]]) -> str:

@@ -115,7 +115,11 @@ def _missing_flags(step: str, slots: int | None, live: bool = False) -> str:
         while levels[-1] < min(max(4, slots or 4), 64):
             levels.append(levels[-1] * 4)
         return f"--concurrency {','.join(map(str, levels))}"
-    return "--prompt-lengths short,long (or 4k, 16k: the longest the context holds)"
+    return "--prompt-lengths short,long"
+
+
+#: what the flags cannot say, in the sentence beside them (never inside a command: a printed command must run)
+_FLAGS_HINT = {"long-context": " (or 4k, 16k: the longest the context holds)"}
 
 
 def break_even(comps: Sequence[Comparison], base: str, cand: str) -> BreakEven | None:
@@ -142,7 +146,7 @@ def answer(
     prim = next((c for c in mine if c.primary), None)
     if prim is None:
         flags = _missing_flags(step, slots, live)
-        text = f"{title}: not measured — " + (f"needs {flags}" if live else f"add {flags}")
+        text = f"{title}: not measured — " + (f"needs {flags}" if live else f"add {flags}{_FLAGS_HINT.get(step, '')}")
         return RegimeAnswer(step, title, "not measured", text, fix=None if live else flags, head="not measured")
     decider, a = prim, prim.outcome
     if step == "throughput" and a in ("tie", "unresolved"):

@@ -31,6 +31,7 @@ from typing import Any
 from proxy.bench.suite import ORDER, TARGET_TOKENS, length_rank
 from proxy.bench.verdict.comparison import Comparison, log_ratio
 from proxy.bench.verdict.inputs import Traffic
+from proxy.judge import judge
 from proxy.notation import band, faster_ci
 
 Z = 1.959963984540054
@@ -121,10 +122,15 @@ class TrafficAnswer:
     #: the effect and why it decides, without the decision's word ("sglang is ×2.2 faster than llama (...), beyond
     #: the band ±14 %")
     text: str
+    #: ``proxy.judge`` of the weighted interval against the weighted band (the decision's source)
+    outcome: str = "unresolved"
+    #: the weighted log gain and its interval (what ``ratio``, ``lo``, ``hi`` are the exponentials of)
+    log_gain: tuple[float, float, float] = (math.nan, math.nan, math.nan)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "decision": self.decision,
+            "outcome": self.outcome,
             "speed_ratio": self.ratio,
             "ci95": [self.lo, self.hi],
             "band": self.band,
@@ -171,33 +177,32 @@ def weigh(
             parts.append(Part(cs * ps, conc, have, near, note))
     flagged = [x for x in parts if x.cell.outcome == "flagged"]
     g = sum(x.weight * x.cell.log_gain[0] for x in parts)
-    var = sum((x.weight * _se(x.cell)) ** 2 for x in parts)
-    lo, hi = g - Z * math.sqrt(var), g + Z * math.sqrt(var)
+    # each cell's interval keeps its own shape (a one-cell profile has exactly the cell's interval): the lower and
+    # the upper half-widths combine as independent, each on its own side
+    lo = g - math.sqrt(sum((x.weight * (x.cell.log_gain[0] - x.cell.log_gain[1])) ** 2 for x in parts))
+    hi = g + math.sqrt(sum((x.weight * (x.cell.log_gain[2] - x.cell.log_gain[0])) ** 2 for x in parts))
     b = sum(x.weight * log_ratio(x.cell.win_band) for x in parts)
-    tie = sum(x.weight * log_ratio(x.cell.band) for x in parts)
     r, rlo, rhi = math.exp(g), math.exp(lo), math.exp(hi)
     if r >= 1:
         est = f"{cand} is {faster_ci(r, rlo, rhi).replace(' (95% CI', f' than {base} (95% CI', 1)}"
     else:
         est = f"{base} is {faster_ci(1 / r, 1 / rhi, 1 / rlo).replace(' (95% CI', f' than {cand} (95% CI', 1)}"
+    outcome = judge(lo, hi, b)  # the one rule, as each cell is judged
     if flagged:
         decision = "inconclusive"
         why = f"{len(flagged)} of its cells cannot decide ({flagged[0].cell.flagged})"
-    elif lo > b:
+    elif outcome == "win":
         decision, why = "switch", f"beyond the band {band(math.expm1(b))}"
-    elif hi < -b:
+    elif outcome == "loss":
         decision, why = "stay", f"beyond the band {band(math.expm1(b))}"
-    elif -tie <= lo and hi <= tie:
-        decision, why = "stay", f"a tie: inside the band {band(math.expm1(tie))}, no difference worth a switch"
+    elif outcome == "tie":
+        decision, why = "stay", f"a tie: inside the band {band(math.expm1(b))}, no difference worth a switch"
     else:
         decision, why = "inconclusive", f"the interval crosses the band {band(math.expm1(b))}"
     text = f"{est}, {why}"
-    return TrafficAnswer(decision, r, rlo, rhi, math.expm1(b), tuple(parts), tuple(dict.fromkeys(notes)), text)
-
-
-def _se(c: Comparison) -> float:
-    _, lo, hi = c.log_gain
-    return (hi - lo) / (2 * Z) if math.isfinite(hi - lo) else math.inf
+    return TrafficAnswer(
+        decision, r, rlo, rhi, math.expm1(b), tuple(parts), tuple(dict.fromkeys(notes)), text, outcome, (g, lo, hi)
+    )
 
 
 def crossing(cells: Sequence[Comparison], prompt: str | None) -> tuple[int, int, float] | None:

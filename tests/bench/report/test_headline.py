@@ -68,10 +68,11 @@ def chromium() -> str | None:
 @pytest.mark.skipif(chromium() is None, reason="chromium is not installed (scripts/install-report-tools.sh)")
 @pytest.mark.parametrize("report", ["docs/sample-report", "docs/gpu-results/h200-2026-12-03-27b/report"])
 def test_the_answer_is_on_the_first_screen_of_the_html(report: str, tmp_path: Path) -> None:
-    """The committed reports, drawn by a real browser at 1280 x 800: the answer — the decision's sentence — ends
-    above the fold; a screenshot is taken too (kept in tmp_path)."""
+    """The committed reports, drawn by a real browser at 1280 x 800: the answer — the table, then the decision's
+    sentence — ends above the fold; a screenshot is taken too (kept in tmp_path)."""
     page = (REPO / report / "report.html").read_text()
-    probe = ("<script>const p = document.querySelector('#the-answer + p').getBoundingClientRect();"
+    # the decision's paragraph: the first after the heading (below the answer's tables)
+    probe = ("<script>const p = document.querySelector('#the-answer ~ p').getBoundingClientRect();"
              "document.body.setAttribute('data-answer-bottom', String(Math.round(p.bottom)));</script></body>")  # fmt: skip
     copy = tmp_path / "report.html"
     copy.write_text(page.replace("</body>", probe))

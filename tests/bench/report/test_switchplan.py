@@ -40,7 +40,7 @@ from tests.system.test_cli import cli
 
 ITEMS = ["Compared under the same conditions", "Speed verdict", "Outputs agree under the same parameters",
          "No OOM, no errors as concurrency rises", "No obvious queueing as concurrency rises",
-         "Memory peak leaves headroom", "Monitoring covers liveness and latency", "The rollback record is ready"]  # fmt: skip
+         "Memory: what is resident at once fits", "Monitoring covers liveness and latency", "The rollback record is ready"]  # fmt: skip
 
 
 def items(md: str) -> dict[str, tuple[str, str]]:
@@ -87,7 +87,7 @@ def launched(llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.
 
 def test_a_bench_of_two_launched_engines_plans_the_switch_with_every_item_and_both_commands(launched: Bench) -> None:
     plan = launched.out / "switch-plan.md"
-    assert f"and {plan}\n" in launched.printed  # the "report: ..." line names it
+    assert f"and {plan}" in " ".join(launched.printed.split())  # the "report: ..." line names it (wrapped or not)
     assert json.loads((launched.out / "verdict.json").read_text())["switch_plan"] == "switch-plan.md"
     md = plan.read_text()
     got = items(md)
@@ -103,16 +103,20 @@ def test_a_bench_of_two_launched_engines_plans_the_switch_with_every_item_and_bo
     assert mark == "✓" and re.search(r"np2 0 of \d+ failed \(c=1: 0/\d+, c=2: 0/\d+\)", ev), ev
     mark, ev = got["No obvious queueing as concurrency rises"]
     m = re.search(r"np2: TTFT [\d.]+ ms at c=1 → ([\d.]+) ms at c=2 \(×[\d.]+; a whole request alone: ([\d.]+) ms\), "
-                  r"2 slot\(s\)", ev)  # fmt: skip
-    assert m and "np1: TTFT" in ev and "1 slot(s)" in ev, ev
+                  r"2 slots", ev)  # fmt: skip
+    assert m and "np1: TTFT" in ev and "), 1 slot — " in ev, ev
     # both engines judged in words: np1 (the baseline) has one slot for two requests at once — it queues
     assert ev.startswith("np2 (candidate): ") and "; np1 (baseline): queues" in ev, ev
-    assert "np1: TTFT" in ev and "1 slot(s) for 2 concurrent requests: the rest wait inside the engine" in ev, ev
+    assert "np1: TTFT" in ev and "1 slot for 2 concurrent requests: the rest wait inside the engine" in ev, ev
     ttft, alone = float(m.group(1)), float(m.group(2))
     if abs(ttft - alone) > 0.1:  # waited longer for its first token than a whole request takes alone: queueing
         assert mark == ("✗" if ttft > alone else "✓"), ev
-    mark, ev = got["Memory peak leaves headroom"]  # 15 GiB on the stand-in's 140 GiB card, launched alone on it
-    assert mark == "✓" and "15.00 GiB" in ev and "headroom 125.40 GiB (89% of the card)" in ev, ev
+    # 15 GiB each on the stand-in's 140 GiB card: both fit at once, the mirrored rollout's memory judged together
+    mark, ev = got["Memory: what is resident at once fits"]
+    assert mark == "✓" and ev.startswith("both at once (the mirrored rollout): np1 15.00 GiB + np2 15.00 GiB = "
+                                         "30.00 GiB fit the card 140.40 GiB together"), ev  # fmt: skip
+    assert "headroom 110.40 GiB (79% of the card)" in ev, ev
+    assert "## Rollout: np1 → np2" in md and "## Swap" not in md
     assert got["Monitoring covers liveness and latency"][0] == "✓"
     assert got["The rollback record is ready"][0] == "✓"
     # the rollback record: both commands verbatim ({port} and all), the model file, its quantization, the port
@@ -159,8 +163,8 @@ def test_the_marks_follow_the_measurements(launched: Bench) -> None:
     got = _plan(d, random_weights={"np1"})
     mark, ev = got["No obvious queueing as concurrency rises"]
     assert mark == "✗" and ev.startswith("np1 (candidate): queues"), ev
-    assert "1 slot(s) for 2 concurrent requests: the rest wait inside the engine" in ev, ev
-    mark, ev = got["Memory peak leaves headroom"]
+    assert "1 slot for 2 concurrent requests: the rest wait inside the engine" in ev, ev
+    mark, ev = got["Memory: what is resident at once fits"]
     assert mark == "✗" and "np1 does not fit" in ev and "budget 10.00 GiB" in ev, ev
     mark, ev = got["Outputs agree under the same parameters"]
     assert mark == "?" and ev.startswith("cannot be judged: np1 ran on random weights"), ev
@@ -181,7 +185,7 @@ def test_the_27b_plan_states_both_engines_queueing_and_random_weights_alone() ->
                                          "queueing the switch to sglang removes."), ev  # fmt: skip
     assert "llama: TTFT 57.6 ms at c=1 → 7117.7 ms at c=64 (×123.52; a whole request alone: 843.4 ms)" in ev, ev
     assert "at c=64 its first token waits longer than a whole request takes alone" in ev
-    assert "16 slot(s) for 64 concurrent requests" in ev and "sglang: TTFT 34.2 ms at c=1 → 561.1 ms" in ev
+    assert "16 slots for 64 concurrent requests" in ev and "sglang: TTFT 34.2 ms at c=1 → 561.1 ms" in ev
     mark, ev = got["Outputs agree under the same parameters"]
     assert mark == "?" and ev.startswith("cannot be judged: sglang ran on random weights"), ev
     assert "should agree" not in ev and "identical" not in ev, ev
@@ -246,7 +250,7 @@ def test_resident_engines_get_the_known_facts_and_the_plans_rollout_runs_and_rol
     assert mark == "✗" and ev.startswith("no launch command recorded for a, b (resident")
     assert md.count("Launch command: **not recorded**") == 2 and not block(md, "sh")[0].startswith("/")
     assert f"— `{a.url}`" in md and f"— `{b.url}`" in md and "- slots: 2; context per slot: 1024 tokens" in md
-    assert "TTFT measured at 1 concurrency level(s)" in got["No obvious queueing as concurrency rises"][1]
+    assert "TTFT measured at 1 concurrency level without" in got["No obvious queueing as concurrency rises"][1]
     # the config as written: a real proxy serves it, the plan's watch and abort lines drive its rollout
     (yaml_text,) = block(md, "yaml")
     (tmp_path / "r.yaml").write_text(yaml_text)
@@ -275,7 +279,7 @@ def test_a_live_report_writes_a_switch_plan_too(tmp_path: Path, llama_server_fac
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["report", "--log", str(log), "--out", str(out)]) in (0, 3)
-    assert f"and {out / 'switch-plan.md'}\n" in printed.getvalue()
+    assert f"and {out / 'switch-plan.md'}" in " ".join(printed.getvalue().split())
     assert json.loads((out / "verdict.json").read_text())["switch_plan"] == "switch-plan.md"
     md = (out / "switch-plan.md").read_text()
     got = items(md)
@@ -289,3 +293,27 @@ def test_a_live_report_writes_a_switch_plan_too(tmp_path: Path, llama_server_fac
     env = {"ENGINEMETER_ADMIN_KEY": "k", "URL_A": a.url, "URL_B": b.url}
     ok = cli(tmp_path, "check-config", str(tmp_path / "r.yaml"), **env)
     assert ok.returncode == 0 and "ok: 2 engine(s) (a, b), 1 route(s)" in ok.stdout, ok.stderr
+
+
+def test_engines_that_do_not_fit_together_get_the_swap_config_check_config_passes(
+    launched: Bench, tmp_path: Path
+) -> None:
+    """The same two launched llama-servers (15 GiB each) against a 20 GiB budget: one fits, both do not — the plan
+    swaps, its config (both launch commands verbatim) passes ``enginemeter check-config``."""
+    d = load_bench(launched.results)
+    d = dataclasses.replace(d, results=dataclasses.replace(d.results, memory_budget_bytes=20 * 2**30))
+    verdicts = decide_all(d.results)
+    md = switchplan.markdown(d, verdicts, {})
+    assert "## Rollout" not in md and "## Swap: np1 → np2" in md
+    assert "np1 15.00 GiB + np2 15.00 GiB = 30.00 GiB exceed the budget 20.00 GiB" in md
+    assert re.search(r"\*\*Expected outage: about \d+ s\*\* — np2's launch → ready [\d.]+ s in this bench run", md)
+    mark, ev = items(md)["Memory: what is resident at once fits"]
+    assert mark == "✓" and ev.startswith("one at a time (the swap): "), ev
+    (yaml_text,) = block(md, "yaml")
+    cfg = tmp_path / rollback.SWAP_CONFIG
+    cfg.write_text(yaml_text)
+    ok = cli(tmp_path, "check-config", str(cfg), ENGINEMETER_ADMIN_KEY="k")
+    assert ok.returncode == 0, ok.stderr
+    s = parse_file(cfg, env={"ENGINEMETER_ADMIN_KEY": "k"})
+    assert [e.launch for e in s.engines] == [launched.commands["np1"], launched.commands["np2"]]
+    assert s.routes[0].swap is not None and s.routes[0].swap.candidate == "np2"

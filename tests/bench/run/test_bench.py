@@ -284,7 +284,7 @@ def test_np4_vs_np1_at_concurrency_4_is_found_with_its_interval(llama_server_fac
         assert "decided by TTFT at c=4" in load["text"], load["text"]
     assert "TTFT at c=4" in load["text"] and "(win)" in load["text"], load["text"]
     md = (tmp_path / "report.md").read_text()
-    assert "TTFT at c=4" in md and "95% CI" in md and "np1 has 1 slot(s) for an offered concurrency of 4" in md
+    assert "TTFT at c=4" in md and "95% CI" in md and "np1 has 1 slot for an offered concurrency of 4" in md
 
 
 def q8_0_copy(src: Path, dst: Path) -> Path:

@@ -30,7 +30,7 @@ from proxy.gpu.memory import GpuMemory
 from proxy.gpu.nvml import DeviceReading
 from proxy.gpu.scraped import PROCESS
 from proxy.procs.launch import Launcher
-from proxy.procs.process import group_members
+from proxy.procs.members import group_members
 from tests.bench.run.test_bench import SMALL, recs, verdict
 from tests.helpers import REPO, wait_until
 from tests.procs.test_launch import BASE_USED, ENGINE_BYTES, FollowingReader

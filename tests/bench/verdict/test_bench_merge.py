@@ -5,18 +5,22 @@ difference; the A/A floor comes from the baseline's run repeated, and the report
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy.bench.verdict.data import load_bench, read_jsonl
+from proxy.bench.quality.divergence import Figure
+from proxy.bench.quality.readout import Accuracy, Quality, TokenAgreement
+from proxy.bench.verdict.data import Data, load_bench, read_jsonl
 from proxy.bench.verdict.decide import decide_all
-from proxy.bench.verdict.merge import difference, load_runs
+from proxy.bench.verdict.merge import difference, join, load_runs
 from proxy.cli import main
 from tests.bench.run.test_bench import SMALL, verdict
 from tests.bench.run.test_bench_launch import llama
+from tests.helpers import REPO
 
 WORK = [*SMALL, "--concurrency", "1,2", "--prompt-lengths", "short"]
 #: the record types that belong to one engine (``engine`` records name it ``name``, the others ``engine``)
@@ -157,3 +161,27 @@ def test_a_prompt_with_other_text_or_an_unrecorded_gpu() -> None:
     changed["comparable"]["prompts"] = {"en-short": "aa", "zh-short": "cc"}
     assert difference(_run(), changed) == "prompt zh-short has different text in the two runs (digest bb vs cc)"
     assert difference(_run(), _run(gpu=None)) is None  # where only one run recorded its GPU, nothing is compared
+
+
+def test_each_runs_quality_figures_are_kept_whatever_the_order() -> None:
+    """``report --results A B`` keeps every run's token agreement / accuracy against the joined baseline (or its
+    A/A pass, the baseline measured again in that run), renamed as joined; a figure against another engine is left
+    out; the files' order changes nothing."""
+    raw = REPO / "docs/gpu-results/h100-2026-12-06-27b/raw"
+    agree = TokenAgreement("llama", "llama-aa", 32, 2048, 20, "teacher-forced", {"same_top": Figure(1, 1, 1)})
+    acc = Accuracy("vllm-fp8", "x", 10, 9, 9, Figure(0, 0, 0), 1.0, (0, 0))
+
+    def with_quality(d: Data, q: dict[str, Quality]) -> Data:
+        return dataclasses.replace(d, results=dataclasses.replace(d.results, quality=q))
+
+    a = with_quality(load_bench(raw / "llama"), {"llama-aa": Quality(agree)})
+    again = with_quality(load_bench(raw / "llama"), {"llama-aa": Quality(dataclasses.replace(agree, prompts=16))})
+    v = with_quality(load_bench(raw / "vllm-fp8"), {"x": Quality(None, acc)})  # against vllm-fp8: no baseline here
+    got = [join(order, baseline="llama").results.quality for order in ([a, v, again], [again, v, a], [v, again, a])]
+    # the run given first keeps its names; the others' repeats of llama are its A/A passes, renamed
+    first, second = got[0], got[1]
+    assert set(first) == {"llama-aa", "llama-aa3"} and first["llama-aa"].agreement is not None
+    assert first["llama-aa3"].agreement == dataclasses.replace(agree, prompts=16, cand="llama-aa3")
+    assert {q.agreement.prompts for q in second.values() if q.agreement} == {32, 16}
+    assert all(q.agreement and q.agreement.base == "llama" for g in got for q in g.values())
+    assert [sorted(q.agreement.prompts for q in g.values() if q.agreement) for g in got] == [[16, 32]] * 3

@@ -172,11 +172,11 @@ def test_the_27b_run_for_a_traffic_profile(
     assert rc == 0
     vj = json.loads((out / "verdict.json").read_text())
     assert vj["sources"] == [str(RAW27 / n / "results.jsonl.gz") for n in ("llama", "sglang")]
-    assert vj["version"] == 3 and vj["decision"] == decision and vj["headline"]["decision"] == decision
+    assert vj["version"] == 4 and vj["decision"] == decision and vj["headline"]["decision"] == decision
     assert words in vj["headline"]["sentence"]
     assert vj["traffic"]["source"] == f"inline: {spec}" and vj["verdicts"][0]["traffic"]["decision"] == decision
     # one headline everywhere: the console's last lines, the report's first screen
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # the first screen wraps at 120 characters
     assert f"{decision.upper()} (discounted): {vj['headline']['sentence']}" in printed  # Q4_K_M vs bf16
     md = (out / "report.md").read_text()
     assert md.index("## The answer") < md.index("## Verdict") and f"**{decision.upper()}** (discounted) — " in md
@@ -401,11 +401,13 @@ def test_the_h100_27b_run_names_both_fp8_switches_and_weighs_the_traffic_sent_th
     vs = decide_all(d.results)
     assert [(v.candidate, v.decision) for v in vs] == [("sglang-fp8", "switch"), ("vllm-fp8", "switch")]
     h = make_headline(d, vs)
-    assert "close behind: " in h.sentence and h.next_step and "--traffic c1=25,c4=25,c16=25,c64=25" in h.next_step
-    (other,) = h.others
-    runner_up = "vllm-fp8" if h.candidate == "sglang-fp8" else "sglang-fp8"
-    assert other.startswith(f"{runner_up}: SWITCH (discounted) — close to {h.candidate}")
-    assert "under load: " in other and "long prompts: " in other and ("ahead" in other and "behind" in other)
+    # issue 45: neither is crowned by an average of a 16 % gain and a ×10 one: both are named, with where each leads
+    assert h.candidate is None and h.candidates == ("sglang-fp8", "vllm-fp8"), h
+    assert h.sentence == (
+        "switch to sglang-fp8 or vllm-fp8 — neither leads everywhere: sglang-fp8 on long prompts, vllm-fp8 under "
+        "load; even one request at a time; the traffic picks: long prompts sglang-fp8, under load vllm-fp8"
+    ), h.sentence
+    assert h.next_step and "--traffic c1=25,c4=25,c16=25,c64=25" in h.next_step and not h.others
     (caveat,) = next(v for v in vs if v.candidate == "vllm-fp8").caveats
     assert "with --max-model-len at most 195,712" in caveat and "vLLM refuses to start" in caveat
     t = from_records(
@@ -417,3 +419,5 @@ def test_the_h100_27b_run_names_both_fp8_switches_and_weighs_the_traffic_sent_th
     dt = with_traffic(d, t)
     weighed = make_headline(dt, decide_all(dt.results))
     assert weighed.decision == "switch" and weighed.traffic and "c=33-64" in weighed.traffic
+    # with the traffic recorded, one engine: better beyond the noise for it
+    assert weighed.candidates == ("vllm-fp8",) and weighed.candidate == "vllm-fp8", weighed

@@ -46,6 +46,7 @@ def data_gate(
     mine = {name: [s for s in samples if s.engine == name] for name in (base, cand)}
     out = [x for name in (base, cand) if (x := _errors(r, name, mine[name]))]
     out += [x for name in (base, cand) if (x := _bursts(name, mine[name]))]
+    out += [x for name in (base, cand) if (x := _client_bursts(name, mine[name]))]
     # live traffic: the anytime-valid verdict's own minimum of pairs decides when anything is decided ("not yet")
     short = sorted(
         (c.label(), len(by[(base, c)]), len(by[(cand, c)]))
@@ -139,3 +140,24 @@ def _bursts(name: str, mine: Sequence[Sample]) -> Reason | None:
         else f" — {unrated} without the engine's timings are left out of the decode figures"
     )
     return Reason("data", "inconclusive" if driven else "ok", head + tail, "bursts")
+
+
+def _client_bursts(name: str, mine: Sequence[Sample]) -> Reason | None:
+    """Bursts the bench's own client caused (it was descheduled while the engine streamed): labelled the client's,
+    never the engine's. A repeat whose decode figure rests on them is inconclusive: measure on a quieter box."""
+    hit = [s for s in mine if s.bursts_client]
+    if not hit:
+        return None
+    n, total = sum(s.bursts_client for s in hit), sum(s.n_ok for s in mine)
+    lag = max((s.client_lag_max_s or 0.0) for s in hit)
+    head = (
+        f"{name}: {n} of {total} requests were read late by the bench's own client (its event loop stalled up to "
+        f"{lag * 1000:.0f} ms while the engine streamed): their bursts are the client's, not the engine's"
+    )
+    driven = [s for s in hit if 2 * s.bursts_client_unrated >= s.n_ok]
+    tail = (
+        f" — {len(driven)} repeat(s) rest on them: run the bench where its client has a core to itself"
+        if driven
+        else " — left out of the decode figures (the engine's own timings stand in where it gives them)"
+    )
+    return Reason("data", "inconclusive" if driven else "ok", head + tail, "client")
