@@ -27,7 +27,9 @@ once in ``pytest_collection_finish`` — before any test starts, so per-test tim
 (about 8 minutes on 2 cores). Its log goes to ``<cache>/build-<version>-<flavour>.log``.
 
 Tiers: every test that uses one of these fixtures (directly or through another fixture) is marked ``engine``
-here; ``pytest -m "not engine"`` (``scripts/check``) runs the rest and never builds llama-server.
+here, and every test listed in :data:`tests.tiers.SLOW` (waiting by design: subprocess CLIs, ``serve --workers``,
+timeouts, a live Prometheus) ``slow``; ``pytest -m "not engine and not slow and not perf"`` (``scripts/check``)
+runs the rest, never builds llama-server, and ends by naming its tests over the fast tier's per-test budget.
 
 The proxy under test: ``proxy_factory(settings, nvml=None)`` (function scope) serves ``build_app(settings)``
 on a real uvicorn socket until the test ends and returns a :class:`tests.helpers.ProxyUnderTest` (url,
@@ -45,7 +47,7 @@ import pytest
 
 from proxy.config.settings import Settings
 from proxy.embedded import LlamaServer, build_llama_server, cache_root, make_model, server_dir
-from tests import helpers
+from tests import helpers, tiers
 from tests.helpers import LlamaServerFactory, ProxyFactory, ProxyUnderTest
 
 if TYPE_CHECKING:
@@ -66,6 +68,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if uses_engine(item):
             item.add_marker(pytest.mark.engine)
+    tiers.mark_slow(items)
+
+
+_call_s: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _call_s[report.nodeid] = report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The fast tier's guard: name its tests over the per-test budget (they belong in tests/tiers.py's SLOW)."""
+    if "not slow" not in (config.option.markexpr or "") or not (over := tiers.over_budget(_call_s)):
+        return
+    terminalreporter.section("fast tier: over the per-test budget")
+    terminalreporter.write_line(
+        f"{len(over)} test(s) over {tiers.FAST_TEST_BUDGET_S} s (quiet two-core figures; a loaded machine runs slower):"
+        " one that waits by design belongs in tests/tiers.py's SLOW"
+    )
+    for line in over:
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -120,6 +120,15 @@ SERVER_TOP = tuple(f"proxy.server.{m}" for m in ("app", "asgi", "admin", "access
 LAYERS = {
     "proxy.bench.verdict": ("proxy.bench.run", "proxy.bench.live", "proxy.bench.report", "proxy.cli", "proxy.server"),
     "proxy.bench.run": ("proxy.bench.live", "proxy.bench.report", "proxy.cli", "proxy.server"),
+    # quality: below run (which drives its phases), beside verdict (which reads its figures)
+    "proxy.bench.quality": (
+        "proxy.bench.run",
+        "proxy.bench.verdict",
+        "proxy.bench.live",
+        "proxy.bench.report",
+        "proxy.cli",
+        "proxy.server",
+    ),
     "proxy.bench.live": ("proxy.bench.report", "proxy.cli", "proxy.server"),
     "proxy.bench.report": ("proxy.bench.run", "proxy.cli", "proxy.server"),
     "proxy.gpu": ("proxy.server", "proxy.bench", "proxy.cli"),
