@@ -5,6 +5,7 @@
 #
 #   scripts/gpu/collect.sh FILES_DIR [DEST]     DEST default docs/gpu-results/<card>-<date of the run>-27b
 #                                               (card: h200, h100, ... from plan.txt's nvidia-smi)
+#   REPORT=report48.sh scripts/gpu/collect.sh FILES_DIR DEST   issue 48's run: its make.sh runs report48.sh
 #
 # DEST/raw/    every run as it came back: NAME/results.jsonl.gz, NAME/command.txt, NAME/report-as-run.md,
 #              NAME/verdict-as-run.json, NAME/engines/*.log; tune/tune.json; diag/ (diagnose.txt/.json, live/,
@@ -36,11 +37,10 @@ done
 rm -rf "$dest/raw/joined" "$dest/raw/joined-traffic"  # rebuilt by make.sh from the runs themselves
 [ -d "$work/logs" ] && cp -r "$work/logs/." "$dest/logs/"
 for f in timeline.tsv status.txt; do [ -f "$src/$f" ] && cp "$src/$f" "$dest/logs/"; done
-cat > "$dest/make.sh" <<'EOF'
-#!/usr/bin/env bash
-# Rebuilds this run's reports (report/, tune-report/, output.txt) with the code of this tree from raw/.
-exec "$(dirname "$0")/../../../scripts/gpu/report.sh" "$(dirname "$0")"
-EOF
+REPORT=${REPORT:-report.sh}
+printf '%s\n' '#!/usr/bin/env bash' \
+  "# Rebuilds this run's reports (output.txt and its report folders: scripts/gpu/$REPORT) with this tree's code from raw/." \
+  "exec \"\$(dirname \"\$0\")/../../../scripts/gpu/$REPORT\" \"\$(dirname \"\$0\")\"" > "$dest/make.sh"
 chmod +x "$dest/make.sh"
 du -sh "$dest"
-bash scripts/gpu/report.sh "$dest" || echo "collect: the reports exited $? (output: $dest/output.txt)" >&2
+bash "scripts/gpu/$REPORT" "$dest" || echo "collect: the reports exited $? (output: $dest/output.txt)" >&2

@@ -16,7 +16,9 @@
 #   timeline.tsv    one line per step: lane, start/end (plan seconds), exit status, note (cut, retry, cause)
 #   status.txt      nvidia-smi, the state files, the plan log's tail
 # Knobs (environment of the first stage call, inherited by the plan): W, DEADLINE_S and every variable of
-# scripts/gpu/plan27b.sh; CARRY_ROOT (default .carry), SRC_TREE (default this repo).
+# scripts/gpu/plan27b.sh (plan48.sh); CARRY_ROOT (default .carry), SRC_TREE (default this repo); ORCH, the plan
+# to start (default orchestrate.sh, the 27B plan; orchestrate48.sh: issue 48's). SRC_NEXT=1 on a later stage
+# call copies that call's tree to $W/src-next (a plan step that runs later may use it: issue 48's swap).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -25,6 +27,7 @@ S=$W/state L=$W/logs
 OUT=${OUT:-/tmp/out}
 CARRY_ROOT=${CARRY_ROOT:-$root/.carry}
 SRC_TREE=${SRC_TREE:-$root}
+ORCH=${ORCH:-orchestrate.sh}
 export W
 mkdir -p "$W/parts" "$S" "$L" "$W/results" "$OUT"
 log() { printf '[device %(%H:%M:%S)T] %s\n' -1 "$*"; }
@@ -35,7 +38,7 @@ if [ -n "${DEADLINE_S:-}" ] && [ -d "$W/src" ]; then echo "$DEADLINE_S" > "$S/de
 
 # the plan is running when its orchestrator is (by its command line: `$!` of the start below is setsid's pid,
 # which forks the orchestrator and exits -- a pid file of it made the second stage call start a second plan)
-running() { pgrep -f "^bash $W/src/scripts/gpu/orchestrate.sh" >/dev/null; }
+running() { pgrep -f "^bash $W/src/scripts/gpu/orchestrate" >/dev/null; }
 status() {
   log "plan: $(running && echo running || { [ -f "$S/done" ] && echo done || echo 'not running'; })" \
     "; state: $(cd "$S" && ls | tr '\n' ' ')"
@@ -95,11 +98,16 @@ stage)
     mkdir -p "$W/src.tmp"
     tar -C "$SRC_TREE" --exclude=./.git --exclude=./.carry --exclude=./.venv --exclude=./.device -cf - . \
       | tar -C "$W/src.tmp" -xf - && mv "$W/src.tmp" "$W/src" && log "tree copied to $W/src ($(du -sh "$W/src" | cut -f1))"
+  elif [ -n "${SRC_NEXT:-}" ]; then  # a later tree for a step that has not started yet (the plan says which)
+    rm -rf "$W/src-next.tmp"; mkdir -p "$W/src-next.tmp"
+    tar -C "$SRC_TREE" --exclude=./.git --exclude=./.carry --exclude=./.venv --exclude=./.device --exclude=./docs -cf - . \
+      | tar -C "$W/src-next.tmp" -xf - && rm -rf "$W/src-next" && mv "$W/src-next.tmp" "$W/src-next" \
+      && log "tree copied to $W/src-next"
   fi
   if [ -z "${NO_ORCH:-}" ] && ! running && [ ! -f "$S/done" ]; then
-    (cd "$W" && setsid nohup bash "$W/src/scripts/gpu/orchestrate.sh" >> "$L/orch.log" 2>&1 < /dev/null &)
+    (cd "$W" && setsid nohup bash "$W/src/scripts/gpu/$ORCH" >> "$L/orch.log" 2>&1 < /dev/null &)
     for _ in 1 2 3 4 5 6 7 8 9 10; do running && break; sleep 0.2; done
-    pgrep -o -f "^bash $W/src/scripts/gpu/orchestrate.sh" > "$S/orch.pid"
+    pgrep -o -f "^bash $W/src/scripts/gpu/orchestrate" > "$S/orch.pid"
     log "plan started (pid $(cat "$S/orch.pid"), cwd $W)"
   fi
   sleep "${STAGE_SLEEP:-3}"

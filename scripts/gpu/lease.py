@@ -3,6 +3,8 @@ scripts/gpu/fetch-wheels.sh``), the tree that travels with each call, the plan's
 call may carry (the tree + one carry) and prints each call's command, carry and timeout, in order.
 
     python3 scripts/gpu/lease.py [--start-s 90] [--lease-s 1800]
+    python3 scripts/gpu/lease.py --orch orchestrate48.sh --deadline 1400 --env 'STEPS="swap agree sg_gguf diag"'
+                                 (issue 48's run: scripts/gpu/plan48.sh; carries from SHAPE=3b VLLM=1 fetch-wheels.sh)
 
 ``--start-s``: the machine's start as seen (the first call's ``lease.held_s`` less its ``wall_s``); the plan's
 deadline moves by what it took beyond 90 s. A later call can still move it: ``DEADLINE_S=N bash
@@ -44,6 +46,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--start-s", type=float, default=90, help="the machine's start, seconds (default 90)")
     ap.add_argument("--lease-s", type=float, default=1800, help="device time of the session (default 1800)")
+    ap.add_argument("--orch", default="orchestrate.sh", help="the plan device.sh starts (default the 27B plan's)")
+    ap.add_argument("--deadline", type=int, default=BASE_DEADLINE_S, help="plan seconds at a 90 s start")
+    ap.add_argument("--env", default="", help="more VAR=VALUE words for the first call (the plan's knobs)")
     a = ap.parse_args()
     tree = travelling_bytes()
     cs = carries()
@@ -61,17 +66,20 @@ def main() -> int:
     if not has_vl:
         print("note: no vLLM component in the carries (VLLM=1 fetch-wheels.sh): the vllm_fp8 arm will be skipped")
     late = max(0.0, a.start_s - 90)
-    deadline = int(BASE_DEADLINE_S - late)
+    deadline = int(a.deadline - late)
     n = len(cs)
     stage_end = n * STAGE_S
     left = deadline + PLAN_END_PAD_S - stage_end
-    print(f"\nmachine start {a.start_s:.0f} s -> DEADLINE_S={deadline} (plan seconds from call 1; {BASE_DEADLINE_S} at"
+    print(f"\nmachine start {a.start_s:.0f} s -> DEADLINE_S={deadline} (plan seconds from call 1; {a.deadline} at"
           f" a 90 s start); device time ~{a.start_s + deadline + PLAN_END_PAD_S:.0f} of {a.lease_s:.0f} s\n")  # fmt: skip
     print("#  | command | carry | timeout_s | device s (est.)")
     t = a.start_s
     for i, (name, _, _) in enumerate(cs, 1):
+        first = " ".join(x for x in (f"ORCH={a.orch}" if a.orch != "orchestrate.sh" else "", a.env) if x)
         cmd = (
-            f"DEADLINE_S={deadline} bash scripts/gpu/device.sh stage" if i == 1 else "bash scripts/gpu/device.sh stage"
+            f"{first + ' ' if first else ''}DEADLINE_S={deadline} bash scripts/gpu/device.sh stage"
+            if i == 1
+            else "bash scripts/gpu/device.sh stage"
         )
         t += STAGE_S
         print(f'{i}  | {cmd} | ["{name}"] | 120 | ~{t:.0f}')
@@ -85,7 +93,7 @@ def main() -> int:
     print(f"\nthen give_back; here: scripts/gpu/collect.sh <files_at of call {i}>.\n"
           "Every call within 30 s of the last (else the machine goes back and /tmp/w is lost). Each call returns\n"
           "results.tar.gz, logs.tar.gz, timeline.tsv, status.txt (a superset of the last): read timeline.tsv.\n"
-          f"A slow start seen after call 1: move the deadline by adding DEADLINE_S=<{BASE_DEADLINE_S} - (start - 90)>"
+          f"A slow start seen after call 1: move the deadline by adding DEADLINE_S=<{a.deadline} - (start - 90)>"
           " to any later call's command; a wait returns early once the plan is done.")  # fmt: skip
     return 0
 
