@@ -76,8 +76,10 @@ def test_live_traffic_through_several_workers_is_recorded_as_the_whole_proxy_saw
     "9-16" (each worker counted its own). The proxy's record must be the whole proxy's: live.py's check compares it,
     level by level, with the exact profile of the request log."""
     out = tmp_path / "live"
-    r = run(GPU / "live.py", "--out", out, "--engine", f"big={llama_server.url}", "--profile", "1:2,6:4",
-            "--max-tokens", "24", "--workers", "2", timeout=300)  # fmt: skip
+    # the traffic record is the point here: the decode check (its own test above) gets a loaded box's tolerance,
+    # and the segments are long enough that a descheduled worker's few milliseconds stay inside the 5-point bound
+    r = run(GPU / "live.py", "--out", out, "--engine", f"big={llama_server.url}", "--profile", "1:4,6:8",
+            "--max-tokens", "24", "--workers", "2", "--decode-tolerance", "0.25", timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     got = rows(out / "check.txt")
     assert got["traffic"] == "PASS" and got["traffic vs log"] == "PASS", got

@@ -41,7 +41,7 @@ from proxy.cli.reporting import with_traffic
 from proxy.cli.screen import LINES, WIDTH, first_screen
 from proxy.config.configfile import parse_file
 from proxy.judge import judge
-from proxy.notation import count, seconds
+from proxy.notation import count, faster_interval, seconds, unit
 from proxy.sequential import STREAMS, Interval, current, sentence
 from proxy.server.mirror.pairing import PairTable, Pending
 
@@ -98,6 +98,9 @@ def test_a_figures_words_follow_its_interval(c: Comparison) -> None:
     if c.outcome == "loss":
         assert a.line.startswith("base is "), a.line
     assert not _both(a.line) and not _both(a.text), a.text
+    if c.outcome in ("tie", "unresolved"):  # no winner: the interval is the candidate's, named, as the table has it
+        _, rlo, rhi = c.speed
+        assert f"cand's 95% CI {faster_interval(rlo, rhi, unit(*c.speed))}" in a.line, a.line
 
 
 @FAST

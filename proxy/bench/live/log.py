@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from proxy.jsonlog import open_together, rotated_family
+from proxy.notation import count
 
 Cause = Literal["ok", "client", "shutdown", "unreachable", "refused", "engine"]
 CAUSE_TEXT: Mapping[str, str] = {
@@ -202,7 +203,7 @@ def coverage(log: Log, runs: Sequence[Run]) -> tuple[str, list[str]]:
     """What was read (one sentence), and a warning for each way the ``runs``' records reach into files that were
     not read (module docstring)."""
     names = ", ".join(map(str, log.files)) if len(log.files) <= 6 else f"{log.files[0]} … {log.files[-1]}"
-    read = f"{len(log.files)} file(s) read, oldest first ({names}): {log.pairs_read} pairs"
+    read = f"{count(len(log.files), 'file')} read, oldest first ({names}): {count(log.pairs_read, 'pair')}"
     warnings = list(log.unread)
     for run in runs:
         if run.id is None or run.began:

@@ -207,6 +207,9 @@ def _words(decider: Comparison, a: str, base: str, cand: str) -> tuple[str, str,
             f"{who} is {faster(r, u)} — {figs_} ({ci}; band {band(decider.win_band)})",
             None,
         )
+    # no winner to speak for: the interval from the candidate's side, named, as the first screen's table shows it
+    _, clo, chi = decider.speed
+    ci = f"{cand}'s 95% CI {faster_interval(clo, chi, unit(*decider.speed))}"
     if a == "tie":
         wide = decider.win_band > decider.min_effect
         line = f"a tie — {figs_} ({ci}, inside the band {band(decider.win_band)}" + (

@@ -103,7 +103,7 @@ def test_200_mirrored_requests_through_rotated_logs_give_200_pairs_from_the_bann
                 assert first["type"] == "run" and (first.get("continued") or f == files[0]), (f, first)
             report = run_as_printed(tmp_path, command)
             assert report.returncode == 0, report.stderr
-            assert f"note: comparison log: {len(files)} file(s) read, oldest first" in report.stdout
+            assert f"note: comparison log: {len(files)} files read, oldest first" in report.stdout
             assert ": 200 pairs" in report.stdout and "warning:" not in report.stderr, report.stdout + report.stderr
             md = (tmp_path / "enginemeter-report" / "report.md").read_text()
             assert "200 pairs mirrored from a to b" in md
@@ -147,7 +147,7 @@ def test_a_plain_path_brings_its_rotated_files_oldest_first_and_gaps_are_warned(
     (tmp_path / "c.jsonl.1").write_text("")
     _records(log, 3, run="r2")
     sel = select(read_log(expand([str(log)])), run="all")
-    assert sel.read.startswith("3 file(s) read, oldest first") and sel.read.endswith(": 5 pairs")
+    assert sel.read.startswith("3 files read, oldest first") and sel.read.endswith(": 5 pairs")
     assert any("c.jsonl.2 missing between those read" in w for w in sel.warnings), sel.warnings
     # one rotated file named alone: the rest of its log is named, not silently left out
     alone = select(read_log(expand([str(tmp_path / "c.jsonl.3")])))
