@@ -36,6 +36,7 @@ from fakes import vllm_metrics as vllm_metrics_fake
 from proxy.config.configfile import load
 from proxy.gpu.nvml import DeviceReading, ProcReading
 from proxy.procs.process import free_port
+from proxy.sequential import LONG_PROMPT_TOKENS
 from tests.helpers import start_proxy, uncommented, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +44,8 @@ DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
 RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 ALIAS = "tiny-chat"
 SHADOW_MODEL = "Qwen/Tiny-Instruct"
+#: at least LONG_PROMPT_TOKENS on the primary's tokenizer (one token a word at least), well inside its slot
+LONG_PROMPT = " ".join(["colour"] * (LONG_PROMPT_TOKENS + 200))
 
 #: queries allowed to be empty on a host without NVML, and only there: (dashboard uid or "rules", title)
 GPU_ALLOW = {
@@ -103,7 +106,8 @@ def prometheus_bin() -> str:
 @pytest.fixture
 def sglang_shadow(llama_server_factory: Any, tiny_model_spm: Path) -> Iterator[str]:
     """The SGLang emulator with --enable-metrics in front of a llama-server on a different-tokenizer model."""
-    backend = llama_server_factory(model=tiny_model_spm, np=2, alias="tiny-spm")
+    # 8192: the long prompt of ``drive`` (2,000 words) in a slot of this tokenizer, whatever it makes of them
+    backend = llama_server_factory(model=tiny_model_spm, np=2, alias="tiny-spm", ctx_size=8192)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fakes.sglang_emulator", "--port", str(port), "--backend", backend.url,
@@ -184,6 +188,11 @@ def drive(proxy: str) -> None:
             post(c, "/v1/chat/completions", {"model": ALIAS, "stream": stream, "temperature": 0, "max_tokens": 64,
                  "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]})  # fmt: skip
         post(c, "/v1/completions", {"model": ALIAS, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        # a long prompt, streamed: the live verdict's TTFT stream of the "long" regime, which needs only the first
+        # token's time — on a loaded box the emulator may relay a short answer's tokens in one read (no TPOT), and
+        # then this is the live-delta panel's only data
+        post(c, "/v1/chat/completions", {"model": ALIAS, "stream": True, "temperature": 0, "max_tokens": 4,
+             "messages": [{"role": "user", "content": LONG_PROMPT}]})  # fmt: skip
         # a rejected request (outcome="rejected") is part of normal life too
         r = c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["enginemeter"] is True
@@ -281,7 +290,7 @@ def test_every_dashboard_and_rule_query_returns_data(
     prometheus_bin: str, llama_server_factory: Any, sglang_shadow: str, vllm_metrics: str, tmp_path: Path
 ) -> None:
     # -lv 4: the log carries llama.cpp's loader lines, which the live diagnosis (layers on the GPU) reads
-    primary = llama_server_factory(np=2, alias="tiny", extra_args=("-lv", "4"))
+    primary = llama_server_factory(np=2, alias="tiny", extra_args=("-lv", "4"), ctx_size=8192)
     config = {
         "engines": [
             {"name": "llama", "url": primary.url, "kind": "llamacpp", "model": "tiny"},
@@ -289,7 +298,7 @@ def test_every_dashboard_and_rule_query_returns_data(
         ],
         "models": [{"alias": ALIAS, "engines": {"llama": "tiny", "sglang": SHADOW_MODEL}}],
         # a rollout to the shadow that stays at its first step (share 0: the traffic is what the mirror alone makes)
-        # so the rollout row and its alert have series; 8 pairs decide nothing
+        # so the rollout row and its alert have series; 10 pairs decide nothing
         "routes": [{"models": [ALIAS], "primary": "llama", "shadows": ["sglang"],
                     "rollout": {"candidate": "sglang", "state_file": str(tmp_path / "rollout.json")}}],
     }  # fmt: skip
@@ -307,9 +316,9 @@ def test_every_dashboard_and_rule_query_returns_data(
             # every target scraped once before any traffic, so each counter's first sample precedes its increase
             wait_until(lambda: prom.value('count(up{job=~"enginemeter|llamacpp|sglang|vllm"} == 1)') == 4, 30, 0.2)
             drive(proxy)
-            wait_scraped(prom, pairs=4, ok=4)
+            wait_scraped(prom, pairs=5, ok=5)
             drive(proxy)
-            wait_scraped(prom, pairs=8, ok=8)
+            wait_scraped(prom, pairs=10, ok=10)
             t_data = time.time()
             # every rule group evaluated at least once after the second wave was scraped, all healthy
             wait_until(
