@@ -93,7 +93,10 @@ SLOW: dict[str, str | dict[str, str]] = {
     "tests/server/record/test_loopwatch.py": {
         "test_serve_freezes_its_start_up_objects_and_shortens_the_gil_switch_interval": _SERVE,
     },
-    "tests/server/mirror/test_mirror.py": {"test_slow_refusing_and_hanging_shadows_leave_the_primary_alone": _TIMEOUT},
+    "tests/server/mirror/test_mirror.py": {
+        "test_slow_refusing_and_hanging_shadows_leave_the_primary_alone": _TIMEOUT,
+        "test_a_full_shadow_drops_copies_instead_of_queueing": _TIMEOUT + " (the shadow's 3 s)",
+    },
     "tests/server/test_passthrough.py": {
         "test_a_pass_through_body_that_trickles_gets_a_408": _TIMEOUT + " (the drain)"
     },

@@ -16,7 +16,7 @@ from proxy.bench.verdict.data import load_bench
 from proxy.bench.verdict.decide import Verdict, decide, decide_all
 from proxy.bench.verdict.gates.datagate import cache_flags
 from proxy.bench.verdict.inputs import Cell, EngineInfo, Req, Results, Sample
-from proxy.bench.verdict.stats import paired_bootstrap, variation
+from proxy.bench.verdict.stats import boot_ratios, paired_bootstrap, variation
 from proxy.engines.quant import quant_key
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -518,6 +518,32 @@ def test_paired_bootstrap_is_deterministic_and_covers_the_truth() -> None:
     assert paired_bootstrap([]) is None
     assert variation([1.0]) is None and variation([1.0, 1.0]) == 0
     assert variation([0.8, 1.2]) == pytest.approx(0.2828, abs=1e-3)
+
+
+def reference_boot(groups: list[list[tuple[float, float]]], n_boot: int, seed: int) -> list[float]:
+    """The two-level bootstrap as its definition reads: resample the repeats, then the pairs inside each."""
+    rng, out = random.Random(seed), []
+    for _ in range(n_boot):
+        drawn = rng.choices(groups, k=len(groups)) if len(groups) > 1 else groups
+        tb = tc = 0.0
+        for g in drawn:
+            for b, c in rng.choices(g, k=len(g)):
+                tb, tc = tb + b, tc + c
+        if tb > 0:
+            out.append(tc / tb - 1)
+    return sorted(out)
+
+
+@pytest.mark.parametrize(("n_groups", "size"), [(1, 1), (1, 64), (3, 1), (3, 8), (5, 64), (8, 3)])
+def test_the_vectorised_bootstrap_is_the_definition_to_the_last_bit(n_groups: int, size: int) -> None:
+    # values over six orders of magnitude, and a zero base: the order of the additions shows in the last bits
+    rng = random.Random(n_groups * 100 + size)
+    groups = [[(rng.lognormvariate(0, 3) * rng.choice((0, 1, 1, 1)), rng.lognormvariate(0, 3)) for _ in range(size)]
+              for _ in range(n_groups)]  # fmt: skip
+    for seed in (0, 7):
+        assert boot_ratios(groups, 500, seed) == reference_boot(groups, 500, seed)
+    uneven = [*groups, groups[0][: max(1, size // 2)]]  # repeats of different sizes: the loop
+    assert boot_ratios(uneven, 200, 1) == reference_boot(uneven, 200, 1)
 
 
 def test_the_interval_carries_the_repeats_and_estimates_what_resolves_it() -> None:
