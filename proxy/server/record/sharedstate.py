@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class LockedMap:
     ) -> None:
         self.size = size
         self._init = init
+        self._threads = threading.RLock()  # ``locked()``: this process's threads, one at a time
+        self._depth = 0
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
             with contextlib.suppress(OSError):  # an earlier version's 0644 file; not ours to chmod: leave it
@@ -86,12 +89,22 @@ class LockedMap:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        # held for one read-modify-write (microseconds to tens of them)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """Held for one read-modify-write (microseconds to tens of them), against every other process *and* every
+        other thread of this one: ``flock`` alone excludes other open files only, so two threads of one process
+        (the event loop and a report writer, say) would both get it at once through the shared descriptor.
+        Re-entrant in one thread (the lock is taken on the way in, given back on the way out)."""
+        with self._threads:
+            self._depth += 1
+            try:
+                if self._depth == 1:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    if self._depth == 1:
+                        fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                self._depth -= 1
 
     def close(self) -> None:
         os.close(self._fd)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,27 @@ def test_metric_files_written_through_pwrite_survive_a_cut(tmp_path: Path) -> No
     again.write_value("c", 3.0, 0.0)
     assert {k: v for k, v, _, _ in MmapedDict.read_all_values_from_file(name)} == {"c": 3.0}  # type: ignore[no-untyped-call]
     again.close()
+
+
+def test_two_threads_of_one_process_take_turns_under_the_lock(tmp_path: Path) -> None:
+    """flock excludes other open files only: the event loop's admin command and a report-writing thread share one
+    descriptor, and each read-modify-write must see the other's (no update lost)."""
+    f = StateFile(tmp_path / "state.json")
+    f.write({"n": 0, "events": []})
+    per_thread = 200
+
+    def bump() -> None:
+        for _ in range(per_thread):
+            with f.locked():
+                doc = f.read()[1]
+                assert doc is not None
+                with f.locked():  # re-entrant: a helper that locks again inside one update
+                    doc["n"] += 1
+                    f.write(doc)
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert f.read()[1] == {"n": 4 * per_thread, "events": []}
