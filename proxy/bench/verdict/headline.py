@@ -238,7 +238,8 @@ _TRAFFIC_OF = {"single request": "one request at a time", "under load": "under l
 def _set_sentence(front: Sequence[Verdict]) -> str:
     """Several switches none of which beats the others: where each leads, where they are even, and which traffic
     picks which ("switch to sglang-fp8 or vllm-fp8 — neither leads everywhere: sglang-fp8 leads on long prompts,
-    vllm-fp8 under load; even one request at a time: traffic of long prompts picks sglang-fp8, under load vllm-fp8")."""
+    vllm-fp8 under load; a tie one request at a time; your traffic picks: long prompts → sglang-fp8, under load →
+    vllm-fp8")."""
     names = " or ".join(v.candidate for v in front)
     if front[0].traffic is not None:
         each = ", ".join(f"{v.candidate} {faster(v.traffic.ratio)}" for v in front if v.traffic is not None)
@@ -252,9 +253,9 @@ def _set_sentence(front: Sequence[Verdict]) -> str:
     where = ", ".join(f"{n} on {' and '.join(ts)}" for n, ts in leads.items() if ts).replace(
         "on under load", "under load"
     )
-    picks = ", ".join(f"{' or '.join(_TRAFFIC_OF.get(t, t) for t in ts)} {n}" for n, ts in leads.items() if ts)
-    tie = f"; even {' and '.join(_TRAFFIC_OF.get(t, t) for t in even)}" if even else ""
-    return f"switch to {names} — neither leads everywhere: {where}{tie}; the traffic picks: {picks}"
+    picks = ", ".join(f"{' or '.join(_TRAFFIC_OF.get(t, t) for t in ts)} → {n}" for n, ts in leads.items() if ts)
+    tie = f"; a tie {' and '.join(_TRAFFIC_OF.get(t, t) for t in even)}" if even else ""
+    return f"switch to {names} — neither leads everywhere: {where}{tie}; your traffic picks: {picks}"
 
 
 def headline(

@@ -405,7 +405,7 @@ def test_the_h100_27b_run_names_both_fp8_switches_and_weighs_the_traffic_sent_th
     assert h.candidate is None and h.candidates == ("sglang-fp8", "vllm-fp8"), h
     assert h.sentence == (
         "switch to sglang-fp8 or vllm-fp8 — neither leads everywhere: sglang-fp8 on long prompts, vllm-fp8 under "
-        "load; even one request at a time; the traffic picks: long prompts sglang-fp8, under load vllm-fp8"
+        "load; a tie one request at a time; your traffic picks: long prompts → sglang-fp8, under load → vllm-fp8"
     ), h.sentence
     assert h.next_step and "--traffic c1=25,c4=25,c16=25,c64=25" in h.next_step and not h.others
     (caveat,) = next(v for v in vs if v.candidate == "vllm-fp8").caveats
