@@ -161,7 +161,8 @@ class GpuMemory:
         self, name: str = "engine", *, pid: int | None = None, url: str | None = None, period_s: float = 0.5
     ) -> AsyncIterator[Peak]:
         """Sample every ``period_s`` while the block runs (a phase: generating, say); yields the ``Peak``,
-        which also holds one reading taken at the end."""
+        which also holds one reading taken before the block and one at its end (so a phase shorter than a period,
+        or than the reading thread's turn on a busy machine, still has its two)."""
         peak = Peak()
         if not await asyncio.to_thread(lambda: self.available):  # opening NVML blocks: not on the loop
             yield peak
@@ -169,8 +170,10 @@ class GpuMemory:
 
         async def loop() -> None:
             while True:
-                peak.add(await self.aread(name, pid=pid, url=url))
                 await asyncio.sleep(period_s)  # the sampling period
+                peak.add(await self.aread(name, pid=pid, url=url))
+
+        peak.add(await self.aread(name, pid=pid, url=url))
 
         task = asyncio.create_task(loop())
         try:

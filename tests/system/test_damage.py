@@ -151,7 +151,10 @@ def test_cut_or_garbled_metric_files_under_workers_cost_no_process(tmp_path: Pat
 @pytest.mark.timeout(180)
 def test_a_cut_or_garbled_rollout_map_under_workers_costs_no_process(tmp_path: Path) -> None:
     with fault_engine(5, 1) as base, fault_engine(5, 1) as cand:
-        cfg = config(base.url, cand.url, tmp_path, min_requests=10**6)
+        # the watch decides nothing here (its decisions are tests/server/switch's): on a loaded box a mirrored
+        # copy that waits for a core once read as "slower" and rolled back; only the damage may move the state
+        cfg = config(base.url, cand.url, tmp_path, min_requests=10**6, min_errors=10**6)
+        cfg["mirror"]["min_effect"] = 0.99
         with two_workers(tmp_path, cfg) as (p, directory), Traffic(p.url, concurrency=3, close=True) as traffic:
             shm = tmp_path / "rollout.json.shm"
 
@@ -174,7 +177,7 @@ def test_a_cut_or_garbled_rollout_map_under_workers_costs_no_process(tmp_path: P
 
             hammer(p, [truncated, nul_filled, garbled, huge_length], directory, traffic)
             state = rollout(p.url)
-            assert state["state"] in ("running", "aborted") and state["share"] in (0.0, 0.5)
+            assert state["state"] in ("running", "aborted") and state["share"] in (0.0, 0.5), state
 
 
 def serve_once(settings: Any, n: int) -> tuple[dict[str, Any], list[str]]:
