@@ -2,7 +2,8 @@
 
 Three abstract requests, all greedy (temperature 0, no penalties, no bias, never llama.cpp's
 ``post_sampling_probs``): every engine gets the same *content* (token ids, token counts, ``k``); only the field
-names differ, so nothing is sent to one engine and not the other.
+names differ, so nothing is sent to one engine and not the other. (One exception, which changes no figure: a
+llama.cpp position it answers without probabilities is asked again with its pick banned, :data:`LLAMA_BANS`.)
 
 - ``tokenize(messages)``: the chat template applied and tokenized by the engine itself
   (llama.cpp ``/apply-template`` then ``/tokenize`` with ``add_special`` and ``parse_special``; SGLang
@@ -144,13 +145,7 @@ def score_requests(
 ) -> list[tuple[str, dict[str, Any]]]:
     """(path, body) of every request that teacher-forces ``path`` after ``prompt`` (llama.cpp: one per position)."""
     if kind == "llamacpp":
-        return [
-            (
-                "/completion",
-                {"prompt": [*prompt, *path[:i]], "n_predict": 1, "temperature": 0, "n_probs": k, "cache_prompt": True},
-            )
-            for i in range(len(path))
-        ]
+        return [("/completion", llama_score_body([*prompt, *path[:i]], k)) for i in range(len(path))]
     full = [*prompt, *path]
     if kind == "sglang":
         body: dict[str, Any] = {
@@ -195,12 +190,47 @@ def parse_score(kind: str, docs: Sequence[Any], n_prompt: int, m: int, k: int) -
     raise LogprobError(f"kind {kind!r} cannot be teacher-forced")
 
 
+def llama_score_body(ids: Sequence[int], k: int, banned: Sequence[int] = ()) -> dict[str, Any]:
+    """One llama.cpp position: its top-``k`` after ``ids``; ``banned``: tokens it may not *pick* (see
+    :data:`LLAMA_BANS`), which leaves the top-``k`` as it was (computed from the raw logits before any sampler)."""
+    body: dict[str, Any] = {
+        "prompt": list(ids), "n_predict": 1, "temperature": 0, "n_probs": k, "cache_prompt": True,
+        "return_tokens": True,
+    }  # fmt: skip
+    if banned:
+        body["logit_bias"] = [[t, False] for t in banned]
+    return body
+
+
+#: llama.cpp answers a position without ``completion_probabilities`` when the token it picked leaves its text an
+#: incomplete UTF-8 sequence (a byte token of a multi-byte character: it waits for the rest, and with one token to
+#: predict the rest never comes; on a SentencePiece vocab with random weights about 1 position in 250). The
+#: answer's ``tokens`` names the pick: the position is asked again with that token banned from the pick, up to this
+#: many times (a character is at most 4 bytes)
+LLAMA_BANS = 4
+
+
+async def _llama_position(client: httpx.AsyncClient, ids: Sequence[int], k: int) -> TopK:
+    banned: list[int] = []
+    while True:
+        doc = _json(await client.post("/completion", json=llama_score_body(ids, k, banned)))
+        if not isinstance(doc, dict) or doc.get("completion_probabilities") or len(banned) >= LLAMA_BANS:
+            return parse_score("llamacpp", [doc], len(ids), 1, k)[0]
+        picked = [int(t) for t in doc.get("tokens") or () if isinstance(t, int) and t not in banned]
+        if not picked:
+            return parse_score("llamacpp", [doc], len(ids), 1, k)[0]  # nothing to ban: the shape error it is
+        banned += picked
+
+
 async def score(
     client: httpx.AsyncClient, kind: str, prompt: Sequence[int], path: Sequence[int], k: int, model: str | None
 ) -> list[TopK]:
     """Teacher-force ``path`` after ``prompt``: the engine's top-``k`` at each of its positions."""
-    docs = [_json(await client.post(p, json=b)) for p, b in score_requests(kind, prompt, path, k, model)]
-    got = parse_score(kind, docs, len(prompt), len(path), k)
+    if kind == "llamacpp":
+        got = [await _llama_position(client, [*prompt, *path[:i]], k) for i in range(len(path))]
+    else:
+        docs = [_json(await client.post(p, json=b)) for p, b in score_requests(kind, prompt, path, k, model)]
+        got = parse_score(kind, docs, len(prompt), len(path), k)
     if len(got) != len(path):
         raise LogprobError(f"{kind}: {len(got)} scored positions for a path of {len(path)}")
     return got

@@ -31,6 +31,7 @@ from proxy.bench.quality.readout import TokenAgreement, accuracies, agreements, 
 from proxy.bench.verdict.data import read_jsonl
 from proxy.cli import main
 from proxy.embedded import make_model, quantize_model
+from proxy.engines import logprobs
 
 Factory = Callable[..., Any]
 PROMPTS, TOKENS = 12, 24
@@ -249,3 +250,27 @@ def test_live_prompts_from_a_comparison_log_are_measured_on_two_engines(
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"type": "pair"}) + "\n")
     assert quality_main(["live", str(empty), "--baseline", f"f16={f16.url}", "--candidate", f"q4={q4.url}"]) == 2
+
+
+def test_a_banned_pick_leaves_a_positions_top_k_as_it_was(llama_server_factory: Factory, sharp_model: Path) -> None:
+    """The retry for a position llama.cpp answers without probabilities (``logprobs.LLAMA_BANS``) bans its pick; the
+    top-k it then reads must be the raw one, the same as without the ban (llama.cpp: from the logits, before any
+    sampler): checked on real positions, their pick and the next best banned."""
+    srv = llama_server_factory(model=sharp_model, np=1)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            ids = await logprobs.tokenize_text(c, "llamacpp", "Once upon a time there was", None)
+            for n in range(len(ids) - 3, len(ids) + 1):
+                plain = (await c.post("/completion", json=logprobs.llama_score_body(ids[:n], 5))).json()
+                top = [e["id"] for e in plain["completion_probabilities"][0]["top_logprobs"]]
+                banned = (await c.post("/completion", json=logprobs.llama_score_body(ids[:n], 5, top[:2]))).json()
+                assert banned["tokens"][0] not in top[:2]  # the ban changed the pick...
+                assert (
+                    banned["completion_probabilities"][0]["top_logprobs"]
+                    == (
+                        plain["completion_probabilities"][0]["top_logprobs"]  # ...and nothing it reports
+                    )
+                )
+
+    asyncio.run(run())

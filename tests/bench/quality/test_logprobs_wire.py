@@ -7,6 +7,11 @@ added beside the top-k with its own rank) from their sources (docs/bench.md#toke
 
 from __future__ import annotations
 
+import asyncio
+import json
+from typing import Any
+
+import httpx
 import pytest
 
 from proxy.engines import logprobs
@@ -97,3 +102,33 @@ def test_a_kind_without_token_ids_and_a_wrong_shape_are_errors() -> None:
 
 def test_top_k_sorts_dedupes_and_cuts() -> None:
     assert logprobs.top_k([(3, -2.0), (1, -0.5), (3, -1.0), (2, -0.5)], 2) == {1: -0.5, 2: -0.5}
+
+
+def test_a_llamacpp_position_without_probabilities_is_asked_again_with_its_pick_banned() -> None:
+    """llama.cpp's answer when its pick ends in an incomplete UTF-8 sequence (seen on the H100, 2026-12-07: a
+    SentencePiece byte token, ``KeyError: 'completion_probabilities'``): the tokens, no probabilities."""
+    top = [{"id": 131, "token": "\\xe2", "bytes": [226], "logprob": -0.2}, {"id": 9, "token": "a", "logprob": -1.8}]
+    bodies: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if [131, False] in body.get("logit_bias", []):
+            return httpx.Response(
+                200, json={"tokens": [9], "completion_probabilities": [{"id": 9, "top_logprobs": top}]}
+            )
+        return httpx.Response(200, json={"tokens": [131], "content": ""})
+
+    async def run(transport: httpx.MockTransport) -> list[logprobs.TopK]:
+        async with httpx.AsyncClient(transport=transport, base_url="http://llama") as c:
+            return await logprobs.score(c, "llamacpp", P, C[:1], 5, None)
+
+    assert asyncio.run(run(httpx.MockTransport(answer))) == [{131: -0.2, 9: -1.8}]
+    assert [b.get("logit_bias") for b in bodies] == [None, [[131, False]]]
+    assert all(b["prompt"] == P and b["n_probs"] == 5 for b in bodies)
+
+    # a pick that never completes: asked LLAMA_BANS + 1 times, then the shape error, not a loop
+    picks = iter(range(200, 300))
+    never = httpx.MockTransport(lambda r: httpx.Response(200, json={"tokens": [next(picks)], "content": ""}))
+    with pytest.raises(logprobs.LogprobError, match="completion_probabilities"):
+        asyncio.run(run(never))
