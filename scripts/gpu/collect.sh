@@ -35,6 +35,9 @@ for r in "$dest"/raw/*/; do  # the device's own reports are kept as what it said
   rm -f "$r"/report.html "$r"/*.svg
 done
 rm -rf "$dest/raw/joined" "$dest/raw/joined-traffic"  # rebuilt by make.sh from the runs themselves
+# the swap's per-request records and every engine log over 100 KB: compressed (swapreport.py reads NAME.gz; the
+# tree travels with every device call) -- `zcat` reads them
+find "$dest/raw" -type f \( -name '*.jsonl' -o -name '*.log' \) -size +100k -exec gzip -9f {} +
 [ -d "$work/logs" ] && cp -r "$work/logs/." "$dest/logs/"
 for f in timeline.tsv status.txt; do [ -f "$src/$f" ] && cp "$src/$f" "$dest/logs/"; done
 REPORT=${REPORT:-report.sh}

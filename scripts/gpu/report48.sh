@@ -30,7 +30,7 @@ em() {  # em ARGS...: one enginemeter command, run in DIR on its relative paths,
 }
 (
   rc=0
-  if [ -f "$dir/raw/swap/client.jsonl" ]; then
+  if [ -f "$dir/raw/swap/client.jsonl" ] || [ -f "$dir/raw/swap/client.jsonl.gz" ]; then
     echo "\$ python3 scripts/gpu/swapreport.py raw/swap swap-report"
     (cd "$dir" && "$py" "$here/scripts/gpu/swapreport.py" raw/swap swap-report) || rc=$?
     echo "exit status $rc"

@@ -14,6 +14,7 @@ Retry-After: the hold's bound), or failed otherwise -- and each must be in the p
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import statistics
@@ -23,10 +24,16 @@ from typing import Any
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+    """The records of ``path``, or of ``path.gz`` (collect.sh compresses the large ones)."""
+    gz = path.with_name(path.name + ".gz")
+    if path.exists():
+        text = path.read_text(errors="replace")
+    elif gz.exists():
+        text = gzip.decompress(gz.read_bytes()).decode(errors="replace")
+    else:
         return []
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:
@@ -164,8 +171,18 @@ def figures(d: Path) -> dict[str, Any]:
     )
     fig["rollback_by"] = "abort" if "abort" in acts else ("the watch" if ended.get("phase") == "rolled_back" else None)
     st_swap, st_back = ended.get("state") or {}, back.get("state") or {}
-    fig["proxy_outage_s"] = {"swap": st_swap.get("outage_s"), "rollback": st_back.get("outage_s")}
-    fig["phase_s"] = {"swap": st_swap.get("phase_s"), "rollback": st_back.get("phase_s")}
+    # the state's outage and phase seconds belong to the swap since its draining: a way back after a complete
+    # swap (an abort) still carries the swap's (its phase seconds extend them); only the phases added are its own
+    swap_ph, back_ph = st_swap.get("phase_s") or {}, st_back.get("phase_s") or {}
+    same_leg = bool(swap_ph) and all(back_ph.get(k) == v for k, v in swap_ph.items())
+    fig["proxy_outage_s"] = {
+        "swap": st_swap.get("outage_s"),
+        "rollback": None if same_leg and back else st_back.get("outage_s"),
+    }
+    fig["phase_s"] = {
+        "swap": swap_ph,
+        "rollback": {k: v for k, v in back_ph.items() if k not in swap_ph or swap_ph[k] != v} if same_leg else back_ph,
+    }
     fig["watch"] = st_swap.get("watch")
     fig["swap_cause"] = {"swap": st_swap.get("cause"), "rollback": st_back.get("cause") or st_swap.get("cause")}
     firsts = sorted(float(c["first_byte"]) for c in client if c.get("first_byte") and c.get("status") == 200)
@@ -217,7 +234,8 @@ def markdown(f: dict[str, Any], rows: list[tuple[str, bool | None, str]]) -> str
              "| | the swap | the way back |", "|---|---|---|",
              f"| how it ended | {f['swap_end']} (cause {f['swap_cause']['swap']}) | {f['rollback_end']} by "
              f"{f['rollback_by']} (cause {f['swap_cause']['rollback']}) |",
-             f"| outage, the proxy's: last answer → first answer | {cell(po['swap'])} | {cell(po['rollback'])} |",
+             f"| outage, the proxy's: last answer → first answer | {cell(po['swap'])} | "
+             f"{cell(po['rollback']) if po['rollback'] is not None else 'not measured by the proxy (its figure is the swap’s)'} |",
              f"| outage, the client's: longest stretch between first bytes | {cell(co.get('swap'))} | "
              f"{cell(co.get('rollback'))} |",
              f"| window (s from the start command) | {w.get('swap')} | {w.get('rollback')} |",
