@@ -193,10 +193,8 @@ def parse_score(kind: str, docs: Sequence[Any], n_prompt: int, m: int, k: int) -
 def llama_score_body(ids: Sequence[int], k: int, banned: Sequence[int] = ()) -> dict[str, Any]:
     """One llama.cpp position: its top-``k`` after ``ids``; ``banned``: tokens it may not *pick* (see
     :data:`LLAMA_BANS`), which leaves the top-``k`` as it was (computed from the raw logits before any sampler)."""
-    body: dict[str, Any] = {
-        "prompt": list(ids), "n_predict": 1, "temperature": 0, "n_probs": k, "cache_prompt": True,
-        "return_tokens": True,
-    }  # fmt: skip
+    body: dict[str, Any] = {"prompt": list(ids), "n_predict": 1, "temperature": 0, "n_probs": k}
+    body |= {"cache_prompt": True, "return_tokens": True}
     if banned:
         body["logit_bias"] = [[t, False] for t in banned]
     return body
@@ -216,7 +214,7 @@ async def _llama_position(client: httpx.AsyncClient, ids: Sequence[int], k: int)
         doc = _json(await client.post("/completion", json=llama_score_body(ids, k, banned)))
         if not isinstance(doc, dict) or doc.get("completion_probabilities") or len(banned) >= LLAMA_BANS:
             return parse_score("llamacpp", [doc], len(ids), 1, k)[0]
-        picked = [int(t) for t in doc.get("tokens") or () if isinstance(t, int) and t not in banned]
+        picked = [t for t in doc.get("tokens") or () if isinstance(t, int) and t not in banned]
         if not picked:
             return parse_score("llamacpp", [doc], len(ids), 1, k)[0]  # nothing to ban: the shape error it is
         banned += picked
