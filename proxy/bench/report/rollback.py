@@ -375,6 +375,11 @@ def swap_section(d: Data, v: Verdict, listen: str) -> list[str]:
         f"time its start by hand, or bench it with `--launch`. "
     )
     wait = b.queue_max_wait_s or sw.queue_max_wait_s
+    twice = (
+        " (twice the measured start: a first launch on a machine, its compile and kernel caches cold, may take that)"
+        if b.queue_max_wait_s is not None
+        else ""
+    )
     return [
         f"## Swap: {v.baseline} → {v.candidate}",
         "",
@@ -382,7 +387,8 @@ def swap_section(d: Data, v: Verdict, listen: str) -> list[str]:
         expected
         + _random_caveat(d, v)
         + f"Requests arriving meanwhile wait, up to {b.queue_max_requests or sw.queue_max_requests} of them and "
-        f"{wait:g} s each, and {v.candidate} answers them; past that bound a client gets a 503 with Retry-After. "
+        f"{wait:g} s each{twice}, and the candidate answers them; past that bound a client gets a 503 with "
+        "Retry-After (give clients a timeout above it). "
         + (
             f"Swapping back costs {v.baseline}'s load: {back.seconds:.0f} s measured."
             if back.seconds is not None

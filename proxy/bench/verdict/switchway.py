@@ -25,8 +25,12 @@ ASSUMED_RATE = 0.1
 STEP_TARGET_S = 3600.0
 #: the shares the rollout's steps are picked from: the config's defaults
 LADDER: tuple[float, ...] = DEFAULT_STEPS
-#: the hold queue's wait: the measured outage times this, plus a fixed margin (seconds)
-WAIT_FACTOR, WAIT_MARGIN_S = 1.5, 30.0
+#: the hold queue's wait: the measured outage times this, plus a fixed margin (seconds). Twice, as the candidate's
+#: ready timeout: a launch the bench measured may have found warm caches (vLLM's compile, Triton's kernels), and a
+#: first launch on a machine takes longer: vLLM FP8 on the 2026-12-07 H100 was ready after 78.5 s in a bench and
+#: 170.5 s on the machine's first launch, the swap's (docs/gpu-results/h100-2026-12-07-swap-3b); at 1.5x the plan's
+#: queue would have refused the requests held longest
+WAIT_FACTOR, WAIT_MARGIN_S = 2.0, 30.0
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 

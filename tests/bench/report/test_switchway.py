@@ -89,11 +89,11 @@ def test_the_27b_plans_swap_with_the_measured_outage_and_a_config_the_reader_loa
     # the configs: the real reader loads them; the swap's bounds from the measurements
     got = configs(md, tmp_path)
     assert len(got) == 2
-    for s, cand, wait in zip(got, ("sglang-fp8", "vllm-fp8"), (250, 260), strict=True):
+    for s, cand, wait in zip(got, ("sglang-fp8", "vllm-fp8"), (320, 340), strict=True):
         (route,) = s.routes
         assert route.primary == "llama" and route.rollout is None and route.swap is not None
         assert route.swap.candidate == cand and route.swap.state == "ready"
-        assert route.swap.queue_max_wait_s == wait  # ⌈1.5 × (load + warm-up) + 30⌉ to 10 s
+        assert route.swap.queue_max_wait_s == wait  # ⌈2 × (load + warm-up) + 30⌉ to 10 s
         assert route.swap.ready_timeout_s == 900 and route.swap.error_budget == 0.02
         engines = {e.name: e for e in s.engines}
         assert engines["llama"].launch == rollback.launch_command(h100, "llama")
@@ -118,8 +118,8 @@ def test_a_recorded_rate_times_the_watch_and_sizes_the_queue(h100: Data, tmp_pat
     )
     md = plan(fast)
     (route,) = configs(md, tmp_path)[0].routes
-    assert route.swap is not None and route.swap.queue_max_requests == 2 * 10 * 250  # twice 10/s over the 250 s wait
-    assert "queue_max_requests: 5000    # twice what arrives during the wait at the recorded rate" in md
+    assert route.swap is not None and route.swap.queue_max_requests == 2 * 10 * 320  # twice 10/s over the 320 s wait
+    assert "queue_max_requests: 6400    # twice what arrives during the wait at the recorded rate" in md
 
 
 def test_rollout_steps_finish_at_the_rate() -> None:
