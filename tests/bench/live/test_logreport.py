@@ -328,10 +328,11 @@ def test_np4_vs_np1_under_load_is_declared_within_a_bounded_number_of_pairs(
     # the report replays the same pairs in the same order: the same decision at the same pair
     assert (rt["decision"], rt["decided_after"]) == ("slower", ttft["decided_after"])
     md = (out / "report.md").read_text()
-    assert (
-        f"under load (TTFT): np1 is slower than np4 beyond the band ±5.0 %, decided after {rt['decided_after']} pairs"
-        in md
-    )
+    # the decision at its pair, said as it stands, or, when a loaded box moved the later pairs, as it was
+    n = rt["decided_after"]
+    said = f"under load (TTFT): np1 is slower than np4 beyond the band ±5.0 %, decided after {n} pairs"
+    was = f"under load (TTFT): np1 was slower than np4 beyond the band ±5.0 % after {n} pairs — the traffic has"
+    assert said in md or was in md, md
     assert (out / "live_delta_over_pairs.svg").exists() and (out / "live_by_concurrency.svg").exists()
 
 

@@ -273,6 +273,11 @@ def test_np4_vs_np1_at_concurrency_4_is_found_with_its_interval(llama_server_fac
     # np4's TTFT under load is well below np1's over the whole interval: < 60 % of it on a quiet machine (one run:
     # -84 % … -69 %); the bound is generous (< 75 %) because a loaded 2-core machine squeezes the gap (seen: -34 %)
     assert hi < -0.25, ttft
+    if ttft["outcome"] == "unresolved":
+        # a loaded box: its A/A noise floor (the band) wider than the gap -- the interval clear of zero, not of the
+        # band; the bench says "unresolved" rather than a win it cannot show. The rest needs the win (a quiet box)
+        assert hi > -ttft["band"], ttft
+        return
     assert ttft["outcome"] == "win", ttft
     load = next(a for a in v["regimes"] if a["step"] == "throughput")
     tput = next(c for c in v["comparisons"] if c["step"] == "throughput" and c["primary"])
