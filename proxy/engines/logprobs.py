@@ -8,7 +8,9 @@ llama.cpp position it answers without probabilities is asked again with its pick
 - ``tokenize(messages)``: the chat template applied and tokenized by the engine itself
   (llama.cpp ``/apply-template`` then ``/tokenize`` with ``add_special`` and ``parse_special``; SGLang
   ``/v1/tokenize`` ``{"messages"}``; vLLM ``/tokenize`` ``{"messages","add_generation_prompt":true}``);
-  ``tokenize_text(text)`` the same without template or special tokens (``{"prompt"}`` on SGLang and vLLM).
+  ``tokenize_text(text)`` the same without template or special tokens (``{"prompt"}`` on SGLang and vLLM);
+  ``detokenize(ids)`` the text the engine reads in ``ids`` (llama.cpp ``/detokenize`` ``content``; SGLang
+  ``/v1/detokenize`` ``text``; vLLM ``/detokenize`` ``prompt``).
 - ``generate(ids, n)``: the engine's own greedy continuation of ``ids``, as token ids (llama.cpp ``/completion``
   ``return_tokens``; SGLang ``/generate`` ``output_ids``; vLLM ``/v1/completions`` ``return_token_ids``, else
   ``logprobs.tokens`` with ``return_tokens_as_token_ids``).
@@ -83,6 +85,21 @@ async def tokenize_text(client: httpx.AsyncClient, kind: str, text: str, model: 
         body = {"model": model, "prompt": text, "add_special_tokens": False}
         path = "/v1/tokenize" if kind == "sglang" else "/tokenize"
         return [int(t) for t in _json(await client.post(path, json=body))["tokens"]]
+    raise LogprobError(f"kind {kind!r} gives no token ids")
+
+
+async def detokenize(client: httpx.AsyncClient, kind: str, ids: Sequence[int], model: str | None) -> str:
+    """The text ``ids`` spell in the engine's own vocabulary (its own decoder: compare two decodings by one engine,
+    not one engine's with another's, whose conventions for a leading space or a special token may differ)."""
+    try:
+        if kind == "llamacpp":
+            return str(_json(await client.post("/detokenize", json={"tokens": list(ids)}))["content"])
+        if kind == "sglang":
+            return str(_json(await client.post("/v1/detokenize", json={"model": model, "tokens": list(ids)}))["text"])
+        if kind == "vllm":
+            return str(_json(await client.post("/detokenize", json={"model": model, "tokens": list(ids)}))["prompt"])
+    except (KeyError, TypeError) as exc:
+        raise LogprobError(f"{kind}: no text in the detokenize answer ({type(exc).__name__}: {exc})") from None
     raise LogprobError(f"kind {kind!r} gives no token ids")
 
 

@@ -7,8 +7,10 @@ path**, every engine (the baseline included) scored by the same mechanism, with 
 same engine twice gives KL 0 and 100 % the same top token:
 
 1. the baseline renders and tokenizes each prompt (its chat template); a candidate whose own tokenizer makes
-   other ids of a prompt is scored on the baseline's ids when the prompts' plain texts tokenize alike (one
-   vocabulary, another template: said in a note), and left out otherwise ("tokenizers differ": the ids would
+   other ids of a prompt is scored on the baseline's ids when they name the same tokens, said in a note: the
+   baseline's ids read back, in the candidate's own vocabulary, as the very prompt it made (the same text split
+   into other tokens: Hugging Face's and llama.cpp's SentencePiece split runs of spaces otherwise), or its plain
+   texts do (one vocabulary, another chat template); and left out otherwise ("tokenizers differ": the ids would
    name other tokens);
 2. each engine continues the baseline's ids greedily by ``n`` tokens: where its path parts from the
    baseline's is the "first part" figure;
@@ -148,20 +150,42 @@ class AgreementPhase:
         return True
 
     async def _same_vocabulary(self, eng: Engine, ids: list[list[int]]) -> bool:
-        """Templated ids differ: the plain texts tokenized alike mean one vocabulary and another chat template, so
-        the candidate is scored on the baseline's ids (said in a ``quality_note``)."""
-        texts = [str(p[-1].get("content", "")) for p in self.prompts]
-        mine = [await logprobs.tokenize_text(eng.client, str(eng.kind), t, eng.model) for t in texts]
-        if mine != self.base_text_ids:
-            return False
-        differ = sum(a != b for a, b in zip(ids, self.base_ids, strict=True))
-        self._note(
-            eng,
-            f"its chat template renders {differ} of {len(ids)} prompts otherwise (the same vocabulary): "
-            "scored on the baseline's ids",
-            left_out=False,
-        )
+        """The candidate's ids differ from the baseline's: are the baseline's the same tokens? Each prompt whose ids
+        differ either spells the same text in the candidate's own vocabulary (another split of the same text), or
+        the plain texts do (another chat template); otherwise the vocabularies differ."""
+        differ = [i for i, (a, b) in enumerate(zip(ids, self.base_ids, strict=True)) if a != b]
+        split = [i for i in differ if await self._spell_alike(eng, self.base_ids[i], ids[i])]
+        rendered = len(differ) - len(split)
+        if rendered:
+            texts = [str(p[-1].get("content", "")) for p in self.prompts]
+            mine = [await logprobs.tokenize_text(eng.client, str(eng.kind), t, eng.model) for t in texts]
+            for m, b in zip(mine, self.base_text_ids, strict=True):
+                if not await self._spell_alike(eng, b, m):
+                    return False
+        why = []
+        if rendered:
+            why.append(f"its chat template renders {rendered} of {len(ids)} prompts otherwise (the same vocabulary)")
+        if split:
+            why.append(
+                f"its tokenizer splits {len(split)} of {len(ids)} prompts into other tokens of the same text (the "
+                "baseline's ids read back as its own prompt)"
+            )
+        self._note(eng, "; ".join(why) + ": scored on the baseline's ids", left_out=False)
         return True
+
+    @staticmethod
+    async def _spell_alike(eng: Engine, base: list[int], own: list[int]) -> bool:
+        """The baseline's ids and the candidate's ``own`` read back as one text in the candidate's vocabulary (its
+        own decoder for both). Its own ids decode, or the error is the engine's; the baseline's may not (an id
+        past its vocabulary: llama.cpp answers HTTP 500), which means they name other tokens."""
+        if base == own:
+            return True
+        kind = str(eng.kind)
+        text = await logprobs.detokenize(eng.client, kind, own, eng.model)
+        try:
+            return text == await logprobs.detokenize(eng.client, kind, base, eng.model)
+        except logprobs.LogprobError:
+            return False
 
     def _note(self, eng: Engine, why: str, *, left_out: bool = True) -> bool:
         """A ``quality_note`` record; False (``left_out``: the engine is not measured, the note says so)."""

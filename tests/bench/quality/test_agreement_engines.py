@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import httpx
 import pytest
 
@@ -203,6 +204,46 @@ def test_another_chat_template_is_scored_on_the_baselines_ids_and_another_vocabu
     got = agreements(records, "a", n_boot=100)
     assert set(got) == {"tmpl"}  # the same weights on the same ids: full agreement
     assert got["tmpl"].figures["same_top"].value == 1.0 and got["tmpl"].figures["mean_kl"].value < 1e-6
+
+
+def _split_one_token(ids: list[int], pieces: list[str]) -> list[int]:
+    """``ids`` with one token (past the template's first few) replaced by two tokens that spell the same text."""
+    index = {p: i for i, p in enumerate(pieces)}
+    for j in range(4, len(ids)):
+        p = pieces[ids[j]]
+        for k in range(1, len(p)):
+            if p[:k] in index and p[k:] in index:
+                return [*ids[:j], index[p[:k]], index[p[k:]], *ids[j + 1 :]]
+    raise AssertionError("no token to split")
+
+
+def test_another_split_of_the_same_text_is_scored_on_the_baselines_ids(
+    llama_server_factory: Factory, sharp_model: Path
+) -> None:
+    """Hugging Face's tokenizer (SGLang's, vLLM's) and llama.cpp's split some texts into other tokens of one
+    vocabulary (SentencePiece: runs of spaces). Here the baseline's ids of two prompts are split otherwise after the
+    baseline ran (two tokens for one, from the model's own vocabulary): the candidate, the same engine, makes the
+    original ids, which read back as the same text -- scored on the baseline's ids, a note says how many."""
+    srv = llama_server_factory(model=sharp_model)
+    pieces = [str(p) for p in gguf.GGUFReader(sharp_model).fields["tokenizer.ggml.tokens"].contents()]
+
+    async def run() -> list[dict[str, Any]]:
+        records: list[dict[str, Any]] = []
+        phase = AgreementPhase(variants([p.messages for p in suite.load("builtin", ("short",))], 4), 8, records.append)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            assert await phase.run(Engine("a", "llamacpp", None, c), baseline=True)
+            for i in (0, 2):
+                phase.base_ids[i] = _split_one_token(phase.base_ids[i], pieces)
+            assert await phase.run(Engine("b", "llamacpp", None, c), baseline=False)
+        return records
+
+    records = asyncio.run(run())
+    notes = [r["note"] for r in records if r["type"] == "quality_note"]
+    assert notes == [
+        "its tokenizer splits 2 of 4 prompts into other tokens of the same text (the baseline's ids read back as "
+        "its own prompt): scored on the baseline's ids"
+    ]
+    assert agreements(records, "a", n_boot=100)["b"].prompts == 4
 
 
 def test_a_time_shared_run_measures_each_stint_and_the_relaunched_baseline_gives_the_floor(

@@ -132,3 +132,32 @@ def test_a_llamacpp_position_without_probabilities_is_asked_again_with_its_pick_
     never = httpx.MockTransport(lambda r: httpx.Response(200, json={"tokens": [next(picks)], "content": ""}))
     with pytest.raises(logprobs.LogprobError, match="completion_probabilities"):
         asyncio.run(run(never))
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "field"),
+    # SGLang 0.5.17 http_server.py /v1/detokenize -> DetokenizeResponse(text); vLLM 0.26 serve/tokenize
+    # /detokenize -> DetokenizeResponse(prompt); llama.cpp /detokenize -> {"content"}
+    [("llamacpp", "/detokenize", "content"), ("sglang", "/v1/detokenize", "text"), ("vllm", "/detokenize", "prompt")],
+)
+def test_detokenize_reads_each_kinds_own_field(kind: str, path: str, field: str) -> None:
+    seen: list[tuple[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={field: "<s> [INST] hi"})
+
+    async def run() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://e") as c:
+            return await logprobs.detokenize(c, kind, P, "m")
+
+    assert asyncio.run(run()) == "<s> [INST] hi"
+    assert seen[0][0] == path and seen[0][1]["tokens"] == P
+    with pytest.raises(logprobs.LogprobError, match="no text"):
+        asyncio.run(_detok_wrong_shape(kind))
+
+
+async def _detok_wrong_shape(kind: str) -> str:
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, json={"other": 1}))
+    async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+        return await logprobs.detokenize(c, kind, P, "m")
