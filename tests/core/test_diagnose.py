@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from proxy.bench.run.sweep import variants
+from proxy.cli.diagnose import sweep
 from proxy.diagnosis import Diagnosis, gather
 from proxy.embedded import make_model
 from proxy.embedded.gguf_meta import model_shape, read_gguf
@@ -233,10 +234,10 @@ def test_a_base_url_with_v1_is_diagnosed_and_ends_with_the_tune_command(
     assert last.startswith("Next: enginemeter tune --launch ") and last.endswith(" --memory-budget 72GiB")
     argv = shlex.split(last.removeprefix("Next: "))
     launch = argv[argv.index("--launch") + 1]
-    assert launch.endswith(" -np {1,2,4,8} --port {port}") and "-c 2048" in launch
+    assert launch.endswith(" -np {2,1,4,8} --port {port}") and "-c 2048" in launch  # its own -np 2 first
     assert " -np 2" not in launch and f"--port {engine.port}" not in launch  # the sweep and {port} replace them
     flag, settings = variants(launch, None, None)  # tune reads it as written
-    assert flag == "-np" and [v.value for v in settings] == ["1", "2", "4", "8"]
+    assert flag == "-np" and [v.value for v in settings] == ["2", "1", "4", "8"]  # tune's baseline: the -np it runs
 
 
 def test_a_refused_probe_and_a_url_without_scheme_exit_non_zero_with_the_cause_first(
@@ -303,3 +304,21 @@ def _health(port: int) -> bool:
 def test_the_gguf_shape_reader_agrees_with_the_generator(gqa_model: Path) -> None:
     s = model_shape(read_gguf(gqa_model))
     assert (s.arch, s.n_layer, s.n_head, s.kv_heads, s.head_dim_k) == ("llama", 4, 8, 2, 32)
+
+
+@pytest.mark.parametrize(
+    ("current", "values"),
+    [
+        (16, "{16,8,32,64}"),
+        (4, "{4,2,8,16}"),
+        (2, "{2,1,4,8}"),
+        (1, "{1,2,4,8}"),
+        (None, "{1,2,4,8}"),
+        ("x", "{1,2,4,8}"),
+    ],
+)
+def test_the_suggested_sweep_starts_at_the_engines_own_slot_count(current: object, values: str) -> None:
+    """tune's first value is its baseline: the setting the engine runs now; then half, twice and four times it."""
+    assert sweep(current) == values
+    flag, settings = variants(f"llama-server -m m.gguf -np {values} --port {{port}}", None, None)
+    assert flag == "-np" and settings[0].value == values[1:].split(",")[0]
