@@ -17,6 +17,14 @@ top of real generation by the backend's native ``/completion`` stream, which rep
   ``request_time_per_output_token_seconds`` and ``num_aborted_requests_total``. ``/server_info`` keeps 0.5.17's
   shape in both modes (0.5.23's was never captured) with its own ``version``.
 
+Native endpoints (both versions, from the 0.5.17 source: ``http_server.py``, ``tokenizer_manager.py``,
+``scheduler_components/logprob_result_processor.py``, ``serving_tokenize.py``): ``/generate`` from ``input_ids``
+(or ``text``), not streamed, with ``output_ids`` and, when ``return_logprob``, ``meta_info``'s
+``input_token_logprobs`` / ``input_top_logprobs`` from ``logprob_start_len`` on (entry 0 ``null``) and
+``output_token_logprobs`` / ``output_top_logprobs`` as ``[logprob, id, null]``; ``/v1/detokenize`` (and
+``/detokenize``) ``{"text"}``, ``skip_special_tokens`` true by default; ``/v1/tokenize`` a chat prompt as the
+template renders it, a plain one with ``add_special_tokens`` (true by default).
+
 What no setting reproduces: real SGLang's ``/health`` takes ~1 s when idle (``health_idle_s``, default 0 so tests
 stay fast), its full 69 metric families (the emulator serves a subset under the same names), generated text.
 
@@ -46,7 +54,8 @@ counts (the gauges only show what was last published).
     with run_in_thread(EmulatorConfig(backend=...)) as url: ...    # uvicorn on a free port in a thread
 
 Modules: ``config`` (settings, constants), ``protocol`` (error body, request validation, response chunks),
-``engine`` (backend stream -> engine outputs, live state), ``serving`` (the OpenAI endpoints), ``metrics``
+``engine`` (backend stream -> engine outputs, live state), ``serving`` (the OpenAI endpoints), ``native``
+(``/generate`` with log-probabilities, ``/v1/detokenize``), ``metrics``
 (SGLang's Prometheus names), ``app`` (routes, lifespan, ``run_in_thread``), ``cli`` (``python -m``).
 """
 

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fakes.sglang_emulator import native
 from fakes.sglang_emulator.config import FLUSHED, EmulatorConfig
 from fakes.sglang_emulator.engine import SGLangEmulator
 from fakes.sglang_emulator.serving import _Serving
@@ -215,6 +216,14 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         # SGLang's multiprocess exposition: the 0.0.4 text format (real 0.5.17's content type)
         return Response(generate_latest(engine.registry), media_type=METRICS_CONTENT_TYPE)
 
+    specials: dict[int, bool] = {}  # token id -> special (what skip_special_tokens drops), learnt per token
+
+    async def generate(request: Request) -> Response:
+        return await native.generate(engine, request)
+
+    async def detokenize(request: Request) -> Response:
+        return await native.detokenize_endpoint(engine, request, specials)
+
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 404
         return JSONResponse({"detail": HTTPStatus(status).phrase}, status_code=status)
@@ -224,6 +233,9 @@ def create_app(config: EmulatorConfig, *, transport: httpx.AsyncBaseTransport | 
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/tokenize", serving.tokenize, methods=["POST"]),
         Route("/tokenize", serving.tokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),

@@ -6,7 +6,12 @@ from the backend. Used by the CPU smoke of the GPU harness (scripts/gpu/plan27b.
         --quantization fp8 --load-format dummy --gpu-memory-utilization 0.505 --max-model-len 196608 --port 8000
 
 What it copies from vLLM: ``/health`` and ``/ping`` 200 with an empty body, ``/version`` ``{"version":"0.26.0"}``,
-``/load``, ``/v1/models`` (``root``, ``max_model_len``, ``owned_by: vllm``), ``POST /tokenize``; 404 with
+``/load``, ``/v1/models`` (``root``, ``max_model_len``, ``owned_by: vllm``), ``POST /tokenize`` (a chat prompt
+tokenized as the template renders it, ``add_special_tokens`` false by default; a plain prompt with them, true by
+default), ``POST /detokenize`` (``{"prompt"}``, special tokens kept), and ``/v1/completions`` asking for tokens
+(``completions``: ``return_token_ids``, ``logprobs`` with ``return_tokens_as_token_ids``, ``prompt_logprobs``
+as vLLM orders them, over ``--max-logprobs`` a 400 with vLLM's message; see :mod:`fakes.llama_logprobs` for what
+the backend cannot tell: a rank past the top-k); 404 with
 ``{"detail":"Not Found"}`` for SGLang's and llama.cpp's endpoints; the stream's ``finish_reason`` on the last
 content chunk (no separate finish chunk) and the usage chunk with ``choices: []``; a context overflow as a 400 in
 the nested error shape (``param: "input_tokens"``); ``/metrics`` with ``vllm:num_requests_running`` and
@@ -16,6 +21,9 @@ vLLM does, it refuses to start when one request of ``--max-model-len`` tokens do
 (the emulator's own flags: ``--emulate-kv-tokens`` the cache's size in tokens, or ``--emulate-fixed-gib F``: the
 cache is ``--gpu-memory-utilization`` x ``--emulate-card-gib`` (140.4, the H200) less F GiB, at the 27B shape's 232
 KiB a token, so a higher share makes room as on the card) -- the smoke's retry path.
+
+Modules: ``config`` (the command line, constants), ``server`` (the routes, the OpenAI answers), ``completions``
+(``/v1/completions`` with token ids and log-probabilities).
 """
 
 from __future__ import annotations

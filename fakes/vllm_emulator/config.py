@@ -27,6 +27,7 @@ class Config:
     max_model_len: int
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
+    max_logprobs: int = 20
     quantization: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs / prompt_logprobs a request gets")
     p.add_argument("--emulate-kv-tokens", type=int, default=None, help="the KV cache's size in tokens (emulator)")
     p.add_argument("--emulate-fixed-gib", type=float, default=None, help="KV = share x card - this (emulator)")
     p.add_argument("--emulate-card-gib", type=float, default=140.4, help="the card's size (emulator)")
@@ -81,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         max_model_len=a.max_model_len or 0,
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs,
+        max_logprobs=a.max_logprobs,
         quantization=a.quantization,
         load_format=a.load_format,
         dtype=a.dtype,

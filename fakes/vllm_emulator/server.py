@@ -14,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fakes.llama_logprobs import BackendError
+from fakes.vllm_emulator.completions import Refused, check_logprobs, complete, prompt_ids, wants_tokens
 from fakes.vllm_emulator.config import FINGERPRINT, NOT_FOUND, VERSION, Config, config_kv
 
 
@@ -31,6 +33,54 @@ class Emulator:
         self.requests = 0
         self.created = int(time.time())
         self.seen: set[str] = set()
+        self.n_vocab = 0
+
+    async def vocab(self) -> int:
+        """The backend's vocabulary size (``prompt_logprobs: -1`` asks for all of it)."""
+        if not self.n_vocab:
+            r = await self.client.get("/v1/models")
+            data = r.json().get("data") if r.status_code == 200 else None
+            meta = (data or [{}])[0].get("meta") or {}
+            self.n_vocab = int(meta.get("n_vocab") or 2**31 - 1)
+        return self.n_vocab
+
+    async def render(self, body: dict[str, Any]) -> str:
+        """The chat template applied by the backend (llama.cpp's ``/apply-template``; it leaves the BOS out)."""
+        payload = {"messages": body["messages"]}
+        for key in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
+            if body.get(key) is not None:
+                payload[key] = body[key]
+        r = await self.client.post("/apply-template", json=payload)
+        r.raise_for_status()
+        return str(r.json()["prompt"])
+
+    async def tokens(self, text: str, *, add_special: bool) -> list[int]:
+        """``text``'s ids; special tokens written in it are parsed, as a Hugging Face tokenizer does."""
+        body = {"content": text, "add_special": add_special, "parse_special": True}
+        r = await self.client.post("/tokenize", json=body)
+        r.raise_for_status()
+        return [int(t) for t in r.json()["tokens"]]
+
+    def check_model(self, body: dict[str, Any]) -> JSONResponse | None:
+        model = body.get("model")
+        if model is not None and model != self.config.served_model_name:
+            return _error(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+        return None
+
+    async def completions(self, body: dict[str, Any]) -> Response:
+        """``/v1/completions`` asking for token ids or log-probabilities (:mod:`.completions`)."""
+        try:
+            check_logprobs(body, self.config.max_logprobs, await self.vocab())
+            prompt = prompt_ids(body.get("prompt"))
+            ids = prompt if isinstance(prompt, list) else await self.tokens(prompt, add_special=True)
+        except Refused as exc:
+            return _error(str(exc), 400, exc.param)
+        if (bad := self.overflow(len(ids), {"max_tokens": 16, **body})) is not None:
+            return bad
+        try:
+            return JSONResponse(await complete(self, body, ids))
+        except BackendError as exc:
+            return _error(str(exc), exc.status, kind="InternalServerError" if exc.status >= 500 else "BadRequestError")
 
     @property
     def kv_tokens(self) -> int:
@@ -112,9 +162,10 @@ class Emulator:
             body = await request.json()
         except ValueError:
             return _error("invalid JSON body")
-        model = body.get("model")
-        if model is not None and model != self.config.served_model_name:
-            return _error(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+        if (wrong := self.check_model(body)) is not None:
+            return wrong
+        if path == "/v1/completions" and wants_tokens(body):
+            return await self.completions(body)
         n_prompt = await self.count(body)
         if (bad := self.overflow(n_prompt, body)) is not None:
             return bad
@@ -239,16 +290,33 @@ def create_app(config: Config, client: httpx.AsyncClient) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def tokenize(request: Request) -> Response:
+        """``TokenizeChatRequest``: the template renders the BOS and is tokenized without special tokens
+        (``add_special_tokens`` false by default; true adds them again); llama-server's template leaves the BOS
+        out, so the rendered text is tokenized with them. ``TokenizeCompletionRequest``: ``add_special_tokens``
+        true by default."""
         body = await request.json()
+        if (wrong := emu.check_model(body)) is not None:
+            return wrong
         if body.get("messages") is not None:
-            r = await client.post("/apply-template", json={"messages": body["messages"]})
-            prompt = r.json()["prompt"]
+            toks = await emu.tokens(await emu.render(body), add_special=True)
+            if body.get("add_special_tokens"):
+                toks = await emu.tokens("", add_special=True) + toks
         else:
-            prompt = body.get("prompt", "")
-        r = await client.post("/tokenize", json={"content": prompt, "add_special": True})
-        toks = r.json()["tokens"]
-        return JSONResponse({"count": len(toks), "max_model_len": config.max_model_len, "tokens": toks,
-                             "token_strs": None})  # fmt: skip
+            toks = await emu.tokens(
+                str(body.get("prompt", "")), add_special=body.get("add_special_tokens") is not False
+            )
+        doc = {"count": len(toks), "max_model_len": config.max_model_len, "tokens": toks, "token_strs": None}
+        return JSONResponse(doc)
+
+    async def detokenize(request: Request) -> Response:
+        """``DetokenizeResponse``: ``{"prompt": text}``, the tokenizer's ``decode`` (special tokens kept)."""
+        body = await request.json()
+        if (wrong := emu.check_model(body)) is not None:
+            return wrong
+        r = await client.post("/detokenize", json={"tokens": [int(t) for t in body.get("tokens") or ()]})
+        if r.status_code != 200:
+            return _error(f"backend /detokenize: HTTP {r.status_code}", 400)
+        return JSONResponse({"prompt": r.json()["content"]})
 
     async def metrics(_: Request) -> Response:
         return Response(emu.metrics(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -266,6 +334,7 @@ def create_app(config: Config, client: httpx.AsyncClient) -> Starlette:
         Route("/load", load),
         Route("/v1/models", models),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
