@@ -95,7 +95,8 @@ async def detokenize(client: httpx.AsyncClient, kind: str, ids: Sequence[int], m
         if kind == "llamacpp":
             return str(_json(await client.post("/detokenize", json={"tokens": list(ids)}))["content"])
         if kind == "sglang":
-            return str(_json(await client.post("/v1/detokenize", json={"model": model, "tokens": list(ids)}))["text"])
+            body = {"model": model, "tokens": list(ids), "skip_special_tokens": False}  # its default drops them
+            return str(_json(await client.post("/v1/detokenize", json=body))["text"])
         if kind == "vllm":
             return str(_json(await client.post("/detokenize", json={"model": model, "tokens": list(ids)}))["prompt"])
     except (KeyError, TypeError) as exc:
