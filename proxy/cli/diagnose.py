@@ -24,6 +24,7 @@ import httpx
 
 from proxy.bench.run.client import RequestOutcome, send_one
 from proxy.bench.run.options import UsageError, size_arg
+from proxy.bench.run.sweep import slot_values
 from proxy.diagnosis import Diagnosis, gather, size
 from proxy.engines.startup import without_flags
 from proxy.gpu.memory import GpuMemory
@@ -150,23 +151,6 @@ def _cause(error: str) -> str:
     return error
 
 
-#: the slot counts the suggested tune sweeps when the engine's own is not known
-SWEEP = "{1,2,4,8}"
-
-
-def sweep(current: Any) -> str:
-    """The ``-np`` values the suggested tune sweeps: the engine's own first (tune's baseline: the setting it runs
-    now), then half, twice and four times it -- a ``-np 16`` launch sweeps ``{16,8,32,64}`` (on the 27B run on an
-    H100, ``-np 64`` served 25 % more than 16 under load; a sweep of 1-8 would never have shown it)."""
-    try:
-        n = int(current)
-    except (TypeError, ValueError):
-        return SWEEP
-    if n <= 1:
-        return SWEEP
-    return "{" + ",".join(str(v) for v in (n, n // 2, 2 * n, 4 * n)) + "}"
-
-
 def next_command(d: Diagnosis, budget: str | None) -> str:
     """What to run next: llama.cpp — ``enginemeter tune`` sweeping ``-np`` over this engine's own command line
     (the flags it was started with; ``{port}`` for its port); another engine — a bench against a second one."""
@@ -181,7 +165,7 @@ def next_command(d: Diagnosis, budget: str | None) -> str:
         for key, flag in _FLAG_NAMES.items():
             if key in d.flags and key != "parallel":
                 argv += [flag, str(d.flags[key])]
-    np = sweep(d.flags.get("parallel") or d.started.slots)
+    np = slot_values(d.flags.get("parallel") or d.started.slots)
     launch = shlex.join(without_flags(argv, "-np", "--parallel", "--port")) + f" -np {np} --port {{port}}"
     note = "" if d.process.argv else "    # MODEL.gguf: the engine's model file" if not d.model_path else ""
     return shlex.join(["enginemeter", "tune", "--launch", launch, *tail]) + note

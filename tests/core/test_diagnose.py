@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from proxy.bench.run.sweep import variants
-from proxy.cli.diagnose import sweep
+from proxy.bench.run.sweep import slot_values, variants
 from proxy.diagnosis import Diagnosis, gather
 from proxy.embedded import make_model
 from proxy.embedded.gguf_meta import model_shape, read_gguf
@@ -317,8 +316,8 @@ def test_the_gguf_shape_reader_agrees_with_the_generator(gqa_model: Path) -> Non
         ("x", "{1,2,4,8}"),
     ],
 )
-def test_the_suggested_sweep_starts_at_the_engines_own_slot_count(current: object, values: str) -> None:
+def test_the_suggested_sweep_starts_at_the_engines_own_slot_count(current: int | str | None, values: str) -> None:
     """tune's first value is its baseline: the setting the engine runs now; then half, twice and four times it."""
-    assert sweep(current) == values
+    assert slot_values(current) == values
     flag, settings = variants(f"llama-server -m m.gguf -np {values} --port {{port}}", None, None)
     assert flag == "-np" and settings[0].value == values[1:].split(",")[0]

@@ -16,6 +16,23 @@ from proxy.bench.run.options import UsageError
 SLOT_FLAGS = ("-np", "--parallel")
 _BRACES = re.compile(r"\{([^{}]*,[^{}]*)\}")
 
+#: the slot counts ``diagnose`` suggests sweeping when the engine's own is not known
+SWEEP = "{1,2,4,8}"
+
+
+def slot_values(current: int | str | None) -> str:
+    """The ``-np`` values ``diagnose`` suggests tune sweeps (a ``{a,b,...}`` list): the engine's own first (tune's
+    baseline: the setting it runs now), then half, twice and four times it -- a ``-np 16`` launch sweeps
+    ``{16,8,32,64}`` (on the 27B run on an H100, ``-np 64`` served 25 % more than 16 under load; a sweep of 1-8
+    would never have shown it)."""
+    try:
+        n = int(current or 0)
+    except ValueError:
+        return SWEEP
+    if n <= 1:
+        return SWEEP
+    return "{" + ",".join(str(v) for v in (n, n // 2, 2 * n, 4 * n)) + "}"
+
 
 @dataclass(frozen=True)
 class Variant:
