@@ -165,6 +165,7 @@ HELP = {
     "swap_phase_seconds": "Seconds since the swap's current phase began.",
     "swap_held_requests": "Requests held now because no engine of the route can take them (the swap's queue, every worker).",
     "swap_outage_seconds": "The last swap's outage: the baseline's last answer to the first answer of the engine that serves after it.",
+    "swap_back_outage_seconds": "The last swap back's outage: the candidate's last answer to the baseline's first answer once it serves again.",
     "swap_rejected": "Requests answered 503 with Retry-After: the swap's queue was full or the request waited its longest.",
     "swap_hung_up": "Held requests whose client hung up before an engine could take them.",
     "swap_transitions": "Transitions of the swap, by the phase entered (every one also a serve console line and an event in the state). Kept in the state file across restarts.",

@@ -144,6 +144,7 @@ class SwapSample:
     phase_seconds: float
     held: int
     outage_seconds: float | None
+    back_outage_seconds: float | None
     rollbacks: Mapping[str, int]
     transitions: Mapping[str, int]
     rejected: float
@@ -156,6 +157,7 @@ def swap_families(samples: Iterable[SwapSample]) -> list[Metric]:
     seconds = _rollout_gauge(f"{PREFIX}_swap_phase_seconds")
     held = _rollout_gauge(f"{PREFIX}_swap_held_requests")
     outage = _rollout_gauge(f"{PREFIX}_swap_outage_seconds")
+    back = _rollout_gauge(f"{PREFIX}_swap_back_outage_seconds")
     counters = {
         name: CounterMetricFamily(f"{PREFIX}_{name}", HELP[name], labels=("route",))
         for name in ("swap_rejected", "swap_hung_up")
@@ -169,13 +171,15 @@ def swap_families(samples: Iterable[SwapSample]) -> list[Metric]:
         held.add_metric((s.route,), s.held)
         if s.outage_seconds is not None:
             outage.add_metric((s.route,), s.outage_seconds)
+        if s.back_outage_seconds is not None:
+            back.add_metric((s.route,), s.back_outage_seconds)
         counters["swap_rejected"].add_metric((s.route,), s.rejected)
         counters["swap_hung_up"].add_metric((s.route,), s.hung_up)
         for c in SWAP_CAUSES:
             rollbacks.add_metric((s.route, c), s.rollbacks.get(c, 0))
         for p in SWAP_PHASES:
             entered.add_metric((s.route, p), s.transitions.get(p, 0))
-    return [phase, seconds, held, outage, *counters.values(), rollbacks, entered]
+    return [phase, seconds, held, outage, back, *counters.values(), rollbacks, entered]
 
 
 def make_metric(

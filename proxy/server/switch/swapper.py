@@ -246,6 +246,8 @@ class SwapOwner:
                 await self.swap_back("aborted", "aborted by admin")
             elif phase == "watching":
                 await self._watch_tick(doc)
+            elif phase == "rolled_back" and doc.get("back_last_answer") and doc.get("back_outage_s") is None:
+                self._back_tick(doc)
             elif phase == "complete":
                 alive = await self._alive()
                 if alive == self._down:  # said once per change
@@ -349,12 +351,32 @@ class SwapOwner:
         """The same swap in reverse: drain the candidate (bounded, then cut), stop it, the baseline back."""
         doc = self._read()
         if doc["phase"] != "reverting":
-            self._enter("reverting", cause, detail)
+            doc = self._enter("reverting", cause, detail)
         live = drain and self.engine is not None and self.engine.process.is_running()
-        if live and await self._drained(self.candidate, self.settings.drain_timeout_s) is None:
+        reps = await self._drained(self.candidate, self.settings.drain_timeout_s) if live else None
+        if live and reps is None:
             log.warning("swap of route %d: %s's requests still in flight: stopped anyway", self.route, self.candidate)
+        reps = reps or self._reports(self._read())
+        ends = [float(r["last_end"][self.candidate]) for r in reps if self.candidate in (r.get("last_end") or {})]
+        last = max([float(doc["since"]), *ends])
+        self._update(lambda d, now: d.update(back_last_answer=last))
         await self._stop()
         await self._back_to_baseline(cause, detail)
+
+    def _back_tick(self, doc: dict[str, Any]) -> None:
+        """The way back's outage, once a serving process has the baseline's first answer of this epoch: the
+        candidate's last answer (or the swap back's start) → that first answer."""
+        reps = [r for r in (doc.get("reports") or {}).values() if r.get("back_epoch") == doc["epoch"]]
+        firsts = [float(r["back_first"]) for r in reps if r.get("back_first")]
+        if not firsts:
+            return
+        gap = round(max(0.0, min(firsts) - float(doc["back_last_answer"])), 3)
+        self._update(lambda d, now: d.update(back_outage_s=gap))
+        log.info(
+            "swap of route %d: the way back's outage %s s (the candidate's last answer → the baseline's first)",
+            self.route,
+            gap,
+        )
 
     async def _back_to_baseline(self, cause: str, detail: str) -> None:
         """The baseline launched again (``RELAUNCH_TRIES`` tries): ``rolled_back`` with the cause; every try failed:

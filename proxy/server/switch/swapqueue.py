@@ -107,6 +107,9 @@ class RouteSwap:
     last_end: dict[str, float] = field(default_factory=dict)
     first_answer: float | None = None
     watch_epoch: int = -1
+    #: the baseline's first answer once it serves again after a swap back (the ``rolled_back`` epoch's)
+    back_first: float | None = None
+    back_epoch: int = -1
     window: Window = field(default_factory=lambda: Window(200))
     cand: Running = field(default_factory=Running)
     counts: dict[str, float] = field(default_factory=dict)
@@ -152,6 +155,8 @@ class RouteSwap:
             if t.phase == "watching" and t.epoch != self.watch_epoch:
                 self.watch_epoch, self.cand, self.first_answer = t.epoch, Running(), None
                 self.counts.update(attempts=0, errors=0)
+            if t.phase == "rolled_back" and t.epoch != self.back_epoch:
+                self.back_epoch, self.back_first = t.epoch, None
             self._reported = 0.0  # report at the next tick: the owner waits on it
         self._ticket = t
         if t.serving is None:
@@ -261,6 +266,8 @@ class RouteSwap:
         if mark.side == "baseline":
             if timed:
                 self.window.add(mark.regime, figures_of(r.timing))
+            if not failed and mark.epoch == self.back_epoch:
+                self.back_first = _earliest(self.back_first, r)
             return
         if mark.epoch != self.watch_epoch:
             return
@@ -269,9 +276,7 @@ class RouteSwap:
         if timed:
             self.cand.add(mark.regime, figures_of(r.timing))
         if not failed:
-            t = r.timing
-            first = time.time() - (t.e2e_s or 0.0) + (t.ttft_s if t.ttft_s is not None else (t.e2e_s or 0.0))
-            self.first_answer = first if self.first_answer is None else min(self.first_answer, first)
+            self.first_answer = _earliest(self.first_answer, r)
 
     # ------------------------------------------------------------------------------- reports
 
@@ -285,6 +290,8 @@ class RouteSwap:
             "last_end": dict(self.last_end),
             "first_answer": self.first_answer,
             "watch_epoch": self.watch_epoch,
+            "back_first": self.back_first,
+            "back_epoch": self.back_epoch,
             "base": self.window.sums() if t is not None and t.phase == "draining" else {},
             "cand": self.cand.sums,
             "counts": dict(self.counts),
@@ -334,3 +341,11 @@ class RouteSwap:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def _earliest(known: float | None, r: Result) -> float:
+    """The earlier of ``known`` and the wall time of ``r``'s first answer byte (its end less its e2e plus its TTFT;
+    the end for an answer without one)."""
+    t = r.timing
+    first = time.time() - (t.e2e_s or 0.0) + (t.ttft_s if t.ttft_s is not None else (t.e2e_s or 0.0))
+    return first if known is None else min(known, first)

@@ -31,6 +31,20 @@ from proxy.server.switch.swapstate import ACTIONS, PHASES, SwapTicket, default_s
 
 log = logging.getLogger("enginemeter.swap")
 
+#: the state document's fields ``GET /admin/rollout`` shows as they are
+STATE_KEYS = (
+    "phase",
+    "serving",
+    "epoch",
+    "cause",
+    "detail",
+    "outage_s",
+    "back_outage_s",
+    "phase_s",
+    "rollbacks",
+    "watch",
+)
+
 #: the bound of one probe of an engine that starts serving
 PROBE_S = 3.0
 
@@ -116,9 +130,8 @@ class Swaps:
     def state_of(self, rs: RouteSwap) -> dict[str, Any]:
         rs.ticket()
         doc = rs.doc
-        keys = ("phase", "serving", "epoch", "cause", "detail", "outage_s", "phase_s", "rollbacks", "watch")
         out: dict[str, Any] = {"route": rs.route, "baseline": rs.baseline, "candidate": rs.settings.candidate}
-        out |= {k: doc.get(k) for k in keys}
+        out |= {k: doc.get(k) for k in STATE_KEYS}
         out["phase_seconds"] = round(time.time() - float(doc["since"]), 3) if "since" in doc else None
         out["held"] = sum(int(r.get("held_now", 0)) for r in (doc.get("reports") or {}).values())
         out["counts"] = totals(doc)
@@ -186,6 +199,7 @@ def sample(rs: RouteSwap) -> SwapSample | None:
         phase_seconds=max(0.0, time.time() - float(doc["since"])),
         held=sum(int(r.get("held_now", 0)) for r in doc["reports"].values()),
         outage_seconds=doc.get("outage_s"),
+        back_outage_seconds=doc.get("back_outage_s"),
         rollbacks=dict(doc.get("rollbacks") or {}),
         transitions=dict(doc.get("transitions") or {}),
         rejected=c.get("rejected", 0),

@@ -107,6 +107,8 @@ def fresh(plan: dict[str, Any], run: str, config_state: str, now: float) -> dict
         "last_answer": None,
         "first_answer": None,
         "outage_s": None,
+        "back_last_answer": None,
+        "back_outage_s": None,
         "phase_s": {},
         "base": {},
         "command": None,
@@ -133,6 +135,8 @@ def enter(doc: dict[str, Any], phase: Phase, now: float, *, cause: str = "none",
     doc["phase_s"][left] = round(now - float(doc["since"]), 3)
     if phase == "draining":
         doc.update(swap_started=now, last_answer=None, first_answer=None, outage_s=None, phase_s={}, base={})
+    if phase == "reverting":
+        doc.update(back_last_answer=None, back_outage_s=None)
     doc.update(phase=phase, epoch=int(doc["epoch"]) + 1, since=now, cause=cause, detail=detail[:300])
     doc["serving"] = serving(doc)
     counts = doc.setdefault("transitions", {})

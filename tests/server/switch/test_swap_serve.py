@@ -158,7 +158,8 @@ def test_a_swap_under_load_answers_every_request_and_reports_its_outage(tmp_path
     assert held and all(x["swap"]["engine"] == x["engine"] for x in lines)
     assert max(h["held_s"] for h in held) > 0.1  # held through the swap, answered by the candidate
     documented = re.findall(r"^\| `(enginemeter_swap_\w+)`", (REPO / "docs" / "metrics.md").read_text(), re.M)
-    assert len(documented) == 9 and all(f"\n{name}" in metrics for name in documented)
+    assert len(documented) == 10 and all(f"# TYPE {name} " in metrics for name in documented)
+    assert "\nenginemeter_swap_back_outage_seconds" not in metrics  # no swap back yet: no sample
     assert processes("cand-a1") == []  # serve stopped its engine with itself
 
 
@@ -170,10 +171,15 @@ def test_a_slower_candidate_is_swapped_back_by_the_watch(tmp_path: Path) -> None
         done = wait_phase(proxy.url, "rolled_back", "complete", timeout=90)
         n = clients.served_by("base")
         wait_until(lambda: clients.served_by("base") > n + 5, 30)  # the baseline serves again
+        back = wait_until(lambda: swap_state(proxy.url)["back_outage_s"], 30, 0.05, message="the way back's outage")
+        metrics = httpx.get(f"{proxy.url}/metrics").text
     assert (done["phase"], done["cause"]) == ("rolled_back", "slower"), done
     assert "slower" in done["detail"] and done["rollbacks"]["slower"] == 1
     assert [a for a in clients.answers if a[0] != 200] == []
-    assert "watching → reverting" in proxy.output()
+    assert "watching → reverting" in proxy.output() and "the way back's outage" in proxy.output()
+    # the candidate's last answer -> the baseline's first again: its stop and the baseline's launch, not zero
+    assert 0 < back < 30 and f'enginemeter_swap_back_outage_seconds{{route="0"}} {back}' in metrics
+    assert done["outage_s"] is not None  # the swap's own stays beside it
 
 
 def test_a_candidate_killed_during_the_watch_is_swapped_back(tmp_path: Path) -> None:
