@@ -177,7 +177,8 @@ def figures(d: Path) -> dict[str, Any]:
     same_leg = bool(swap_ph) and all(back_ph.get(k) == v for k, v in swap_ph.items())
     fig["proxy_outage_s"] = {
         "swap": st_swap.get("outage_s"),
-        "rollback": None if same_leg and back else st_back.get("outage_s"),
+        # the proxy's own figure for the way back since 86ba7e2; before it, none after a complete swap
+        "rollback": st_back.get("back_outage_s", None if same_leg and back else st_back.get("outage_s")),
     }
     fig["phase_s"] = {
         "swap": swap_ph,

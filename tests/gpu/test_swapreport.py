@@ -33,7 +33,8 @@ def raw_run(d: Path, *, drop_from_log: int = 0, fail_one: bool = False) -> None:
     ]
     swap_state = {"phase": "complete", "candidate": "vllm-fp8", "outage_s": 91.2, "phase_s": {"launching": 89.5},
                   "cause": "none", "watch": {"decision": "pass", "detail": "not slower", "streams": []}}  # fmt: skip
-    back_state = {"phase": "rolled_back", "candidate": "vllm-fp8", "outage_s": 5.5, "cause": "aborted"}
+    back_state = {"phase": "rolled_back", "candidate": "vllm-fp8", "outage_s": 91.2, "back_outage_s": 5.5,
+                  "cause": "aborted"}  # fmt: skip
     jsonl(d / "actions.jsonl", [
         {"t": T0 - 60, "action": "baseline_up"}, {"t": T0, "action": "start"},
         {"t": T0 + 131.5, "action": "swap_ended", "phase": "complete", "state": swap_state},
