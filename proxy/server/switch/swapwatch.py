@@ -15,8 +15,8 @@ false ``slower`` over the whole watch is at most ``ALPHA``.
 Decisions (``judge``): ``errors`` when the candidate failed at least ``min_errors`` requests and more than
 ``error_budget`` of them; ``slower`` when, in a regime with ``regime_share`` of the candidate's requests, a
 figure's interval lies wholly above ``log(1 + band)``; ``pass`` after ``min_dwell_s`` once every such regime has
-``min_requests`` requests (and, ``gate: not_worse``, every interval's upper end is below the band); else
-``None`` (hold) with what it waits for.
+``min_requests`` requests (and, ``gate: not_worse``, every interval's upper end is below the band), its detail
+naming the regimes the baseline served that the watch did not judge; else ``None`` (hold) with what it waits for.
 
 Sums are mergeable (``[n, mean, m2]`` of the log values per ``regime/metric``): under ``--workers`` every worker
 reports its own and the owner merges them (``proxy.server.switch.swapstate.merge``).
@@ -170,4 +170,13 @@ def judge(
         return None, waiting
     if elapsed_s < s.min_dwell_s:
         return None, f"the watch lasts {s.min_dwell_s:g} s at least"
-    return "pass", f"{total} requests watched, none slower beyond +{band:.0%}, {errors} failed"
+    done = f"{total} requests watched, none slower beyond +{band:.0%}, {errors} failed"
+    return "pass", done + _unwatched(base, exercised)
+
+
+def _unwatched(base: Mapping[str, list[float]], exercised: list[str]) -> str:
+    """The regimes the baseline's window served that the watch did not judge (a pass says nothing of them)."""
+    names = [name for name, *_ in LEVELS]
+    seen = {k.partition("/")[0] for k, v in base.items() if k.endswith("/e2e") and v[0] >= MIN_PAIRS}
+    left = sorted(seen - set(exercised), key=names.index)
+    return f"; not watched: {', '.join(left)} in flight (the baseline served them before)" if left else ""

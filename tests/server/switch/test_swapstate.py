@@ -112,7 +112,18 @@ def test_the_watch_finds_a_slower_candidate_and_passes_an_equal_one_after_its_dw
     assert judge(s, 0.05, base, cand, {"attempts": 40}, 1.0)[0] == "slower"
     base, cand = _watch(100, 100, 200, 40)
     assert judge(s, 0.05, base, cand, {"attempts": 40}, 1.0) == (None, "the watch lasts 10 s at least")
-    assert judge(s, 0.05, base, cand, {"attempts": 40}, 11.0)[0] == "pass"
+    assert judge(s, 0.05, base, cand, {"attempts": 40}, 11.0) == (
+        "pass",
+        "40 requests watched, none slower beyond +5%, 0 failed",
+    )
+    # the baseline also served bursts the watch never saw: the pass says which (H100, 2026-12-07: 32 and 64)
+    w = Window(200)
+    for i in range(40):
+        w.add("33-64", {"e2e": math.log(900 + i)})
+    passed = judge(s, 0.05, {**base, **w.sums()}, cand, {"attempts": 40}, 11.0)
+    assert passed[0] == "pass" and passed[1].endswith(
+        "; not watched: 33-64 in flight (the baseline served them before)"
+    )
     base, cand = _watch(100, 100, 200, 20)
     assert judge(s, 0.05, base, cand, {"attempts": 20}, 11.0)[0] is None  # 20 of 30 requests
 
