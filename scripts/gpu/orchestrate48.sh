@@ -17,6 +17,7 @@ cd "$W" || exit 1
 SRC=$W/src
 # shellcheck source=scripts/gpu/plan48.sh
 . "$SRC/scripts/gpu/plan48.sh"
+[ "${LLAMA_ON:-}" = cpu ] && [ -z "${SMOKE:-}" ] && LLAMA_BIN=$CPU_LLAMA_BIN
 S=$W/state L=$W/logs R=$W/results TL=$W/timeline.tsv
 mkdir -p "$S" "$L" "$R"
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -52,6 +53,10 @@ cpu_build_quant() {
 }
 cpu_build_server() {
   if [ -n "${SMOKE:-}" ]; then mark server.built; tl build_server cpu "$SECONDS" "$SECONDS" 0 "smoke: cached CPU build"; return; fi
+  if [ "${LLAMA_ON:-}" = cpu ]; then  # plan48.sh: llama.cpp's arms on the CPU build's llama-server
+    wait_for quant.built || { fail server.built "$NOTE"; return; }
+    mark server.built; tl build_server cpu "$SECONDS" "$SECONDS" 0 "LLAMA_ON=cpu: $CPU_LLAMA_BIN, no CUDA build"; return
+  fi
   wait_for llama.extracted || { fail server.built "$NOTE"; return; }
   # shellcheck disable=SC2086
   if run build_server cpu 1200 nice -n "$NICE_SERVER" sh -c "cmake -S '$LLAMA_SRC' -B '$W/build-cuda' $CUDA_CMAKE > /dev/null && cmake --build '$W/build-cuda' --target llama-server -j $JOBS"; then

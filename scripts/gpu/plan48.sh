@@ -39,6 +39,9 @@ vl_frac() { "$PYTHON" -c "import sys; print(f'{($BUDGET_GIB - 1) * 1024 / float(
 # ---- builds and CPU work (as the 27B plan) -----------------------------------------------------------------------
 LLAMA_SRC=$W/llama/llama.cpp
 LLAMA_BIN=${LLAMA_BIN:-$W/build-cuda/bin/llama-server}
+# LLAMA_ON=cpu: llama.cpp's arms on the CPU build's llama-server (no CUDA build, ~270 s saved): for a lease too
+# short for that build, when only the token agreement is wanted (llama.cpp's figures then are the CPU's; its
+# speed cells are not a GPU's) -- the timeline and the run's README say so
 QUANT_BUILD=${QUANT_BUILD:-$W/build-cpu}
 QUANTIZE=$QUANT_BUILD/bin/llama-quantize
 CUDA_CMAKE="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release"
@@ -68,7 +71,7 @@ sg_common() { echo "$SG_FLAGS --mem-fraction-static $(sg_frac) --context-length 
 sg_fp8_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $HF --dtype bfloat16 --quantization fp8 $(sg_common)"; }
 sg_gguf_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $Q4 --tokenizer-path $HF --disable-prefill-cuda-graph $(sg_common)"; }
 VL_ENV="PYTHONPATH=$W/vl HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 PYTHONUNBUFFERED=1"
-VL_FLAGS="--attention-backend TRITON_ATTN --max-num-seqs 64"
+VL_FLAGS=${VL_FLAGS:-"--attention-backend TRITON_ATTN --max-num-seqs 64"}
 vllm_fp8_cmd() {  # vllm_fp8_cmd [EXTRA...]: the checkpoint, FP8 on the fly (bench --launch sets the share)
   echo "$VL_ENV $PYTHON -m vllm.entrypoints.openai.api_server --model $HF --served-model-name $ALIAS --dtype bfloat16 --quantization fp8 $VL_FLAGS --max-model-len $CTX $* --host 127.0.0.1 --port {port}"
 }
