@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -91,6 +92,16 @@ def wait_until(
             what = message or getattr(predicate, "__name__", repr(predicate))
             raise WaitTimeout(f"not true within {timeout:g} s: {what} (last: {last!r})")
         time.sleep(interval)  # the poll interval, bounded by the deadline above
+
+
+def wait_serving(proc: subprocess.Popen[str], url: str, what: str, timeout: float = 60.0) -> None:
+    """``url``/health answers 200 while ``proc`` runs; its output in the failure when it exits first."""
+
+    def up() -> bool:
+        assert proc.poll() is None, proc.communicate()[0]
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+
+    wait_until(up, timeout, 0.2, message=f"{what} did not start", ignore=(httpx.HTTPError,))
 
 
 @contextlib.contextmanager

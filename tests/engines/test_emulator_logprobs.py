@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from proxy.bench.quality.agreerun import AgreementPhase, Engine, variants
 from proxy.bench.quality.readout import agreements
 from proxy.embedded import make_model
 from proxy.engines import logprobs
+from tests.helpers import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 Factory = Callable[..., Any]
@@ -64,16 +64,7 @@ def vllm_emulator(backend: str) -> Iterator[str]:
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the vLLM emulator did not start"
-            time.sleep(0.2)
+        wait_serving(proc, url, "the vLLM emulator")
         yield url
     finally:
         proc.terminate()

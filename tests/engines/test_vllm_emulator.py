@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from proxy import engines
 from proxy.embedded import LlamaServer
+from tests.helpers import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "engines" / "vllm-0.26.0"
@@ -46,16 +46,7 @@ def _start(backend: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
 def vllm(llama_server: LlamaServer) -> Iterator[str]:
     proc, url = _start(llama_server.url, "--max-model-len", "1024")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the emulator did not start"
-            time.sleep(0.2)
+        wait_serving(proc, url, "the emulator")
         yield url
     finally:
         proc.terminate()
