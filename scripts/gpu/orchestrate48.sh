@@ -175,6 +175,21 @@ step_diag() {
     "${EM[*]} diagnose {url:llama-q4} --log {log:llama-q4} $DIAG_ARGS --json > $d/diagnose.json"
   reap_gpu diag
 }
+step_prewarm() {  # plan48.sh: PREWARM, only while the CUDA build runs
+  local a cmd
+  wait_for hf.done em.ready || return 0
+  for a in $PREWARM; do
+    [ -f "$S/server.built" ] && { tl prewarm gpu "$SECONDS" "$SECONDS" note "llama.cpp built: no prewarm of $a"; return 0; }
+    case $a in
+      vllm-fp8) wait_tree vl || continue; cmd=$(vllm_fp8_cmd --gpu-memory-utilization "$(vl_frac)") ;;
+      sglang-fp8) wait_tree sg || continue; cmd=$(sg_fp8_cmd) ;;
+      *) tl prewarm gpu "$SECONDS" "$SECONDS" skip "$a: no prewarm for it"; continue ;;
+    esac
+    NOTE="$a launched once and stopped while llama.cpp builds: its caches warm for the steps (its ready_s: results/prewarm/$a/session.json)"
+    run "prewarm-$a" gpu "$CAP_PREWARM" "${EMPY[@]}" "$SRC/scripts/gpu/session.py" --out "$R/prewarm/$a" --launch "$a=$cmd" -- true
+    reap_gpu "prewarm-$a"
+  done
+}
 step() {
   case $1 in
     agree) step_bench agree "$R/agree" "$EST_AGREE" "$CAP_AGREE" $AGREE_ARMS ;;
@@ -201,6 +216,7 @@ log "plan 48: W=$W deadline ${DEADLINE_S} s; steps: $STEPS; shape $SHAPE; CTX $C
 sampler &
 cpu_lane &
 cpu=$!
+[ -n "$PREWARM" ] && step_prewarm
 for st in $STEPS; do step "$st"; done
 wait "$cpu"
 cp "$HF/weights.json" "$R/weights.json" 2>/dev/null

@@ -113,6 +113,12 @@ SWAP_ARGS=${SWAP_ARGS:---before-s 95 --after-s 20 --tail-s 20 --max-tokens 64 --
 DIAG_ARGS="--probes 3"
 # the order of the GPU steps; the swap first when its code is here (priority 1), else last
 STEPS=${STEPS:-swap agree sg diag}
+# before the steps, while llama.cpp's CUDA server builds (the card idle ~270-320 s): each of these launched once
+# (scripts/gpu/session.py) and stopped, so their compile and kernel caches are warm when a step launches them
+# (vLLM FP8 of the 3b on the H100, 2026-12-07: ready 170.5 s on its first launch, 78.5 s on its second). Not for a
+# swap step, which measures a first switch's outage (its default: none when STEPS has swap). Empty: none
+if [[ " $STEPS " == *" swap "* ]]; then PREWARM=${PREWARM-}; else PREWARM=${PREWARM-vllm-fp8 sglang-fp8}; fi
+CAP_PREWARM=${CAP_PREWARM:-300}
 
 # ---- the clock -------------------------------------------------------------------------------------------------------
 DEADLINE_S=${DEADLINE_S:-1450}
