@@ -94,14 +94,32 @@ def wait_until(
         time.sleep(interval)  # the poll interval, bounded by the deadline above
 
 
-def wait_serving(proc: subprocess.Popen[str], url: str, what: str, timeout: float = 60.0) -> None:
-    """``url``/health answers 200 while ``proc`` runs; its output in the failure when it exits first."""
+def start_vllm_emulator(backend: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """``python -m fakes.vllm_emulator --backend BACKEND FLAGS`` on a free port, from the repository: the process
+    (its output piped) and its URL. :func:`vllm_emulator` when the test needs it serving."""
+    port = free_port()
+    argv = [sys.executable, "-m", "fakes.vllm_emulator", "--backend", backend, *flags]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def vllm_emulator(backend: str, *flags: str) -> Iterator[str]:
+    """The vLLM emulator serving (``/health`` 200; its output in the failure when it exits first); its URL."""
+    proc, url = start_vllm_emulator(backend, *flags)
 
     def up() -> bool:
         assert proc.poll() is None, proc.communicate()[0]
         return httpx.get(url + "/health", timeout=1).status_code == 200
 
-    wait_until(up, timeout, 0.2, message=f"{what} did not start", ignore=(httpx.HTTPError,))
+    try:
+        wait_until(up, 60, 0.2, message="the vLLM emulator did not start", ignore=(httpx.HTTPError,))
+        yield url
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=15)
 
 
 @contextlib.contextmanager

@@ -7,12 +7,7 @@ phase measuring both emulators against a llama.cpp baseline on the same GGUF (th
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +21,13 @@ from proxy.bench.quality.agreerun import AgreementPhase, Engine, variants
 from proxy.bench.quality.readout import agreements
 from proxy.embedded import make_model
 from proxy.engines import logprobs
-from tests.helpers import wait_serving
+from tests.helpers import vllm_emulator
 
 ROOT = Path(__file__).resolve().parents[2]
 Factory = Callable[..., Any]
 PROMPTS, TOKENS = 4, 8
+#: the emulator's model flags: served as ``m``
+SERVED = ("--model", "/tmp/m", "--served-model-name", "m")
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
 
 
@@ -39,36 +36,6 @@ def sharp_model() -> Path:
     """The agreement tests' model (tests/bench/quality/test_agreement_engines.py): a next-token distribution sharp
     enough that a KL tells engines apart."""
     return make_model(logit_scale=40.0, untiled_output=True)
-
-
-@contextmanager
-def vllm_emulator(backend: str) -> Iterator[str]:
-    """``python -m fakes.vllm_emulator`` in front of ``backend``, served as ``m``; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    argv = [
-        sys.executable,
-        "-m",
-        "fakes.vllm_emulator",
-        "--backend",
-        backend,
-        "--model",
-        "/tmp/m",
-        "--served-model-name",
-        "m",
-        "--port",
-        str(port),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_serving(proc, url, "the vLLM emulator")
-        yield url
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=15)
 
 
 def _llama_top(backend: str, ids: list[int], k: int) -> list[tuple[int, float]]:
@@ -90,7 +57,7 @@ def test_both_emulators_agree_fully_with_their_llama_server_backend(
             return await phase.run(Engine(name, kind, model, c), baseline=name == "llama")
 
     config = EmulatorConfig(backend=backend.url, served_model_name="m")
-    with vllm_emulator(backend.url) as vllm, run_sglang(config) as sglang:
+    with vllm_emulator(backend.url, *SERVED) as vllm, run_sglang(config) as sglang:
         assert asyncio.run(measure("llama", "llamacpp", backend.url, None))
         assert asyncio.run(measure("vllm", "vllm", vllm, "m"))
         assert asyncio.run(measure("sglang", "sglang", sglang, "m"))
@@ -114,7 +81,7 @@ def test_vllm_completions_carry_token_ids_and_prompt_logprobs_as_vllm_shapes_the
     llama_server_factory: Factory, sharp_model: Path
 ) -> None:
     backend = llama_server_factory(model=sharp_model).url
-    with vllm_emulator(backend) as url:
+    with vllm_emulator(backend, *SERVED) as url:
         ids = httpx.post(url + "/tokenize", json={"model": "m", "messages": MESSAGES}).json()["tokens"]
         own = httpx.post(
             backend + "/completion", json={"prompt": ids, "n_predict": 4, "temperature": 0, "return_tokens": True}
@@ -240,7 +207,10 @@ def test_tokenize_adds_the_bos_as_each_engine_does(llama_server_factory: Factory
     own = httpx.post(backend + "/tokenize", json={"content": rendered, "add_special": True, "parse_special": True})
     bos = httpx.post(backend + "/tokenize", json={"content": "", "add_special": True}).json()["tokens"]
     assert len(bos) == 1
-    with vllm_emulator(backend) as vllm, run_sglang(EmulatorConfig(backend=backend, served_model_name="m")) as sg:
+    with (
+        vllm_emulator(backend, *SERVED) as vllm,
+        run_sglang(EmulatorConfig(backend=backend, served_model_name="m")) as sg,
+    ):
         for url, path in ((vllm, "/tokenize"), (sg, "/v1/tokenize")):
             chat = httpx.post(url + path, json={"model": "m", "messages": MESSAGES}).json()["tokens"]
             assert chat == own.json()["tokens"] and chat.count(bos[0]) == 1, path

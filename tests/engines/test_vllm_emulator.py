@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,38 +15,22 @@ import pytest
 
 from proxy import engines
 from proxy.embedded import LlamaServer
-from tests.helpers import wait_serving
+from tests.helpers import start_vllm_emulator, vllm_emulator
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "engines" / "vllm-0.26.0"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(backend: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
-    port = _port()
-    argv = [sys.executable, "-m", "fakes.vllm_emulator", "--backend", backend, "--model", "/tmp/w/model/m27b",
-            "--served-model-name", "m27b", "--quantization", "fp8", "--load-format", "dummy", "--dtype", "bfloat16",
-            "--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.505", "--max-num-seqs", "64",
-            *flags, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}"
+#: vLLM's flags as the 27B plan launches it (scripts/gpu/plan27b.sh)
+FLAGS = ("--model", "/tmp/w/model/m27b", "--served-model-name", "m27b", "--quantization", "fp8", "--load-format",
+         "dummy", "--dtype", "bfloat16", "--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.505",
+         "--max-num-seqs", "64")  # fmt: skip
 
 
 @pytest.fixture
 def vllm(llama_server: LlamaServer) -> Iterator[str]:
-    proc, url = _start(llama_server.url, "--max-model-len", "1024")
-    try:
-        wait_serving(proc, url, "the emulator")
+    with vllm_emulator(llama_server.url, *FLAGS, "--max-model-len", "1024") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=15)
 
 
 def test_endpoints_answer_as_vllm_0_26(vllm: str) -> None:
@@ -105,7 +85,7 @@ def test_context_overflow_is_vllms_nested_400(vllm: str) -> None:
 
 
 def test_refuses_to_start_when_one_request_does_not_fit_the_kv_cache(llama_server: LlamaServer) -> None:
-    proc, _ = _start(llama_server.url, "--max-model-len", "4096", "--emulate-kv-tokens", "3000")
+    proc, _ = start_vllm_emulator(llama_server.url, *FLAGS, "--max-model-len", "4096", "--emulate-kv-tokens", "3000")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "To serve at least one request with the model's max seq len (4096)" in out
