@@ -227,6 +227,7 @@ LLAMA_BANS = 4
 
 
 async def _llama_position(client: httpx.AsyncClient, ids: Sequence[int], k: int) -> TopK:
+    """One position as :func:`score_requests` asks it; again with the pick banned while it has no probabilities."""
     banned: list[int] = []
     while True:
         doc = _json(await client.post("/completion", json=llama_score_body(ids, k, banned)))
@@ -242,10 +243,11 @@ async def score(
     client: httpx.AsyncClient, kind: str, prompt: Sequence[int], path: Sequence[int], k: int, model: str | None
 ) -> list[TopK]:
     """Teacher-force ``path`` after ``prompt``: the engine's top-``k`` at each of its positions."""
-    if kind == "llamacpp":
-        got = [await _llama_position(client, [*prompt, *path[:i]], k) for i in range(len(path))]
+    reqs = score_requests(kind, prompt, path, k, model)
+    if kind == "llamacpp":  # a position answered without probabilities is asked again, its pick banned
+        got = [await _llama_position(client, body["prompt"], k) for _, body in reqs]
     else:
-        docs = [_json(await client.post(p, json=b)) for p, b in score_requests(kind, prompt, path, k, model)]
+        docs = [_json(await client.post(p, json=b)) for p, b in reqs]
         got = parse_score(kind, docs, len(prompt), len(path), k)
     if len(got) != len(path):
         raise LogprobError(f"{kind}: {len(got)} scored positions for a path of {len(path)}")
