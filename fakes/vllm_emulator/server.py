@@ -87,16 +87,9 @@ class Emulator:
         return config_kv[0] or self.config.kv_tokens or max(self.config.max_model_len, 1) * 4
 
     async def count(self, body: dict[str, Any]) -> int:
-        messages = body.get("messages")
-        if messages is not None:
-            r = await self.client.post("/apply-template", json={"messages": messages})
-            r.raise_for_status()
-            prompt = r.json()["prompt"]
-        else:
-            prompt = body.get("prompt", "")
-        r = await self.client.post("/tokenize", json={"content": prompt, "add_special": True})
-        r.raise_for_status()
-        return len(r.json()["tokens"])
+        """The prompt's token count (the context check): a chat rendered by the backend's template."""
+        text = await self.render(body) if body.get("messages") is not None else str(body.get("prompt", ""))
+        return len(await self.tokens(text, add_special=True))
 
     def overflow(self, n_prompt: int, body: dict[str, Any]) -> JSONResponse | None:
         limit = self.config.max_model_len
