@@ -5,12 +5,17 @@ the same ``--out`` used to replace the first one's report, verdict and charts an
 another run's report. So a directory holding a run is refused before anything is sent (``refusal``), naming the way
 out: ``--force``, or a fresh name (``fresh``). The advice the tool prints (the rerun with more repeats, tune's bench
 command) names a new directory too (``next_name``: pure, for ``verdict``; ``fresh``: the first name not taken).
+What a run left there is read back by ``results_file`` (the file a path names: the results or the directory) and
+``read_jsonl`` (gzipped or not), for the report, the verdict and the quality readout alike.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 #: the files that make a directory a run's (a stopped run's lone verdict.json is not: rerunning it is the fix)
 RUN_FILES = ("results.jsonl", "results.jsonl.gz", "report.md", "report.html", "tune.json")
@@ -53,3 +58,32 @@ def refusal(out: Path, *, force: bool, files: tuple[str, ...] = RUN_FILES, keep:
         f"{out} already holds a run ({', '.join(found)}); nothing was written — use a fresh directory "
         f"(--out {fresh(out)}) or --force to write over it"
     )
+
+
+def results_file(path: Path) -> Path:
+    """The results file a path names: the file itself (``.gz`` too), or a bench ``--out`` directory's
+    ``results.jsonl`` (else ``results.jsonl.gz``, as ``scripts/gpu/collect.sh`` keeps it)."""
+    if not path.is_dir():
+        return path
+    for name in ("results.jsonl", "results.jsonl.gz"):
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(f"{path}: no results.jsonl (or results.jsonl.gz) in this directory — not a bench --out")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, gzipped or not; a line cut by Ctrl-C is skipped."""
+    recs: list[dict[str, Any]] = []
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by Ctrl-C
+            if isinstance(obj, dict):
+                recs.append(obj)
+    return recs

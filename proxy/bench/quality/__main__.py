@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.outdir import read_jsonl, results_file
 from proxy.bench.quality.agreerun import DEFAULT_PROMPTS, DEFAULT_TOKENS, parse_size
 from proxy.bench.quality.liveprompts import logged_prompts, measure_live
 from proxy.bench.quality.readout import accuracies, agreements, quality_notes
@@ -25,12 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["live"]:
         return _live(args[1:])
     p = argparse.ArgumentParser(prog="python -m proxy.bench.quality", description=__doc__)
-    p.add_argument("results", help="a bench run's results.jsonl")
+    p.add_argument("results", help="a bench run's results.jsonl (.gz too), or its --out directory")
     p.add_argument("--baseline", help="default: the run's baseline")
     p.add_argument("--json", action="store_true", help="the figures as JSON")
     ns = p.parse_args(args)
-    with open(ns.results, encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records = read_jsonl(results_file(Path(ns.results)))
     base = ns.baseline or next((r.get("baseline") for r in records if r.get("type") == "run"), None)
     if not base:
         print("no baseline: pass --baseline", file=sys.stderr)

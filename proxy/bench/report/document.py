@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.outdir import read_jsonl
 from proxy.bench.report import switchplan
 from proxy.bench.report.agreement import Agreement, agreement
 from proxy.bench.report.arms import Arms, arms, arms_blocks, weights
@@ -21,7 +22,7 @@ from proxy.bench.report.tables import cache_blocks, engine_blocks, parity_blocks
 from proxy.bench.report.timeshared import launches_json, timeshared_blocks
 from proxy.bench.report.verdictsection import next_block, verdict_section
 from proxy.bench.verdict import checks, switchway
-from proxy.bench.verdict.data import Data, load_bench, read_jsonl
+from proxy.bench.verdict.data import Data, load_bench
 from proxy.bench.verdict.decide import Verdict, decide_all
 from proxy.bench.verdict.headline import Headline, answer_table, extrapolated, headline
 from proxy.bench.verdict.regimes import weigh_next

@@ -7,14 +7,13 @@ variation standing in for the A/A noise floor. Its llama.cpp context per slot co
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from proxy import engines
+from proxy.bench.outdir import read_jsonl, results_file
 from proxy.bench.quality.readout import quality_by_candidate
 from proxy.bench.suite import SHARED_PREFIX
 from proxy.bench.verdict.inputs import MAX_ERROR_RATE, MIN_EFFECT, Cell, EngineInfo, Req, Results, Sample
@@ -49,35 +48,6 @@ class Data:
     sources: list[str] = field(default_factory=list)
     #: the ``run`` record of each source, in order
     runs: list[dict[str, Any]] = field(default_factory=list)
-
-
-def results_file(path: Path) -> Path:
-    """The results file a path names: the file itself (``.gz`` too), or a bench ``--out`` directory's
-    ``results.jsonl`` (else ``results.jsonl.gz``, as ``scripts/gpu/collect.sh`` keeps it)."""
-    if not path.is_dir():
-        return path
-    for name in ("results.jsonl", "results.jsonl.gz"):
-        if (path / name).is_file():
-            return path / name
-    raise ValueError(f"{path}: no results.jsonl (or results.jsonl.gz) in this directory — not a bench --out")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file, gzipped or not; a line cut by Ctrl-C is skipped."""
-    recs: list[dict[str, Any]] = []
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by Ctrl-C
-            if isinstance(obj, dict):
-                recs.append(obj)
-    return recs
 
 
 def _cell(r: Mapping[str, Any]) -> Cell:

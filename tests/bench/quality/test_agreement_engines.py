@@ -25,11 +25,11 @@ import httpx
 import pytest
 
 from proxy.bench import suite
+from proxy.bench.outdir import read_jsonl
 from proxy.bench.quality.__main__ import main as quality_main
 from proxy.bench.quality.agreerun import AgreementPhase, Engine, variants
 from proxy.bench.quality.evalset import load_eval, run_eval
 from proxy.bench.quality.readout import TokenAgreement, accuracies, agreements, quality_by_candidate
-from proxy.bench.verdict.data import read_jsonl
 from proxy.cli import main
 from proxy.embedded import make_model, quantize_model
 from proxy.engines import logprobs

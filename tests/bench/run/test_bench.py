@@ -29,11 +29,12 @@ import pytest
 from proxy.bench import suite
 from proxy.bench.live import livedata
 from proxy.bench.live.livedata import expand, load_log
+from proxy.bench.outdir import read_jsonl
 from proxy.bench.report.document import write_report
 from proxy.bench.run import benchconfig, memprobe
 from proxy.bench.run.client import cached_tokens
 from proxy.bench.verdict import workload
-from proxy.bench.verdict.data import load_bench, read_jsonl
+from proxy.bench.verdict.data import load_bench
 from proxy.cli import main
 from proxy.config.configfile import load
 from proxy.gpu import scraped

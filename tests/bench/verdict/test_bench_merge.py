@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from proxy.bench.outdir import read_jsonl
 from proxy.bench.quality.divergence import Figure
 from proxy.bench.quality.readout import Accuracy, Quality, TokenAgreement
-from proxy.bench.verdict.data import Data, load_bench, read_jsonl
+from proxy.bench.verdict.data import Data, load_bench
 from proxy.bench.verdict.decide import decide_all
 from proxy.bench.verdict.merge import difference, join, load_runs
 from proxy.cli import main
