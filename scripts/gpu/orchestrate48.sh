@@ -43,7 +43,12 @@ cpu_weights() {
   run weights cpu 600 nice -n "$NICE_WRITE" "$PYTHON" "$SRC/scripts/gpu/write_weights.py" "$HF" --seed "$WEIGHT_SEED" \
     && mark hf.done || fail hf.done "writing the weights: $(tail -n 3 "$L/weights.log")"
 }
+no_llama() {  # LLAMA_ON=none (plan48.sh): nothing of llama.cpp's is made; the steps that need it are skipped
+  [ "${LLAMA_ON:-}" = none ] || return 1
+  fail "$1" "LLAMA_ON=none: no llama.cpp on this machine"
+}
 cpu_build_quant() {
+  no_llama quant.built && return
   [ -x "$QUANTIZE" ] && { mark quant.built; tl build_quantize cpu "$SECONDS" "$SECONDS" 0 "cached $QUANTIZE"; return; }
   wait_for llama.extracted || { fail quant.built "$NOTE"; return; }
   # shellcheck disable=SC2086
@@ -52,6 +57,7 @@ cpu_build_quant() {
   else fail quant.built "CPU build of llama-quantize failed: $(tail -n 5 "$L/build_quantize.log")"; fi
 }
 cpu_build_server() {
+  no_llama server.built && return
   if [ -n "${SMOKE:-}" ]; then mark server.built; tl build_server cpu "$SECONDS" "$SECONDS" 0 "smoke: cached CPU build"; return; fi
   if [ "${LLAMA_ON:-}" = cpu ]; then  # plan48.sh: llama.cpp's arms on the CPU build's llama-server
     wait_for quant.built || { fail server.built "$NOTE"; return; }
@@ -64,6 +70,7 @@ cpu_build_server() {
   else fail server.built "CUDA build of llama-server failed: $(tail -n 5 "$L/build_server.log")"; fi
 }
 cpu_gguf() {  # the checkpoint -> F16 (llama.cpp's converter) -> Q4_K_M (llama-quantize); the F16 kept: the reference
+  no_llama f16.done && { fail q4.done "LLAMA_ON=none: no llama.cpp on this machine"; return; }
   wait_for hf.done llama.extracted || { fail f16.done "$NOTE"; fail q4.done "$NOTE"; return; }
   # shellcheck disable=SC2086
   run convert cpu 900 nice -n "$NICE_WRITE" env $CONVERT_ENV "$CONVERT_PYTHON" "$LLAMA_SRC/convert_hf_to_gguf.py" "$HF" \
@@ -110,7 +117,9 @@ step_bench() {  # step_bench STEP OUT EST CAP ARM...
   local step=$1 out=$2 est=$3 cap=$4 a launches=() quants=() have=()
   shift 4
   NOTE=""
-  wait_for server.built q4.done f16.done hf.done em.ready || { skip "$step" "$NOTE"; return; }
+  local need=(hf.done em.ready)
+  [[ " $* " == *" llama-"* || " $* " == *" sglang-gguf "* ]] && need+=(server.built q4.done f16.done)
+  wait_for "${need[@]}" || { skip "$step" "$NOTE"; return; }
   fits "$est" || { skip "$step" "cut: would end after the deadline (now $SECONDS + $est + margin $MARGIN_S > $DEADLINE_S s)"; return; }
   for a in "$@"; do
     case $a in
@@ -209,7 +218,7 @@ if [ "$GPU" = 1 ]; then
 fi
 log "plan 48: W=$W deadline ${DEADLINE_S} s; steps: $STEPS; shape $SHAPE; CTX $CTX; vLLM swap share $(vl_frac); SGLang $(sg_frac)${SMOKE:+; SMOKE}"
 { echo "date_utc: $(date -u '+%Y-%m-%d %H:%M:%S')"; echo "gpu_total_mib: $GPU_TOTAL_MIB"; echo "steps: $STEPS"
-  echo "shape: $SHAPE ($HF)"; for a in llama-q4 llama-f16 vllm-fp8 sglang-fp8 sglang-gguf; do echo "$(arm_cmd "$a")"; done
+  echo "shape: $SHAPE ($HF)"; for a in llama-q4 llama-f16 vllm-fp8 vllm-bf16 sglang-fp8 sglang-gguf; do echo "$(arm_cmd "$a")"; done
   echo "swap candidate: $(vllm_swap_cmd)"; echo "swap profile: $SWAP_PROFILE"; echo "swap args: $SWAP_ARGS"
   echo "workload: $WORKLOAD"; echo "agree flags: $AGREE_FLAGS"; nproc; free -g | head -n 2; df -h "$W" | tail -n 1
   [ "$GPU" = 1 ] && nvidia-smi; } > "$R/plan.txt" 2>&1

@@ -41,7 +41,9 @@ LLAMA_SRC=$W/llama/llama.cpp
 LLAMA_BIN=${LLAMA_BIN:-$W/build-cuda/bin/llama-server}
 # LLAMA_ON=cpu: llama.cpp's arms on the CPU build's llama-server (no CUDA build, ~270 s saved): for a lease too
 # short for that build, when only the token agreement is wanted (llama.cpp's figures then are the CPU's; its
-# speed cells are not a GPU's) -- the timeline and the run's README say so
+# speed cells are not a GPU's) -- the timeline and the run's README say so. LLAMA_ON=none: no llama.cpp on the
+# machine at all (no build, no GGUF; only arms of the checkpoint: `AGREE_ARMS="vllm-bf16 vllm-fp8"`, the FP8
+# discount against the bf16 reference, for a lease too short for any build; llama.cpp's side then runs elsewhere)
 QUANT_BUILD=${QUANT_BUILD:-$W/build-cpu}
 QUANTIZE=$QUANT_BUILD/bin/llama-quantize
 CUDA_CMAKE="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release"
@@ -72,9 +74,10 @@ sg_fp8_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $HF --
 sg_gguf_cmd() { echo "$SG_ENV $PYTHON -m sglang.launch_server --model-path $Q4 --tokenizer-path $HF --disable-prefill-cuda-graph $(sg_common)"; }
 VL_ENV="PYTHONPATH=$W/vl HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 PYTHONUNBUFFERED=1"
 VL_FLAGS=${VL_FLAGS:-"--attention-backend TRITON_ATTN --max-num-seqs 64"}
-vllm_fp8_cmd() {  # vllm_fp8_cmd [EXTRA...]: the checkpoint, FP8 on the fly (bench --launch sets the share)
-  echo "$VL_ENV $PYTHON -m vllm.entrypoints.openai.api_server --model $HF --served-model-name $ALIAS --dtype bfloat16 --quantization fp8 $VL_FLAGS --max-model-len $CTX $* --host 127.0.0.1 --port {port}"
+vllm_cmd() {  # vllm_cmd [EXTRA...]: the checkpoint as written, bf16 (bench --launch sets the share)
+  echo "$VL_ENV $PYTHON -m vllm.entrypoints.openai.api_server --model $HF --served-model-name $ALIAS --dtype bfloat16 $VL_FLAGS --max-model-len $CTX $* --host 127.0.0.1 --port {port}"
 }
+vllm_fp8_cmd() { vllm_cmd --quantization fp8 "$@"; }  # the checkpoint, FP8 on the fly
 # the swap's candidate: serve launches it, so the share is given; its torch.compile cache off, so the outage is
 # a first switch's (the agree step compiled the same model minutes before: a warm cache would hide ~30-60 s)
 VL_SWAP_ENV=${VL_SWAP_ENV:-VLLM_DISABLE_COMPILE_CACHE=1}
@@ -97,12 +100,13 @@ arm_cmd() {  # arm_cmd NAME -> NAME=COMMAND
     llama-q4) echo "llama-q4=$(llama_cmd "$Q4" "$NP")" ;;
     llama-f16) echo "llama-f16=$(llama_cmd "$F16" "$NP")" ;;
     vllm-fp8) echo "vllm-fp8=$(vllm_fp8_cmd)" ;;
+    vllm-bf16) echo "vllm-bf16=$(vllm_cmd)" ;;
     sglang-fp8) echo "sglang-fp8=$(sg_fp8_cmd)" ;;
     sglang-gguf) echo "sglang-gguf=$(sg_gguf_cmd)" ;;
   esac
 }
 arm_quant() {  # the precision each arm declares (the bench reads GGUF headers itself)
-  case $1 in vllm-fp8|sglang-fp8) echo "--quantization $1=fp8" ;; esac
+  case $1 in vllm-fp8|sglang-fp8) echo "--quantization $1=fp8" ;; vllm-bf16) echo "--quantization $1=bf16" ;; esac
 }
 # the swap: the recorded burst profile (2026-12-06, concurrency:seconds), repeated; the watch shortened to fit
 # the lease (min_dwell_s 60 instead of 300; min_requests 30 per exercised regime, as the default)
@@ -140,7 +144,7 @@ if [ -n "${SMOKE:-}" ]; then
   SMOKE_BACKEND="$LLAMA_BIN -m $Q4 -c 8192 -np 4 -t 1 --jinja --no-webui --host 127.0.0.1 --port $SMOKE_BACKEND_PORT"
   sg_fp8_cmd() { echo "PYTHONPATH=$W/src $PYTHON -m fakes.sglang_emulator --backend http://127.0.0.1:$SMOKE_BACKEND_PORT --served-model-name $ALIAS --context-length $CTX --enable-metrics --enable-cache-report --model-path $HF --quantization fp8 --port {port}"; }
   sg_gguf_cmd() { echo "PYTHONPATH=$W/src $PYTHON -m fakes.sglang_emulator --backend http://127.0.0.1:$SMOKE_BACKEND_PORT --served-model-name $ALIAS --context-length $CTX --enable-metrics --enable-cache-report --model-path $Q4 --port {port}"; }
-  vllm_fp8_cmd() { echo "PYTHONPATH=$W/src $PYTHON -m fakes.vllm_emulator --backend http://127.0.0.1:$SMOKE_BACKEND_PORT --model $HF --served-model-name $ALIAS --dtype bfloat16 --quantization fp8 $VL_FLAGS --gpu-memory-utilization 0.3 --max-model-len $CTX $* --host 127.0.0.1 --port {port}"; }
+  vllm_cmd() { echo "PYTHONPATH=$W/src $PYTHON -m fakes.vllm_emulator --backend http://127.0.0.1:$SMOKE_BACKEND_PORT --model $HF --served-model-name $ALIAS --dtype bfloat16 $VL_FLAGS --gpu-memory-utilization 0.3 --max-model-len $CTX $* --host 127.0.0.1 --port {port}"; }
   vllm_swap_cmd() { vllm_fp8_cmd; }
   WORKLOAD="--concurrency 1,2 --prompt-lengths short --output-lengths 16 --max-tokens 16 --cache cold --repeats 3 --warmup 1 --waves 1"
   SWAP_PROFILE=${SMOKE_SWAP_PROFILE:-1:4,4:4,2:4}
