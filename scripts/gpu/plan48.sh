@@ -88,7 +88,9 @@ vllm_swap_cmd() { echo "$VL_SWAP_ENV $(vllm_fp8_cmd --gpu-memory-utilization "$(
 # token agreement (AGREE_FLAGS: filled in once `bench` has it -- issue 46; empty: the cells alone)
 WORKLOAD=${WORKLOAD:---concurrency 1,16,64 --prompt-lengths short --output-lengths 64 --max-tokens 64 --cache cold --repeats 3 --warmup 1 --waves 1}
 AGREE_FLAGS=${AGREE_FLAGS---agreement 32x64}
-BENCH_FLAGS="--memory-budget ${BUDGET_GIB}GiB --accept-quantization-difference --launch-timeout 600 --no-progress --aa off"
+# --weights random: write_weights.py's checkpoint (and the GGUF made from it) is random, which no engine can tell:
+# its agreement figures then say they are the network's noise, not the discount (h100-2026-12-07-agree-vllm)
+BENCH_FLAGS="--memory-budget ${BUDGET_GIB}GiB --accept-quantization-difference --weights random --launch-timeout 600 --no-progress --aa off"
 # which engines the agree bench launches, in order (the first is the baseline); sglang-fp8 is left out when its
 # carries are not there
 AGREE_ARMS=${AGREE_ARMS:-llama-q4 llama-f16 vllm-fp8}

@@ -41,7 +41,7 @@ em() {  # em ARGS...: one enginemeter command, run in DIR on its relative paths,
     run=${pair%%:*} out=${pair#*:}
     if [ -f "$dir/raw/$run/results.jsonl.gz" ]; then
       rm -rf "${dir:?}/$out"
-      em report --results "raw/$run" --baseline llama-q4 --accept-quantization-difference --out "$out" || rc=$?
+      em report --results "raw/$run" --baseline llama-q4 --accept-quantization-difference --weights random --out "$out" || rc=$?
       # the token agreement's figures (issue 46's readout), each engine against the baseline
       gzip -dc "$dir/raw/$run/results.jsonl.gz" > "$work/$run.jsonl"
       echo "\$ python -m proxy.bench.quality raw/$run/results.jsonl.gz  (token agreement against llama-q4)"

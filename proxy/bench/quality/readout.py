@@ -22,7 +22,9 @@ from proxy.bench.quality.divergence import N_BOOT, SEED, Figure, PromptScore, fi
 SAME_TOP_BOUND = 0.90
 MEAN_KL_BOUND = 0.1
 ACCURACY_DROP = 0.02
-RANDOM_CAVEAT = "random weights: these figures measure the engines' numerics, not the model's quality"
+RANDOM_CAVEAT = (
+    "random weights: these figures measure a random network's noise, not the model's quality nor the format's cost"
+)
 
 
 def _pct(f: Figure) -> str:

@@ -169,9 +169,10 @@ def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> 
     text = o.text if o is not None else "greedy-output agreement not measured"
     random = [n for n in (v.baseline, v.candidate) if n in random_weights]
     if o is not None and o.quality is not None and o.quality.measured and not unlike:
-        # measured next-token agreement / task accuracy judge it, against stated bounds (random weights: the
-        # figures then measure the engines' numerics, and say so)
-        return Item(name, NO if o.quality.differs else OK, o.quality.evidence(random_weights=bool(random)))
+        # measured next-token agreement / task accuracy judge it, against stated bounds; on random weights a bound
+        # crossed is the network's noise, not the model's (paritygate.discount): shown and said so, judging nothing
+        mark = OK if not o.quality.differs else UNKNOWN if random else NO
+        return Item(name, mark, o.quality.evidence(random_weights=bool(random)))
     if random:
         # only that: the agreement's own text judges it ("the same weights should agree"), which random weights
         # cannot be held to

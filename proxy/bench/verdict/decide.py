@@ -192,6 +192,8 @@ def decide(r: Results, candidate: str) -> Verdict:
     c = conclude(r, base, candidate, reasons, comps, max(slots) if slots else None, cells, answer, live)
     b, k = infos[base], infos[candidate]
     qual = r.quality.get(candidate)
+    #: on random weights the agreement measures the network's noise: said in the discount, never a tag
+    rnd = bool({base, candidate} & set(r.random_weights))
     return Verdict(
         base,
         candidate,
@@ -204,13 +206,13 @@ def decide(r: Results, candidate: str) -> Verdict:
         "A/A pass" if aa else "run-to-run variation",
         c.regimes,
         c.next_step,
-        discount(b, k, qual.short() if qual else None)
+        discount(b, k, qual.short() if qual else None, rnd)
         if r.accept_quantization_difference and quant_differs(b, k)
         else None,
         tuple(cells),
         answer,
         tuple(x.text for x in c.reasons if x.check == CAVEAT),
-        qual.differs if qual is not None and c.decision == "switch" else None,
+        qual.differs if qual is not None and c.decision == "switch" and not rnd else None,
     )
 
 

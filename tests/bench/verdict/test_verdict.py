@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from proxy.bench.quality.divergence import Figure
+from proxy.bench.quality.readout import Quality, TokenAgreement
 from proxy.bench.verdict.data import load_bench
 from proxy.bench.verdict.decide import Verdict, decide, decide_all
 from proxy.bench.verdict.gates.datagate import cache_flags
@@ -321,6 +323,26 @@ def test_quantization_is_normalized_and_a_difference_stops() -> None:
         same, engines=(dataclasses.replace(a, quantization="F16"), engines(quantization="bfloat16")[1], aa)
     )
     assert "bf16 ≠ f16" in decide(bf, "sglang").summary
+
+
+def test_on_random_weights_the_agreement_is_no_discount_and_no_tag() -> None:
+    """A faster FP8 candidate whose agreement crosses a bound: "answers differently" on real weights; on random
+    ones (either engine) the figure is the network's noise: the discount line says so and the tag is left out."""
+    figures = {"same_top": Figure(0.076, 0.049, 0.107), "mean_kl": Figure(1.6, 1.51, 1.69)}
+    low = TokenAgreement("llama", "sglang", 16, 512, 20, "teacher-forced", figures)
+    fp8 = results(*trio(tpot=0.005), *loaded(tps=800), engines=engines(quantization="fp8"),
+                  accept_quantization_difference=True, quality={"sglang": Quality(low)})  # fmt: skip
+    v = decide(fp8, "sglang")
+    assert v.decision == "switch", v.summary
+    assert v.differs and v.differs.startswith("same top token 7.6 % [4.9–10.7] < 90%"), v.differs
+    assert v.discounted and v.discounted.endswith("measured: same top token 7.6 % [4.9–10.7], mean KL 1.6")
+    for name in ("llama", "sglang"):
+        r = decide(dataclasses.replace(fp8, random_weights={name: "declared: --weights random"}), "sglang")
+        assert r.decision == "switch" and r.differs is None and r.tag == " (discounted)"
+        assert (
+            r.discounted
+            and "not measurable on random weights (on these: same top token 7.6 % [4.9–10.7]" in r.discounted
+        )
 
 
 def test_quantization_unknown_stops() -> None:

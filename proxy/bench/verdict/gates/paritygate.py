@@ -196,9 +196,17 @@ def quant_differs(b: EngineInfo, c: EngineInfo) -> bool:
     return bool(b.quantization and c.quantization and quant_key(b.quantization) != quant_key(c.quantization))
 
 
-def discount(b: EngineInfo, c: EngineInfo, measured: str | None = None) -> str:
+def discount(b: EngineInfo, c: EngineInfo, measured: str | None = None, random: bool = False) -> str:
     """What a verdict across a declared precision difference includes besides the engines; ``measured``: what was
-    measured of it (``proxy.bench.quality``: "same top token 97.1 % [96.4–97.7], mean KL 0.012")."""
+    measured of it (``proxy.bench.quality``: "same top token 97.1 % [96.4–97.7], mean KL 0.012"). ``random``: either
+    engine runs random weights, where that figure is no discount: a random network turns any format's error into
+    another function (llama.cpp's own Q4_K_M of a random 3 B checkpoint kept 7.6 % of its F16's top tokens, while
+    F16 and vLLM bf16 of it agreed on 14 of 16 first tokens: docs/gpu-results/h100-2026-12-07-agree-vllm)."""
+    if measured and random:
+        return (
+            f"includes the precision difference {b.quantization} vs {c.quantization}, not measurable on random "
+            f"weights (on these: {measured}); measure it on the real weights"
+        )
     if measured:
         return f"includes the precision difference {b.quantization} vs {c.quantization}, measured: {measured}"
     return (
