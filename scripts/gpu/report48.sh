@@ -43,13 +43,12 @@ em() {  # em ARGS...: one enginemeter command, run in DIR on its relative paths,
       rm -rf "${dir:?}/$out"
       em report --results "raw/$run" --baseline llama-q4 --accept-quantization-difference --weights random --out "$out" || rc=$?
       # the token agreement's figures (issue 46's readout), each engine against the baseline
-      gzip -dc "$dir/raw/$run/results.jsonl.gz" > "$work/$run.jsonl"
       echo "\$ python -m proxy.bench.quality raw/$run/results.jsonl.gz  (token agreement against llama-q4)"
-      (cd "$dir" && PYTHONPATH="$root" "$py" -m proxy.bench.quality "$work/$run.jsonl") 2>&1 | rel | sed "s#$work/##g"
+      (cd "$dir" && PYTHONPATH="$root" "$py" -m proxy.bench.quality "raw/$run/results.jsonl.gz") 2>&1 | rel
       if [ "$run" = agree ]; then  # and against the F16 reference (the same weights at full precision in llama.cpp)
         echo "\$ python -m proxy.bench.quality raw/$run/results.jsonl.gz --baseline llama-f16  (against the F16 reference)"
-        (cd "$dir" && PYTHONPATH="$root" "$py" -m proxy.bench.quality "$work/$run.jsonl" --baseline llama-f16) 2>&1 | rel \
-          | sed "s#$work/##g"
+        (cd "$dir" && PYTHONPATH="$root" "$py" -m proxy.bench.quality "raw/$run/results.jsonl.gz" --baseline llama-f16) \
+          2>&1 | rel
       fi
     else
       echo "no $run run (raw/$run): see logs/timeline.tsv"
