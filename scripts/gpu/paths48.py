@@ -40,9 +40,9 @@ def compare(name_a: str, ra: dict[int, dict], name_b: str, rb: dict[int, dict]) 
         return f"{name_a} vs {name_b}: no prompt scored by both with the same prompt tokens"
     n = min(min(len(ra[p]["path"]), len(rb[p]["path"])) for p in common)
     parts = [parts_at(ra[p]["path"][:n], rb[p]["path"][:n]) for p in common]
-    same_first = sum(ra[p]["scored"][0][0][0] == rb[p]["scored"][0][0][0] for p in common)
-    top_dlp = max(abs(ra[p]["scored"][0][0][1] - rb[p]["scored"][0][0][1]) for p in common
-                  if ra[p]["scored"][0][0][0] == rb[p]["scored"][0][0][0]) if same_first else float("nan")  # fmt: skip
+    tops = [(ra[p]["scored"][0][0], rb[p]["scored"][0][0]) for p in common]  # each prompt's [id, logprob] twice
+    same = [abs(x[1] - y[1]) for x, y in tops if x[0] == y[0]]
+    same_first, top_dlp = len(same), max(same, default=float("nan"))
     median = statistics.median(n if x is None else x for x in parts)
     never = sum(x is None for x in parts)
     return (
