@@ -71,3 +71,25 @@ def random_weights(launch: str | None, info: Mapping[str, Any]) -> str | None:
     if name.startswith("enginemeter-") and name.endswith("-random"):
         return f"a generated GGUF ({name})"
     return None
+
+
+#: why two engines' greedy outputs say nothing when either runs random weights
+RANDOM_WHY = (
+    "their outputs say nothing about correctness, and two engines' greedy outputs part wherever their kernels "
+    "round differently"
+)
+
+
+def random_among(random: Mapping[str, str], *engines: str) -> dict[str, str]:
+    """Which of ``engines`` run random weights, and why (``random``: engine -> why, as ``random_weights`` says), in
+    the order given: the one rule every screen applies to a comparison."""
+    return {e: random[e] for e in dict.fromkeys(engines) if e in random}
+
+
+def random_who(mine: Mapping[str, str]) -> str:
+    """``a runs random weights (why)``, ``a and b run random weights (a: why; b: why)``: ``mine`` from
+    ``random_among``, never empty."""
+    who = " and ".join(mine)
+    if len(mine) == 1:
+        return f"{who} runs random weights ({next(iter(mine.values()))})"
+    return f"{who} run random weights (" + "; ".join(f"{e}: {w}" for e, w in mine.items()) + ")"

@@ -17,6 +17,7 @@ import httpx
 from proxy.bench.run import targets
 from proxy.bench.run.benchconfig import Target, canonical_sampling
 from proxy.bench.verdict.inputs import Reason
+from proxy.engines.quant import RANDOM_WHY, random_among, random_who
 from proxy.gpu.scraped import PER_ENGINE, MemReading, parse_metrics, read_memory
 from proxy.normalize import normalize_request
 from proxy.types import EngineKind
@@ -187,14 +188,9 @@ def greedy_agreement(recs: Sequence[Mapping[str, Any]]) -> Greedy:
 
 
 def greedy_text(base: str, cand: str, g: Greedy, random: Mapping[str, str] | None = None) -> str:
-    mine = {e: why for e, why in (random or {}).items() if e in (base, cand)}
+    mine = random_among(random or {}, base, cand)
     if mine:
-        return (
-            f"greedy outputs cannot be judged: {' and '.join(mine)} {'run' if len(mine) > 1 else 'runs'} random weights ("
-            + "; ".join(f"{e}: {w}" for e, w in mine.items())
-            + ") — outputs of random weights say nothing about "
-            "correctness, and two engines' greedy outputs part wherever their kernels round differently"
-        )
+        return f"greedy outputs cannot be judged: {random_who(mine)} — {RANDOM_WHY}"
     if not g.pairs:
         return "greedy outputs: no greedy pair (temperature 0 on both sides) was compared"
     if not g.differ:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.report.blocks import Block
+from proxy.engines.quant import RANDOM_WHY, random_among, random_who
 
 
 @dataclass(frozen=True)
@@ -131,21 +132,14 @@ def agreement(requests: Sequence[Mapping[str, Any]], base: str, cand: str) -> Ag
     return Agreement(len(keys), same, tuple(chars), tuple(tokens), head)
 
 
-RANDOM = (
-    "cannot be judged: {who} {run} random weights ({why}) — their outputs say nothing about correctness, "
-    "and two engines' greedy outputs part wherever their kernels round differently; the speed figures stand "
-    "(random weights cost what real ones do)"
-)
-
-
 def random_text(base: str, cand: str, random: Mapping[str, str]) -> str | None:
     """What greedy agreement says when ``base`` or ``cand`` runs random weights (``random``: engine -> why)."""
-    mine = {e: why for e, why in random.items() if e in (base, cand)}
+    mine = random_among(random, base, cand)
     if not mine:
         return None
-    who = " and ".join(mine)
-    return f"greedy-output agreement {base} vs {cand}: " + RANDOM.format(
-        who=who, run="run" if len(mine) > 1 else "runs", why="; ".join(f"{e}: {w}" for e, w in mine.items())
+    return (
+        f"greedy-output agreement {base} vs {cand}: cannot be judged: {random_who(mine)} — {RANDOM_WHY}; the speed "
+        "figures stand (random weights cost what real ones do)"
     )
 
 

@@ -58,7 +58,10 @@ def document(
     answer = list(lead) if lead else answer_blocks(h or make_headline(d, verdicts), verdicts, d)
     out = [Block("h1", d.title), *_ended(d), *answer]
     out += verdict_section(verdicts, agreements or {}, d.results.random_weights)
-    out += [Block("p", q.evidence(random_weights=_random(d, c))) for c, q in d.results.quality.items()]
+    out += [
+        Block("p", q.evidence(random_weights=bool(d.results.random_of(d.results.baseline, c))))
+        for c, q in d.results.quality.items()
+    ]
     out += arms_blocks(engine_arms, d.engines_meta)
     out += engine_blocks(d)
     out += timeshared_blocks(d.stints, d.stopped)
@@ -180,10 +183,6 @@ def clear_charts(out: Path, names: Iterable[str]) -> None:
         (out / f"{name}.svg").unlink(missing_ok=True)
 
 
-def _random(d: Data, cand: str) -> bool:
-    return bool({d.results.baseline, cand} & set(d.results.random_weights))
-
-
 def write_files(out: Path, blocks: Sequence[Block], plan: str, vj: Mapping[str, Any]) -> dict[str, Any]:
     """Write the document as report.md and report.html, the switch plan and verdict.json; their paths."""
     # 0600: they hold the engines' (masked) commands and errors, like the logs
@@ -232,7 +231,7 @@ def switch_plan(d: Data, verdicts: Sequence[Verdict], agreements: Mapping[str, A
     plan = {
         c: switchplan.from_agreement(a, d.results.baseline, c, d.results.quality.get(c)) for c, a in agreements.items()
     }
-    return switchplan.markdown(d, verdicts, plan, random_weights=d.results.random_weights)
+    return switchplan.markdown(d, verdicts, plan)
 
 
 def _verdict_json(

@@ -336,14 +336,14 @@ def swap_yaml(d: Data, v: Verdict, listen: str = DEFAULT_LISTEN) -> str:
 
 def _random_caveat(d: Data, v: Verdict) -> str:
     """Random weights load faster than real ones: the measured load time leaves out reading the weights."""
-    random = [n for n in (v.baseline, v.candidate) if n in d.results.random_weights]
+    random = d.results.random_of(v.baseline, v.candidate)
     if not random:
         return ""
     return (
         "Random weights: "
-        + ", ".join(f"{n} ({d.results.random_weights[n]})" for n in random)
-        + ": put the command that "
-        "loads your model's weights in the config, and expect the outage longer by the time it takes to read them. "
+        + ", ".join(f"{n} ({why})" for n, why in random.items())
+        + ": put the command that loads your model's weights in the config, and expect the outage longer by the "
+        "time it takes to read them. "
     )
 
 

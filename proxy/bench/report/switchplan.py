@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.bench.quality.readout import Quality
@@ -19,6 +19,7 @@ from proxy.bench.verdict.decide import Verdict
 from proxy.bench.verdict.inputs import FAILS, Sample
 from proxy.bench.verdict.switchway import resident
 from proxy.config.fields import DEFAULT_LISTEN
+from proxy.engines.quant import random_who
 from proxy.notation import count, gib
 
 FILE = "switch-plan.md"
@@ -69,12 +70,11 @@ def markdown(
     verdicts: Sequence[Verdict],
     outputs: Mapping[str, Outputs],
     *,
-    random_weights: Collection[str] = (),
     listen: str | None = None,
 ) -> str:
-    """The plan. ``outputs``: candidate -> its agreement with the baseline; ``random_weights``: engines whose weights
-    are random (a generated GGUF, ``--load-format dummy``): their outputs cannot be judged; ``listen``: where the
-    proxy listens (default: the config's default)."""
+    """The plan. ``outputs``: candidate -> its agreement with the baseline (the outputs of engines on random weights,
+    ``d.results.random_weights``, cannot be judged); ``listen``: where the proxy listens (default: the config's
+    default)."""
     at = listen or DEFAULT_LISTEN
     lines = [
         f"# Switch plan: {', '.join(v.candidate for v in verdicts) or 'nothing to switch to'} "
@@ -94,7 +94,7 @@ def markdown(
             "",
         ]
     for v in verdicts:
-        items = checklist(d, v, outputs.get(v.candidate), random_weights)
+        items = checklist(d, v, outputs.get(v.candidate))
         marks = {m: [i.name for i in items if i.mark == m] for m in (OK, NO, UNKNOWN)}
         lines += [
             f"## Checklist: {v.candidate} replacing {v.baseline}",
@@ -123,11 +123,11 @@ def switch_section(d: Data, v: Verdict, listen: str) -> list[str]:
     return rollout_section(d, v, listen)
 
 
-def checklist(d: Data, v: Verdict, outputs: Outputs | None, random_weights: Collection[str] = ()) -> list[Item]:
+def checklist(d: Data, v: Verdict, outputs: Outputs | None) -> list[Item]:
     return [
         _parity(v),
         _speed(v),
-        _outputs(v, outputs, random_weights),
+        _outputs(v, outputs, d.results.random_of(v.baseline, v.candidate)),
         _errors(d, v),
         _queueing(d, v),
         _memory(d, v),
@@ -162,12 +162,11 @@ def _speed(v: Verdict) -> Item:
     return Item("Speed verdict", mark, f"**{v.decision.upper()}**" + (f" — {regimes}" if regimes else ""))
 
 
-def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> Item:
+def _outputs(v: Verdict, o: Outputs | None, random: Mapping[str, str]) -> Item:
     name = "Outputs agree under the same parameters"
     sampling = [x for x in v.reasons if x.step == "parity" and x.check == "sampling"]
     unlike = [x for x in sampling if x.outcome in FAILS]
     text = o.text if o is not None else "greedy-output agreement not measured"
-    random = [n for n in (v.baseline, v.candidate) if n in random_weights]
     if o is not None and o.quality is not None and o.quality.measured and not unlike:
         # measured next-token agreement / task accuracy judge it, against stated bounds; on random weights a bound
         # crossed is the network's noise, not the model's (paritygate.discount): shown and said so, judging nothing
@@ -179,8 +178,8 @@ def _outputs(v: Verdict, o: Outputs | None, random_weights: Collection[str]) -> 
         return Item(
             name,
             UNKNOWN,
-            f"cannot be judged: {', '.join(random)} ran on random weights (a generated GGUF, "
-            "--load-format dummy), whose outputs say nothing of the model's; compare on the real weights",
+            f"cannot be judged: {random_who(random)}, whose outputs say nothing of the model's; compare on the "
+            "real weights",
         )
     if unlike:
         return Item(name, NO, f"not sampled alike: {unlike[0].text}. {text}")

@@ -193,7 +193,7 @@ def decide(r: Results, candidate: str) -> Verdict:
     b, k = infos[base], infos[candidate]
     qual = r.quality.get(candidate)
     #: on random weights the agreement measures the network's noise: said in the discount, never a tag
-    rnd = bool({base, candidate} & set(r.random_weights))
+    rnd = bool(r.random_of(base, candidate))
     return Verdict(
         base,
         candidate,

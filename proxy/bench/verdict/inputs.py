@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.bench.quality.readout import Quality
+from proxy.engines.quant import random_among
 from proxy.levels import by_level
 from proxy.sequential import MIN_EFFECT as SEQ_MIN_EFFECT
 
@@ -243,3 +244,7 @@ class Results:
     #: candidate -> its token agreement and task accuracy against the baseline (``bench --agreement``, ``--eval``;
     #: ``proxy.bench.quality``): what the discount says was measured, and the bound a faster one may cross
     quality: Mapping[str, Quality] = field(default_factory=dict)
+
+    def random_of(self, *engines: str) -> dict[str, str]:
+        """Which of ``engines`` run random weights, and why, in the order given (``proxy.engines.quant``)."""
+        return random_among(self.random_weights, *engines)

@@ -97,7 +97,7 @@ def test_a_bench_of_two_launched_engines_plans_the_switch_with_every_item_and_bo
     assert "quantization" in got["Compared under the same conditions"][1]
     mark, ev = got["Outputs agree under the same parameters"]
     # the same weights, greedy: identical, and said — but generated weights say nothing of a model's outputs
-    assert mark == "?" and ev.startswith("cannot be judged: np1, np2 ran on random weights"), ev
+    assert mark == "?" and ev.startswith("cannot be judged: np1 and np2 run random weights"), ev
     assert "should agree" not in ev and "outputs identical" not in ev  # nothing the agreement judges besides
     mark, ev = got["No OOM, no errors as concurrency rises"]
     assert mark == "✓" and re.search(r"np2 0 of \d+ failed \(c=1: 0/\d+, c=2: 0/\d+\)", ev), ev
@@ -159,15 +159,18 @@ def test_the_marks_follow_the_measurements(launched: Bench) -> None:
     """The same results read the other way round (np1, one slot, as the candidate), against a budget it does not
     fit, and with random weights declared."""
     d = load_bench(launched.results, baseline="np2")
-    d = dataclasses.replace(d, results=dataclasses.replace(d.results, memory_budget_bytes=10 * 2**30))
-    got = _plan(d, random_weights={"np1"})
+    declared = {"np1": "declared: --weights random"}
+    d = dataclasses.replace(
+        d, results=dataclasses.replace(d.results, memory_budget_bytes=10 * 2**30, random_weights=declared)
+    )
+    got = _plan(d)
     mark, ev = got["No obvious queueing as concurrency rises"]
     assert mark == "✗" and ev.startswith("np1 (candidate): queues"), ev
     assert "1 slot for 2 concurrent requests: the rest wait inside the engine" in ev, ev
     mark, ev = got["Memory: what is resident at once fits"]
     assert mark == "✗" and "np1 does not fit" in ev and "budget 10.00 GiB" in ev, ev
     mark, ev = got["Outputs agree under the same parameters"]
-    assert mark == "?" and ev.startswith("cannot be judged: np1 ran on random weights"), ev
+    assert mark == "?" and ev.startswith("cannot be judged: np1 runs random weights (declared: --weights random)"), ev
     assert got["Speed verdict"][0] == "✗"  # the memory gate says stay
     assert _plan(load_bench(launched.results))["Outputs agree under the same parameters"][0] == "✓"
 
@@ -179,7 +182,7 @@ def test_the_27b_plan_states_both_engines_queueing_and_random_weights_alone() ->
     outputs cannot be judged, and nothing else is said of them (no "the same weights should agree")."""
     raw = REPO / "docs/gpu-results/h200-2026-12-03-27b/raw"
     d = load_runs([raw / "llama", raw / "sglang"], baseline="llama", accept_quantization_difference=True)
-    got = _plan(d, random_weights=d.results.random_weights)
+    got = _plan(d)
     mark, ev = got["No obvious queueing as concurrency rises"]
     assert mark == "✓" and ev.startswith("sglang (candidate): no obvious queueing; llama (baseline): queues — "
                                          "queueing the switch to sglang removes."), ev  # fmt: skip
@@ -187,7 +190,7 @@ def test_the_27b_plan_states_both_engines_queueing_and_random_weights_alone() ->
     assert "at c=64 its first token waits longer than a whole request takes alone" in ev
     assert "16 slots for 64 concurrent requests" in ev and "sglang: TTFT 34.2 ms at c=1 → 561.1 ms" in ev
     mark, ev = got["Outputs agree under the same parameters"]
-    assert mark == "?" and ev.startswith("cannot be judged: sglang ran on random weights"), ev
+    assert mark == "?" and ev.startswith("cannot be judged: sglang runs random weights (--load-format dummy)"), ev
     assert "should agree" not in ev and "identical" not in ev, ev
 
 

@@ -43,7 +43,7 @@ def plan(d: Data) -> str:
         v.candidate: switchplan.from_agreement(agreement(d.requests, v.baseline, v.candidate), v.baseline, v.candidate)
         for v in verdicts
     }
-    return switchplan.markdown(d, verdicts, outputs, random_weights=d.results.random_weights)
+    return switchplan.markdown(d, verdicts, outputs)
 
 
 def blocks(md: str, lang: str) -> list[str]:
