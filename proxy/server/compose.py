@@ -60,6 +60,8 @@ def build_app(
     registry, metrics = registry_and_metrics(settings, registry, worker)
     engines = make_engines(settings)
     attempts = Attempts(settings, engines, metrics)
+    loop_watch = LoopWatch(metrics)
+    attempts.stalled_since = loop_watch.stalled_since
     # one run id for every worker of one `serve` (a restart of the proxy is a new run: the rollouts say so)
     rollouts = Rollouts.of(settings, settings.run_id or new_run_id())
     # every route's swap: its phase from the shared state the engines' owner writes (``serve``, the supervisor)
@@ -93,7 +95,7 @@ def build_app(
         gpu=gpu,
         engine_state=engine_state,
         diagnosis=diagnosis,
-        loop_watch=LoopWatch(metrics),
+        loop_watch=loop_watch,
         traffic=traffic_profile(metrics, worker),
         on_shutdown=shutdown,
         health_sections=(

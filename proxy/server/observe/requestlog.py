@@ -70,6 +70,7 @@ def to_record(r: Result, *, route: int | None, ts: float | None = None) -> dict[
         "overhead_s": t.overhead_s,
         "queue_wait_s": t.handler_wait_s,
         "proxy_delay_s": t.proxy_delay_s,
+        "loop_stalled": r.loop_stalled,
         "prompt_tokens": u.prompt_tokens if u is not None else None,
         "completion_tokens": u.completion_tokens if u is not None else None,
         "cached_tokens": cached,

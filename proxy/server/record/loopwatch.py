@@ -11,6 +11,11 @@ garbage collection, a large body, a neighbour's process on the same core. Those 
 - **queued**: the server's protocol calls ``accepted(scope)`` when it has parsed a request's head (and stamps the
   scope with the time: the request's ``t_received_ns``); the app calls ``started(scope)`` when its handler runs.
   ``enginemeter_requests_queued`` is the number in between, ``enginemeter_request_queue_seconds`` the wait.
+- **stalls**: a probe ``STALL_S`` late or more is a stall; ``stalled_since(t_ns)`` tells whether one ended after
+  ``t_ns`` or is under way now. Each request's Result carries it (``loop_stalled``): a request timed across a stall
+  holds the proxy's wait in its figures, which the swap's watch states beside its decision
+  (``proxy.server.switch.swapwatch``). A stall shorter than ``PROBE_INTERVAL_S`` is seen only when it spans a probe;
+  a starved host's (seconds) always is.
 - **garbage collection**: a ``gc.callbacks`` hook times every collection; the probe moves the pauses into
   ``enginemeter_gc_pause_seconds``. The hook only appends to a list: a collection can start inside any
   allocation, even one made under prometheus-client's (non-reentrant) lock.
@@ -46,6 +51,9 @@ log = logging.getLogger("enginemeter")
 
 #: seconds between two lag probes
 PROBE_INTERVAL_S = 0.1
+#: a probe this late or more: the loop stalled (its host's CPU, a collection, a large body); an idle loop is 0-1 ms
+#: late, a request's first token on a GPU engine tens of ms
+STALL_S = 0.02
 #: the scope key the server's protocol stamps with the request head's ``perf_counter_ns``
 T_RECEIVED = "enginemeter.t_received_ns"
 #: the scope key ``started`` stamps with the handler's start
@@ -82,6 +90,8 @@ class LoopWatch:
         self._due = 0.0
         self._gc_t0 = 0
         self._pauses: list[tuple[int, int]] = []
+        #: ``perf_counter_ns`` when the last stall's probe fired (its end)
+        self._stall_end_ns = 0
 
     # ---- per request (the server's protocol, then the app)
 
@@ -101,6 +111,14 @@ class LoopWatch:
         observe_one(self._wait, (now - t_received) / 1e9)
         return now
 
+    def stalled_since(self, t_ns: int) -> bool:
+        """Whether the loop stalled after ``t_ns`` (``perf_counter_ns``): a stall's probe fired since, or one is
+        under way now (due ``STALL_S`` ago or more, its probe not run yet). O(1): once per request, at its end."""
+        if self._stall_end_ns > t_ns:
+            return True
+        loop = self.loop
+        return loop is not None and loop.time() - self._due >= STALL_S
+
     # ---- the probe
 
     def _probe(self) -> None:
@@ -110,6 +128,8 @@ class LoopWatch:
         now = loop.time()
         late = now - self._due
         observe_one(self._lag, late if late > 0.0 else 0.0)
+        if late >= STALL_S:
+            self._stall_end_ns = time.perf_counter_ns()
         if self._pauses:
             pauses, self._pauses = self._pauses, []
             for generation, ns in pauses:

@@ -43,6 +43,9 @@ class Result:
     reserialized: int = 0
     #: the client's ``x-request-id``, if it sent one (echoed, forwarded to the engine; never used for pairing)
     client_request_id: str | None = None
+    #: the proxy's event loop stalled while the request was timed (``LoopWatch.stalled_since``): its figures hold
+    #: the proxy's wait as well as the engine's
+    loop_stalled: bool = False
 
 
 _ids = itertools.count()

@@ -105,6 +105,8 @@ class Attempts:
         self.aliases = {m.alias: m for m in settings.models}
         self.observers: list[Callable[[Result], None]] = []
         self.on_new: list[Callable[[Attempt], None]] = []
+        #: whether the event loop stalled since a time (``LoopWatch.stalled_since``), told to every attempt
+        self.stalled_since: Callable[[int], bool] | None = None
 
     def model_label(self, model: str | None) -> str:
         """Bounded metric label: a configured alias or an engine's served name, else ``other``."""
@@ -174,6 +176,7 @@ class Attempts:
             collect_text=collect_text,
             client_request_id=client_request_id,
             deferred=functools.partial(self._count_changes, engine.name, norm.changes) if norm.changes else None,
+            stalled_since=self.stalled_since,
         )
         for hook in self.on_new:
             try:

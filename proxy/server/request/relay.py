@@ -87,6 +87,8 @@ class Attempt:
     #: bookkeeping that can wait until the request is on its way to the engine (``Attempts.new``): run once,
     #: right after the request is written, or when the attempt finishes if it never was
     deferred: Callable[[], None] | None = None
+    #: ``LoopWatch.stalled_since`` of the serving process (None: not watched)
+    stalled_since: Callable[[int], bool] | None = None
 
     response: UpstreamResponse | None = None
     status: int = 0
@@ -430,6 +432,7 @@ class Attempt:
             error=self.error,
             usage_stripped=self.usage_stripped,
             reserialized=self.reserialized + self._rewrite.reserialized,
+            loop_stalled=self.stalled_since is not None and self.stalled_since(self.timer.t_received_ns),
         )
         try:
             self.on_result(result)

@@ -265,7 +265,7 @@ class RouteSwap:
         timed = not failed and mark.phase in SERVING
         if mark.side == "baseline":
             if timed:
-                self.window.add(mark.regime, figures_of(r.timing))
+                self.window.add(mark.regime, figures_of(r.timing, r.loop_stalled))
             if not failed and mark.epoch == self.back_epoch:
                 self.back_first = _earliest(self.back_first, r)
             return
@@ -274,7 +274,7 @@ class RouteSwap:
         self.counts["attempts"] += 1
         self.counts["errors"] += failed
         if timed:
-            self.cand.add(mark.regime, figures_of(r.timing))
+            self.cand.add(mark.regime, figures_of(r.timing, r.loop_stalled))
         if not failed:
             self.first_answer = _earliest(self.first_answer, r)
 

@@ -18,6 +18,12 @@ figure's interval lies wholly above ``log(1 + band)``; ``pass`` after ``min_dwel
 ``min_requests`` requests (and, ``gate: not_worse``, every interval's upper end is below the band), its detail
 naming the regimes the baseline served that the watch did not judge; else ``None`` (hold) with what it waits for.
 
+Each timed request also adds ``stalled`` (1.0 when the proxy's event loop stalled while it was timed,
+``Result.loop_stalled``; else 0.0) to the same sums, whose mean is the share: never judged, it is stated beside a
+decision (``slower`` names the regime's counts on both sides, ``pass`` those of the regimes it judged) — a host whose CPU starves
+the proxy (an engine's scheduler on the same cores) slows the clients too, so such requests are not set aside,
+only counted.
+
 Sums are mergeable (``[n, mean, m2]`` of the log values per ``regime/metric``): under ``--workers`` every worker
 reports its own and the owner merges them (``proxy.server.switch.swapstate.merge``).
 """
@@ -34,9 +40,12 @@ from typing import Any
 from proxy.config.switching import SwapSettings
 from proxy.levels import LEVELS, level_of
 from proxy.sequential import ALPHA, MIN_PAIRS, margin, rho2
+from proxy.server.record.loopwatch import STALL_S
 
 #: figure -> the Result timing attribute it is read from
 METRICS: Mapping[str, str] = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
+#: the 0/1 value per timed request: the proxy's loop stalled while it was timed (stated, never judged)
+STALLED = "stalled"
 #: every stream the watch could test (the Bonferroni count: fixed, never what the traffic happened to show)
 STREAMS = len(LEVELS) * len(METRICS)
 #: each side's error rate: both sides of every stream together stay within ALPHA
@@ -50,9 +59,9 @@ def regime_of(in_flight: int) -> str:
     return LEVELS[level_of(max(1, in_flight))][0]
 
 
-def figures_of(timing: Any) -> dict[str, float]:
-    """The log figures of one answered request (the ones it has: no TPOT without two tokens)."""
-    out = {}
+def figures_of(timing: Any, stalled: bool = False) -> dict[str, float]:
+    """The log figures of one answered request (the ones it has: no TPOT without two tokens), and ``stalled``."""
+    out = {STALLED: 1.0 if stalled else 0.0}
     for metric, attr in METRICS.items():
         v = getattr(timing, attr, None)
         if v is not None and v > 0 and math.isfinite(v):
@@ -116,6 +125,8 @@ def rows(base: Mapping[str, list[float]], cand: Mapping[str, list[float]]) -> li
     out = []
     for key in sorted(cand):
         regime, _, metric = key.partition("/")
+        if metric not in METRICS:
+            continue
         b, c = base.get(key), cand[key]
         iv = interval(b, c)
         est = math.expm1(c[1] - b[1]) if b is not None and b[0] else None
@@ -127,6 +138,8 @@ def rows(base: Mapping[str, list[float]], cand: Mapping[str, list[float]]) -> li
                 "candidate_n": int(c[0]),
                 "delta": est,
                 "interval": [math.expm1(iv[0]), math.expm1(iv[1])] if iv else None,
+                "baseline_stalled": _share(base, [regime])[0],
+                "candidate_stalled": _share(cand, [regime])[0],
             }
         )
     return out
@@ -159,6 +172,7 @@ def judge(
                 return "slower", (
                     f"{s.candidate} is slower than the baseline in {metric} at {regime} in flight: "
                     f"{math.expm1(iv[0]):+.1%} to {math.expm1(iv[1]):+.1%} (band +{band:.0%})"
+                    + _stalls(base, cand, [regime])
                 )
             if s.gate == "not_worse" and not iv[1] < e and not waiting:
                 waiting = f"{metric} at {regime} in flight not yet shown within +{band:.0%}"
@@ -171,7 +185,27 @@ def judge(
     if elapsed_s < s.min_dwell_s:
         return None, f"the watch lasts {s.min_dwell_s:g} s at least"
     done = f"{total} requests watched, none slower beyond +{band:.0%}, {errors} failed"
-    return "pass", done + _unwatched(base, exercised)
+    return "pass", done + _unwatched(base, exercised) + _stalls(base, cand, exercised)
+
+
+def _share(sums: Mapping[str, list[float]], regimes: list[str]) -> tuple[int, int]:
+    """(stalled, timed) requests of one side in ``regimes``."""
+    parts = [sums[k] for r in regimes if (k := f"{r}/{STALLED}") in sums]
+    return round(sum(n * mean for n, mean, _ in parts)), round(sum(n for n, _, _ in parts))
+
+
+def _stalls(base: Mapping[str, list[float]], cand: Mapping[str, list[float]], regimes: list[str]) -> str:
+    """The requests timed while the proxy's event loop stalled, when the candidate has any: their figures hold the
+    proxy's wait (its host's CPU, a collection) as well as the engine's."""
+    k, n = _share(cand, regimes)
+    if not k:
+        return ""
+    kb, nb = _share(base, regimes)
+    theirs = f" ({kb} of the baseline's {nb})" if nb else ""
+    return (
+        f"; the proxy's event loop stalled (≥ {STALL_S * 1e3:.0f} ms) while {k} of the candidate's {n} requests"
+        f"{theirs} were timed: their figures hold the proxy's wait too"
+    )
 
 
 def _unwatched(base: Mapping[str, list[float]], exercised: list[str]) -> str:

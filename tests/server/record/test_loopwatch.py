@@ -78,6 +78,7 @@ def test_a_blocked_event_loop_shows_in_the_lag_metric_and_in_the_stream_it_stall
     (result,) = p.wait_results(1)
     assert result.outcome == "ok"
     assert max(result.timing.gaps_s) >= 0.35
+    assert result.loop_stalled  # and the Result says so: its figures hold the proxy's wait (the swap's watch counts it)
 
 
 def test_requests_pipelined_behind_a_stream_count_as_queued_until_their_turn(

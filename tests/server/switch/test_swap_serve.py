@@ -182,6 +182,34 @@ def test_a_slower_candidate_is_swapped_back_by_the_watch(tmp_path: Path) -> None
     assert done["outage_s"] is not None  # the swap's own stays beside it
 
 
+def test_the_watch_counts_the_requests_timed_while_the_proxy_was_starved(tmp_path: Path) -> None:
+    """The proxy's process stopped (``SIGSTOP``) for 0.3 s at a time during the watch, as a host whose CPU is taken
+    starves it: the requests in flight meanwhile are counted in the watch's decision, and the request log marks them."""
+    cfg = config(tmp_path, fault("base-p1"), fault("cand-p1"), min_dwell_s=10, warmup_requests=1)
+    doc = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**doc, "request_log": {"path": str(tmp_path / "requests.jsonl")}}))
+    with serve(tmp_path, cfg) as proxy, Clients(proxy.url).running() as clients:
+        wait_until(lambda: clients.served_by("base") >= 60, 30)
+        start(proxy.url)
+        wait_phase(proxy.url, "watching")
+        for _ in range(3):
+            n = clients.served_by("cand")
+            wait_until(lambda n=n: clients.served_by("cand") >= n + 10, 30)  # the candidate serves between stops
+            os.kill(proxy.pid, signal.SIGSTOP)
+            try:
+                threading.Event().wait(0.3)  # the fault's length, not a synchronisation
+            finally:
+                os.kill(proxy.pid, signal.SIGCONT)
+        done = wait_phase(proxy.url, "complete", "rolled_back", timeout=60)
+    m = re.search(
+        r"the proxy's event loop stalled \(≥ 20 ms\) while (\d+) of the candidate's (\d+) requests", done["detail"]
+    )
+    assert m is not None, done
+    assert 2 <= int(m[1]) < int(m[2]), done  # each stop caught the requests in flight, never all of them
+    lines = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert sum(x["loop_stalled"] for x in lines if x["engine"] == "cand") >= int(m[1])
+
+
 def test_a_candidate_killed_during_the_watch_is_swapped_back(tmp_path: Path) -> None:
     cfg = config(tmp_path, fault("base-k1"), fault("cand-k1"), min_dwell_s=600)
     with serve(tmp_path, cfg) as proxy, Clients(proxy.url).running() as clients:

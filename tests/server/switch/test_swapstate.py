@@ -7,6 +7,7 @@ import math
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from proxy.config.configfile import load
 from proxy.config.settings import SettingsError
 from proxy.config.switching import SwapSettings
 from proxy.server.switch.swapstate import enter, fresh, merge, on_open, outage, plan_, serving
-from proxy.server.switch.swapwatch import Running, Window, interval, judge, regime_of
+from proxy.server.switch.swapwatch import Running, Window, figures_of, interval, judge, regime_of, rows
 
 PLAN = plan_(0, "base", "cand")
 
@@ -126,6 +127,42 @@ def test_the_watch_finds_a_slower_candidate_and_passes_an_equal_one_after_its_dw
     )
     base, cand = _watch(100, 100, 200, 20)
     assert judge(s, 0.05, base, cand, {"attempts": 20}, 11.0)[0] is None  # 20 of 30 requests
+
+
+def test_the_watch_states_the_requests_timed_while_the_proxy_stalled() -> None:
+    """A request timed across a stall of the proxy's own event loop (``Result.loop_stalled``) is counted beside the
+    decision, on each side, merged over workers like the figures, and never set aside: the decision is the same."""
+    s = SwapSettings(candidate="cand", min_dwell_s=10, min_requests=30)
+    rng = random.Random(3)
+
+    def timing(ms: float) -> SimpleNamespace:
+        return SimpleNamespace(ttft_s=None, tpot_s=None, e2e_s=ms * math.exp(rng.gauss(0, 0.1)) / 1e3)
+
+    def watch(cand_ms: float, stalled: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        w, workers = Window(200), [Running(), Running()]
+        for i in range(100):
+            w.add("2", figures_of(timing(100), stalled=i < 2))
+        for i in range(40):
+            workers[i % 2].add("2", figures_of(timing(cand_ms), stalled=i < stalled))
+        return w.sums(), merge([r.sums for r in workers])
+
+    said = (
+        "; the proxy's event loop stalled (≥ 20 ms) while {k} of the candidate's 40 requests (2 of the baseline's "
+        "100) were timed: their figures hold the proxy's wait too"
+    )
+    base, cand = watch(150, 6)
+    decision, detail = judge(s, 0.05, base, cand, {"attempts": 40}, 1.0)
+    assert decision == "slower" and detail.endswith(said.format(k=6)), detail
+    assert [(r["metric"], r["candidate_stalled"], r["baseline_stalled"]) for r in rows(base, cand)] == [("e2e", 6, 2)]
+    base, cand = watch(100, 3)
+    assert judge(s, 0.05, base, cand, {"attempts": 40}, 11.0) == (
+        "pass",
+        "40 requests watched, none slower beyond +5%, 0 failed" + said.format(k=3),
+    )
+    base, cand = watch(100, 0)  # none of the candidate's: nothing said, whatever the baseline's
+    assert (
+        judge(s, 0.05, base, cand, {"attempts": 40}, 11.0)[1] == "40 requests watched, none slower beyond +5%, 0 failed"
+    )
 
 
 def test_the_watch_swaps_back_on_errors_beyond_the_budget() -> None:
