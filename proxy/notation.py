@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 
 
-def _p(x: float) -> str:
-    """A non-negative percentage, with a decimal below 10 %."""
-    return f"{x * 100:.1f} %" if x < 0.1 else f"{x * 100:.0f} %"
+def _p(x: float, more: int = 0) -> str:
+    """A non-negative percentage, with a decimal below 10 % (``more``: that many decimals more)."""
+    return f"{x * 100:.{1 + more}f} %" if x < 0.1 else f"{x * 100:.{more}f} %"
 
 
-def _factor(r: float) -> str:
-    return f"×{r:.1f}"
+def _factor(r: float, more: int = 0) -> str:
+    return f"×{r:.{1 + more}f}"
 
 
 def unit(*ratios: float) -> str:
@@ -52,15 +52,13 @@ def faster_interval(lo: float, hi: float, u: str | None = None) -> str:
     if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0:
         return "unbounded"
     u = u or unit(lo, hi)
-    if lo >= 1:
-        if u == "x":
-            return f"{_factor(lo)}–{_factor(hi)} faster"
-        return f"{_p(lo - 1).removesuffix(' %')}–{_p(hi - 1)} faster"
-    if hi <= 1:
-        a, b = 1 / hi, 1 / lo  # the slowdown factors, nearer end first
-        if u == "x":
-            return f"{_factor(a)}–{_factor(b)} slower"
-        return f"{_p(a - 1).removesuffix(' %')}–{_p(b - 1)} slower"
+    if lo >= 1 or hi <= 1:
+        a, b, way = (lo, hi, "faster") if lo >= 1 else (1 / hi, 1 / lo, "slower")  # the nearer end first
+        for more in (0, 1):  # a decimal more where the ends would read the same ("×2.5–×2.5": no interval)
+            ends = (_factor(a, more), _factor(b, more)) if u == "x" else (_p(a - 1, more), _p(b - 1, more))
+            if ends[0] != ends[1]:
+                break
+        return f"{ends[0].removesuffix(' %')}–{ends[1]} {way}"
     return f"between {faster(lo, u)} and {faster(hi, u)}"
 
 

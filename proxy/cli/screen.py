@@ -99,7 +99,7 @@ def answer(h: Headline, verdicts: Sequence[Verdict]) -> tuple[list[str], list[st
     if h.traffic:
         must += _wrap(f"traffic: {h.traffic}", "  ", "    ", 1)
     must += [x for n in extrapolated(verdicts) for x in _wrap(n, "  ", "    ", 2)]
-    may = [x for n in h.notes for x in _wrap(n.replace("this answer is ", ""), "  ", "    ", 1)]
+    may = [x for n in h.notes for x in _wrap(n.replace("this answer is ", ""), "  ", "    ", 2)]
     may += [x for t in h.tradeoffs for x in _wrap(f"trade-off: {t}", "  ", "    ", 1)]
     may += [x for c in h.caveats for x in _wrap(f"caveat: {c}", "  ", "    ", 2)]
     may += [x for o in h.others for x in _wrap(o, "  ", "    ", 2)]

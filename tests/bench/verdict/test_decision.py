@@ -92,6 +92,7 @@ def test_the_27b_headline_says_discounted_and_its_next_is_a_command_that_runs(
     assert h.discounted is not None and h.to_json()["discounted"] == h.discounted
     (note,) = h.notes
     assert "precision difference Q4_K - Medium vs bf16" in note and "same-weights comparison is the clean test" in note
+    assert "vs bf16 (answers not compared: bench --agreement); a same-weights" in note  # how to measure it, said
     assert h.lines()[1] == f"  note: {note}"  # right under the decision, before the regimes
     cmd, _, comment = (h.next_step or "").partition("  # ")
     assert cmd == shlex.join(["enginemeter", "report", "--results", *map(str, run27), "--baseline", "llama",
@@ -353,6 +354,10 @@ def test_one_notation() -> None:
     assert faster_interval(1.6, 3.2) == "×1.6–×3.2 faster"  # one unit: the one its farther end needs
     assert faster_interval(1 / 1.18, 1 / 1.12) == "12–18 % slower"
     assert faster_interval(0.97, 1.05) == "between 3.1 % slower and 5.0 % faster"
+    # ends that would read the same get a decimal more: an interval never reads as a point (27B, vllm-fp8 16k)
+    assert faster_interval(2.47, 2.53) == "×2.47–×2.53 faster"
+    assert faster_interval(1 / 1.194, 1 / 1.186) == "18.6–19.4 % slower"
+    assert faster_interval(1.0412, 1.0414) == "4.12–4.14 % faster"
     assert (band(0.05), band(0.206), band(1.4)) == ("±5.0 %", "±21 %", "×2.4 either way")
     # no signed numbers anywhere a person reads a difference
     r = results(*trio(tpot=0.0125), *loaded(tps=900), *trio(LONG))

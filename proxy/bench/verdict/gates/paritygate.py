@@ -196,6 +196,10 @@ def quant_differs(b: EngineInfo, c: EngineInfo) -> bool:
     return bool(b.quantization and c.quantization and quant_key(b.quantization) != quant_key(c.quantization))
 
 
+#: what an unmeasured discount says of its cost in answers, and how to measure it (short: the first screen's line)
+NOT_MEASURED = "answers not compared: bench --agreement"
+
+
 def discount(b: EngineInfo, c: EngineInfo, measured: str | None = None, random: bool = False) -> str:
     """What a verdict across a declared precision difference includes besides the engines; ``measured``: what was
     measured of it (``proxy.bench.quality``: "same top token 97.1 % [96.4–97.7], mean KL 0.012"). ``random``: either
@@ -210,8 +214,8 @@ def discount(b: EngineInfo, c: EngineInfo, measured: str | None = None, random: 
     if measured:
         return f"includes the precision difference {b.quantization} vs {c.quantization}, measured: {measured}"
     return (
-        f"includes the precision difference {b.quantization} vs {c.quantization}; a same-weights comparison is "
-        "the clean test"
+        f"includes the precision difference {b.quantization} vs {c.quantization} ({NOT_MEASURED}); a same-weights "
+        "comparison is the clean test"
     )
 
 
