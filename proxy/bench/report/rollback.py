@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from proxy.bench.verdict import switchway
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import Verdict
+from proxy.bench.verdict.gates.memorygate import Resize, resize
 from proxy.config.fields import DEFAULT_LISTEN
 from proxy.config.settings import DEFAULT_SAMPLING
 from proxy.config.switching import RolloutSettings, SwapSettings
@@ -270,11 +271,28 @@ def _admin(auth: str, host: str, action: str) -> str:
     return f'curl -s {auth} {host}/admin/rollout -d \'{{"action": "{action}"}}\''
 
 
-def _launch_yaml(d: Data, name: str, role: str) -> list[str]:
+def resized(command: str, z: Resize) -> str:
+    """``command`` launched at the memory share that fits (``memorygate.Resize``): the share flag's value, and vLLM's
+    ``--max-model-len`` when it must come down, replaced where given (``--flag V``, ``--flag=V``), else added."""
+    changes = [(z.flag, f"{z.fits:g}")]
+    if z.max_model_len is not None:
+        changes.append(("--max-model-len", str(z.max_model_len)))
+    for flag, value in changes:
+        pattern = re.compile(rf"(?<!\S)({re.escape(flag)})(=|\s+)\S+")
+        new, n = pattern.subn(rf"\g<1>\g<2>{value}", command, count=1)
+        command = new if n else f"{command} {flag} {value}"
+    return command
+
+
+def _launch_yaml(d: Data, name: str, role: str, z: Resize | None = None) -> list[str]:
+    """``z``: the memory gate's setting that makes the engine fit, applied to its command."""
     meta, cmd = _meta(d, name), launch_command(d, name)
     env = "LAUNCH_" + _env_name(name).removeprefix("URL_")
+    how = "verbatim, as measured"
+    if cmd and z is not None:
+        cmd, how = resized(cmd, z), f"as measured but {z.words()} (the checklist's memory row: not measured so)"
     line = (
-        f"    launch: {json.dumps(cmd.replace('${', '$${'))}    # verbatim, as measured; {{port}}: serve gives it one"
+        f"    launch: {json.dumps(cmd.replace('${', '$${'))}    # {how}; {{port}}: serve gives it one"
         if cmd
         else f'    launch: "${{{env}}}"    # not recorded ({name} was resident): export {env}="the command, --port {{port}}"'
     )
@@ -312,7 +330,10 @@ def swap_yaml(d: Data, v: Verdict, listen: str = DEFAULT_LISTEN) -> str:
             [
                 *_launch_yaml(d, v.baseline, "the baseline: serve launches it at start"),
                 *_launch_yaml(
-                    d, v.candidate, "the candidate: launched by the swap, once the baseline's memory is back"
+                    d,
+                    v.candidate,
+                    "the candidate: launched by the swap, once the baseline's memory is back",
+                    resize(d.results, v.baseline, v.candidate),
                 ),
             ],
             v.baseline,
@@ -347,11 +368,21 @@ def _random_caveat(d: Data, v: Verdict) -> str:
     )
 
 
-def _unfit(v: Verdict) -> list[str]:
-    """The candidate alone over the budget as launched: the swap cannot help; its command must change first."""
+def _unfit(d: Data, v: Verdict) -> list[str]:
+    """The candidate alone over the budget as launched: the swap cannot help; its command must change first (the
+    config does it when the memory gate found the setting that fits)."""
     gate = next((x for x in v.reasons if x.step == "memory"), None)
     if gate is None or (gate.outcome, gate.check) in (("ok", "memory"), ("note", "memory")):
         return []  # fits, or not judged
+    z = resize(d.results, v.baseline, v.candidate)
+    if z is not None:
+        return [
+            f"**Before it runs on your card**: {v.candidate} alone does not fit the budget as launched; the config "
+            f"below launches it with {z.words()} (the checklist's memory row), a setting not measured as such: the "
+            "swap's start and watch test it, and a start that fails swaps back to "
+            f"{v.baseline} by itself.",
+            "",
+        ]
     return [
         f"**Before it runs on your card**: {v.candidate} alone does not fit the budget as launched — change its "
         "command as the checklist's memory row says, then put that command in the config.",
@@ -399,7 +430,7 @@ def swap_section(d: Data, v: Verdict, listen: str) -> list[str]:
         f"traffic exercises and {sw.min_dwell_s:g} s: about {switchway.span(switchway.watch_s(r.per_s, sw))}; then "
         "the swap is complete.",
         "",
-        *_unfit(v),
+        *_unfit(d, v),
         f"Save as `{SWAP_CONFIG}`:",
         "",
         *_config_and_check(SWAP_CONFIG, swap_yaml(d, v, listen)),

@@ -18,12 +18,14 @@ from proxy.bench.report.agreement import agreement
 from proxy.bench.verdict import switchway
 from proxy.bench.verdict.data import Data
 from proxy.bench.verdict.decide import decide_all
+from proxy.bench.verdict.gates import memorygate
 from proxy.bench.verdict.inputs import Traffic
 from proxy.bench.verdict.merge import load_runs
 from proxy.cli import build_parser
 from proxy.config.configfile import parse_file
 from proxy.config.settings import Settings
 from proxy.config.switching import RolloutSettings, SwapSettings
+from proxy.engines.startup import flag_value, without_flags
 from tests.helpers import REPO
 
 RUN = REPO / "docs/gpu-results/h100-2026-12-06-27b/raw"
@@ -98,8 +100,41 @@ def test_the_27b_plans_swap_with_the_measured_outage_and_a_config_the_reader_loa
         engines = {e.name: e for e in s.engines}
         assert engines["llama"].launch == rollback.launch_command(h100, "llama")
         launch = engines[cand].launch
-        assert launch == rollback.launch_command(h100, cand) and launch is not None and "{port}" in launch
+        assert launch is not None and "{port}" in launch
+        if cand == "sglang-fp8":
+            assert launch == rollback.launch_command(h100, cand)  # fits as launched: verbatim
     assert commands_parse(md) == 4  # check-config and serve, twice
+
+
+def test_a_candidate_over_the_card_as_launched_gets_the_setting_that_fits_in_its_config(
+    h100: Data, tmp_path: Path
+) -> None:
+    """vLLM FP8 peaked 72.48 GiB at --gpu-memory-utilization 0.898, over the 72 GiB budget: the memory row says at
+    0.888 it fits, with --max-model-len down to what its smaller pool holds. The swap's config launches it so, says
+    so beside the command and above the config, and changes nothing else of the command."""
+    md = plan(h100)
+    z = memorygate.resize(h100.results, "llama", "vllm-fp8")
+    assert z is not None and (z.flag, z.now, z.fits, z.max_model_len) == (
+        "--gpu-memory-utilization", 0.898, 0.888, 195712)  # fmt: skip
+    assert memorygate.resize(h100.results, "llama", "sglang-fp8") is None  # fits as launched
+    vl = section(md, "Swap: llama → vllm-fp8")
+    assert "the config below launches it with --gpu-memory-utilization 0.888, --max-model-len 195712 (the " \
+        "checklist's memory row), a setting not measured as such" in vl  # fmt: skip
+    assert "as measured but --gpu-memory-utilization 0.888, --max-model-len 195712" in vl
+    measured = rollback.launch_command(h100, "vllm-fp8")
+    assert measured is not None
+    (launch,) = [e.launch for e in configs(md, tmp_path)[1].engines if e.name == "vllm-fp8"]
+    assert launch is not None
+    got, was = shlex.split(launch), shlex.split(measured)
+    assert flag_value(got, "--gpu-memory-utilization") == "0.888" and flag_value(got, "--max-model-len") == "195712"
+    assert flag_value(was, "--gpu-memory-utilization") == "0.898" and flag_value(was, "--max-model-len") == "196608"
+    assert without_flags(got, "--gpu-memory-utilization", "--max-model-len") == without_flags(
+        was, "--gpu-memory-utilization", "--max-model-len"
+    )
+    # the flag given as --flag=V is changed in place, and an absent one added
+    assert rollback.resized("vllm serve M --gpu-memory-utilization=0.9 --port {port}", z) == (
+        "vllm serve M --gpu-memory-utilization=0.888 --port {port} --max-model-len 195712"
+    )
 
 
 def test_a_recorded_rate_times_the_watch_and_sizes_the_queue(h100: Data, tmp_path: Path) -> None:
