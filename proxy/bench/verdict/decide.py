@@ -43,7 +43,7 @@ from proxy.bench.verdict.conclusion import conclude
 from proxy.bench.verdict.evidence import Evidence
 from proxy.bench.verdict.gates.datagate import data_gate
 from proxy.bench.verdict.gates.memorygate import CAVEAT, memory_gate
-from proxy.bench.verdict.gates.paritygate import discount, parity_gate, quant_differs
+from proxy.bench.verdict.gates.paritygate import discount_for, parity_gate, quant_differs
 from proxy.bench.verdict.inputs import Cell, Decision, EngineInfo, Reason, Req, Results, Sample
 from proxy.bench.verdict.regimes import RegimeAnswer
 from proxy.bench.verdict.weighting import TrafficAnswer, weigh
@@ -206,9 +206,7 @@ def decide(r: Results, candidate: str) -> Verdict:
         "A/A pass" if aa else "run-to-run variation",
         c.regimes,
         c.next_step,
-        discount(b, k, qual.short() if qual else None, rnd)
-        if r.accept_quantization_difference and quant_differs(b, k)
-        else None,
+        discount_for(r, b, k) if r.accept_quantization_difference and quant_differs(b, k) else None,
         tuple(cells),
         answer,
         tuple(x.text for x in c.reasons if x.check == CAVEAT),

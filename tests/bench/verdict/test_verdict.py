@@ -336,6 +336,9 @@ def test_on_random_weights_the_agreement_is_no_discount_and_no_tag() -> None:
     assert v.decision == "switch", v.summary
     assert v.differs and v.differs.startswith("same top token 7.6 % [4.9–10.7] < 90%"), v.differs
     assert v.discounted and v.discounted.endswith("measured: same top token 7.6 % [4.9–10.7], mean KL 1.6")
+    # the parity reason says the same discount, never "not compared" beside a measured figure
+    (q,) = [x for x in v.reasons if x.check == "quantization"]
+    assert q.text.endswith(f"the verdict is discounted, it {v.discounted}"), q.text
     for name in ("llama", "sglang"):
         r = decide(dataclasses.replace(fp8, random_weights={name: "declared: --weights random"}), "sglang")
         assert r.decision == "switch" and r.differs is None and r.tag == " (discounted)"

@@ -32,7 +32,7 @@ def parity_gate(r: Results, b: EngineInfo, c: EngineInfo, offered: int | None) -
                 )
             )
     out += _context_parity(b, c, offered, "context" in r.expected)
-    out += _quant_parity(b, c, r.accept_quantization_difference)
+    out += _quant_parity(r, b, c)
     return out
 
 
@@ -219,7 +219,14 @@ def discount(b: EngineInfo, c: EngineInfo, measured: str | None = None, random: 
     )
 
 
-def _quant_parity(b: EngineInfo, c: EngineInfo, accept: bool = False) -> list[Reason]:
+def discount_for(r: Results, b: EngineInfo, c: EngineInfo) -> str:
+    """The discount of ``c`` against ``b`` with what the run measured of it: one text for the verdict and its
+    parity reason."""
+    q = r.quality.get(c.name)
+    return discount(b, c, q.short() if q else None, bool(r.random_of(b.name, c.name)))
+
+
+def _quant_parity(r: Results, b: EngineInfo, c: EngineInfo) -> list[Reason]:
     undeclared = [e.name for e in (b, c) if not e.quantization]
     if undeclared:
         return [
@@ -237,14 +244,14 @@ def _quant_parity(b: EngineInfo, c: EngineInfo, accept: bool = False) -> list[Re
     )
     if kb != kc:
         extra = " — bf16 ≠ f16: same size, different number format" if {kb, kc} == {"bf16", "f16"} else ""
-        if accept:
+        if r.accept_quantization_difference:
             return [
                 Reason(
                     "parity",
                     "note",
                     f"quantization differs: {src}{extra} — accepted as a declared "
                     f"difference (--accept-quantization-difference): the verdict is discounted, it "
-                    f"{discount(b, c)}",
+                    f"{discount_for(r, b, c)}",
                     "quantization",
                 )
             ]
