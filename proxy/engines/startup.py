@@ -93,6 +93,16 @@ def without_flags(argv: Sequence[str], *names: str) -> list[str]:
     return out
 
 
+def set_flags(command: str, values: Mapping[str, str]) -> str:
+    """``command`` (a shell line) with each flag's value replaced where it is given (``--flag V``, ``--flag=V``), else
+    the flag added at the end; the rest of the line as it was, quoting included."""
+    for flag, value in values.items():
+        pattern = re.compile(rf"(?<!\S)({re.escape(flag)})(=|\s+)\S+")
+        new, n = pattern.subn(lambda m: m[1] + m[2] + value, command, count=1)  # noqa: B023  # used at once
+        command = new if n else f"{command} {flag} {value}"
+    return command
+
+
 def int_flag(argv: Sequence[str], *names: str) -> int | None:
     v = flag_value(argv, *names)
     try:

@@ -21,7 +21,7 @@ from proxy.bench.verdict.gates.memorygate import Resize, resize
 from proxy.config.fields import DEFAULT_LISTEN
 from proxy.config.settings import DEFAULT_SAMPLING
 from proxy.config.switching import RolloutSettings, SwapSettings
-from proxy.engines.startup import flag_value, subcommand
+from proxy.engines.startup import flag_value, set_flags, subcommand
 from proxy.redact import MASK
 
 KEY = "ENGINEMETER_ADMIN_KEY"
@@ -271,26 +271,13 @@ def _admin(auth: str, host: str, action: str) -> str:
     return f'curl -s {auth} {host}/admin/rollout -d \'{{"action": "{action}"}}\''
 
 
-def resized(command: str, z: Resize) -> str:
-    """``command`` launched at the memory share that fits (``memorygate.Resize``): the share flag's value, and vLLM's
-    ``--max-model-len`` when it must come down, replaced where given (``--flag V``, ``--flag=V``), else added."""
-    changes = [(z.flag, f"{z.fits:g}")]
-    if z.max_model_len is not None:
-        changes.append(("--max-model-len", str(z.max_model_len)))
-    for flag, value in changes:
-        pattern = re.compile(rf"(?<!\S)({re.escape(flag)})(=|\s+)\S+")
-        new, n = pattern.subn(rf"\g<1>\g<2>{value}", command, count=1)
-        command = new if n else f"{command} {flag} {value}"
-    return command
-
-
 def _launch_yaml(d: Data, name: str, role: str, z: Resize | None = None) -> list[str]:
     """``z``: the memory gate's setting that makes the engine fit, applied to its command."""
     meta, cmd = _meta(d, name), launch_command(d, name)
     env = "LAUNCH_" + _env_name(name).removeprefix("URL_")
     how = "verbatim, as measured"
     if cmd and z is not None:
-        cmd, how = resized(cmd, z), f"as measured but {z.words()} (the checklist's memory row: not measured so)"
+        cmd, how = set_flags(cmd, z.flags()), f"as measured but {z.words()} (the memory row's: not measured so)"
     line = (
         f"    launch: {json.dumps(cmd.replace('${', '$${'))}    # {how}; {{port}}: serve gives it one"
         if cmd
@@ -375,19 +362,13 @@ def _unfit(d: Data, v: Verdict) -> list[str]:
     if gate is None or (gate.outcome, gate.check) in (("ok", "memory"), ("note", "memory")):
         return []  # fits, or not judged
     z = resize(d.results, v.baseline, v.candidate)
-    if z is not None:
-        return [
-            f"**Before it runs on your card**: {v.candidate} alone does not fit the budget as launched; the config "
-            f"below launches it with {z.words()} (the checklist's memory row), a setting not measured as such: the "
-            "swap's start and watch test it, and a start that fails swaps back to "
-            f"{v.baseline} by itself.",
-            "",
-        ]
-    return [
-        f"**Before it runs on your card**: {v.candidate} alone does not fit the budget as launched — change its "
-        "command as the checklist's memory row says, then put that command in the config.",
-        "",
-    ]
+    fix = (
+        f"the config below launches it with {z.words()} (the checklist's memory row), a setting not measured as "
+        f"such: the swap's start and watch test it, and a start that fails swaps back to {v.baseline} by itself."
+        if z is not None
+        else "change its command as the checklist's memory row says, then put that command in the config."
+    )
+    return [f"**Before it runs on your card**: {v.candidate} alone does not fit the budget as launched; {fix}", ""]
 
 
 def swap_section(d: Data, v: Verdict, listen: str) -> list[str]:

@@ -25,7 +25,7 @@ from proxy.cli import build_parser
 from proxy.config.configfile import parse_file
 from proxy.config.settings import Settings
 from proxy.config.switching import RolloutSettings, SwapSettings
-from proxy.engines.startup import flag_value, without_flags
+from proxy.engines.startup import flag_value, set_flags, without_flags
 from tests.helpers import REPO
 
 RUN = REPO / "docs/gpu-results/h100-2026-12-06-27b/raw"
@@ -120,7 +120,7 @@ def test_a_candidate_over_the_card_as_launched_gets_the_setting_that_fits_in_its
     vl = section(md, "Swap: llama → vllm-fp8")
     assert "the config below launches it with --gpu-memory-utilization 0.888, --max-model-len 195712 (the " \
         "checklist's memory row), a setting not measured as such" in vl  # fmt: skip
-    assert "as measured but --gpu-memory-utilization 0.888, --max-model-len 195712" in vl
+    assert "as measured but --gpu-memory-utilization 0.888, --max-model-len 195712 (the memory row's" in vl
     measured = rollback.launch_command(h100, "vllm-fp8")
     assert measured is not None
     (launch,) = [e.launch for e in configs(md, tmp_path)[1].engines if e.name == "vllm-fp8"]
@@ -132,7 +132,7 @@ def test_a_candidate_over_the_card_as_launched_gets_the_setting_that_fits_in_its
         was, "--gpu-memory-utilization", "--max-model-len"
     )
     # the flag given as --flag=V is changed in place, and an absent one added
-    assert rollback.resized("vllm serve M --gpu-memory-utilization=0.9 --port {port}", z) == (
+    assert set_flags("vllm serve M --gpu-memory-utilization=0.9 --port {port}", z.flags()) == (
         "vllm serve M --gpu-memory-utilization=0.888 --port {port} --max-model-len 195712"
     )
 

@@ -66,11 +66,16 @@ class Resize:
     fits: float
     max_model_len: int | None
 
+    def flags(self) -> dict[str, str]:
+        """The launch flags to change, and their values."""
+        out = {self.flag: f"{self.fits:g}"}
+        if self.max_model_len is not None:
+            out["--max-model-len"] = str(self.max_model_len)
+        return out
+
     def words(self) -> str:
         """How to launch it so: "--gpu-memory-utilization 0.888, --max-model-len 195712"."""
-        return f"{self.flag} {self.fits:g}" + (
-            f", --max-model-len {self.max_model_len}" if self.max_model_len is not None else ""
-        )
+        return ", ".join(f"{k} {v}" for k, v in self.flags().items())
 
 
 def memory_gate(r: Results, samples: Sequence[Sample], base: str, cand: str) -> list[Reason]:
