@@ -151,7 +151,8 @@ def test_sigterm_of_serve_ends_a_worker_that_does_not_stop_within_the_shutdown_t
             # the shutdown timeout (1 s) + the margin (supervisor.KILL_MARGIN_S) + slack for a loaded box
             wait_until(lambda: not any(start_time(w) for w in workers), timeout=8, message="no worker left")
             assert serve.process._proc is not None and serve.process._proc.wait(timeout=10) == 0
-        assert "did not finish within the shutdown timeout: killing it" in serve.output()
+        out = serve.output()
+        assert "did not finish within the shutdown timeout: killing it" in out, out
 
 
 def _workers_of(supervisor: int) -> list[int]:
