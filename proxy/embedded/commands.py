@@ -1,4 +1,5 @@
-"""``python -m proxy.embedded build|sdist|vocab|model|quantize|real-model``: each prints the path it built, found or wrote."""
+"""``python -m proxy.embedded build|sdist|vocab|model|quantize|real-model``: each prints the path it built, found
+or wrote."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ naming the regimes the baseline served that the watch did not judge; else ``None
 
 Each timed request also adds ``stalled`` (1.0 when the proxy's event loop stalled while it was timed,
 ``Result.loop_stalled``; else 0.0) to the same sums, whose mean is the share: never judged, it is stated beside a
-decision (``slower`` names the regime's counts on both sides, ``pass`` those of the regimes it judged) — a host whose CPU starves
-the proxy (an engine's scheduler on the same cores) slows the clients too, so such requests are not set aside,
-only counted.
+decision (``slower`` names the regime's counts on both sides, ``pass`` those of the regimes it judged) — a host
+whose CPU starves the proxy (an engine's scheduler on the same cores) slows the clients too, so such requests are
+not set aside, only counted.
 
 Sums are mergeable (``[n, mean, m2]`` of the log values per ``regime/metric``): under ``--workers`` every worker
 reports its own and the owner merges them (``proxy.server.switch.swapstate.merge``).
